@@ -1,0 +1,47 @@
+"""Every name the mesh puts on the wire, in one place.
+
+Exchange and queue names are built from these by the pure functions in
+:mod:`mesh.topology.names`; header keys and limits are used by the transport,
+the manager and the SDKs alike.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+DEFAULT_AMQP_URL: Final = "amqp://guest:guest@localhost:5672/"
+DEFAULT_NAMESPACE: Final = "mesh"
+
+# Exchange suffixes (the full name is "<namespace>.<suffix>").
+ANNOUNCE_EXCHANGE: Final = "announce"  # agent -> manager: register, deregister, drain
+HEARTBEAT_EXCHANGE: Final = "heartbeat"  # agent -> manager: liveness and utilisation
+EVENTS_EXCHANGE: Final = "events"  # manager -> anyone: orchestration log, capabilities
+CONTROL_EXCHANGE: Final = "control"  # client -> manager: find/acquire/release/drain/status
+AGENTS_EXCHANGE: Final = "agents"  # manager -> one agent: acks, drain, re-register
+TASKS_EXCHANGE: Final = "tasks"  # producer -> one agent: tasks
+DEAD_LETTER_EXCHANGE: Final = "dead-letter"
+
+# Routing-key prefixes.
+RK_AGENT: Final = "agent"  # agent.<agent_id>.<register|deregister|drain>
+RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>
+RK_LOG: Final = "log"  # log.<agent_id>.<kind>
+RK_CAPABILITY: Final = "capability"  # capability.<capability name>.<agent_id>
+RK_WARNING: Final = "warning"  # warning.<kind>
+RK_RPC: Final = "rpc"  # rpc.<method>
+
+# Headers.
+H_REASON: Final = "x-mesh-reason"  # reason code on a dead-lettered message
+H_DETAIL: Final = "x-mesh-detail"  # human-readable detail on a dead-lettered message
+H_SOURCE_QUEUE: Final = "x-mesh-source-queue"
+H_AGENT_ID: Final = "x-mesh-agent-id"
+H_LEASE_ID: Final = "x-mesh-lease-id"
+
+CONTENT_TYPE: Final = "application/json"
+
+# Limits.
+MAX_MESSAGE_BYTES: Final = 256 * 1024  # larger bodies are refused before they are parsed
+MIN_HEARTBEAT_INTERVAL_S: Final = 5.0
+DEFAULT_HEARTBEAT_INTERVAL_S: Final = 10.0
+MISSED_HEARTBEATS_BEFORE_LOST: Final = 3
+DEFAULT_PUBLISH_TIMEOUT_S: Final = 5.0
+DEFAULT_LEASE_TTL_S: Final = 300.0

@@ -1,0 +1,206 @@
+"""The capability index: name -> versions -> cost class -> load level -> agents.
+
+Theory of operation
+-------------------
+``find_by_capability`` must stay cheap at tens of thousands of agents, so the
+index never scans agents. For each capability name it keeps one
+:class:`VersionGroup` per distinct version (parsed once, when the first agent
+with it registers). Each group keeps, per cost class, only the agents that can
+take work *now*, bucketed by load level (the agent's total leased slots) in
+insertion-ordered dicts. A query:
+
+1. resolves the version spec to the matching groups — parsed once and cached
+   per spec string, the cache dropped whenever the set of versions changes;
+2. walks cost classes A, B, C; within one, walks load levels from the lowest;
+3. stops as soon as ``limit`` agents are found.
+
+Its cost grows with the number of distinct versions and load levels, not with
+the number of agents. An agent enters the available buckets when it is
+acquirable and has a free slot for that capability, and leaves them when it is
+full, draining or removed; every removal path prunes empty groups and names so
+no ghost is ever returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from mesh.errors import LocalProtocolError
+
+COST_CLASSES = ("A", "B", "C")
+
+
+class InvalidVersionSpec(LocalProtocolError):
+    """The version spec is not a valid PEP 440 specifier set."""
+
+
+@lru_cache(maxsize=4096)
+def parse_version(text: str) -> Version:
+    return Version(text)
+
+
+@lru_cache(maxsize=4096)
+def parse_spec(text: str) -> SpecifierSet:
+    try:
+        return SpecifierSet(text)
+    except InvalidSpecifier:
+        raise InvalidVersionSpec(f"{text!r} is not a valid version specifier") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An agent that can take one more task of a capability now."""
+
+    agent_id: str
+    capability: str
+    version: str
+    cost_class: str
+    in_flight: int
+    max_concurrency: int
+
+
+@dataclass(slots=True)
+class Slot:
+    """One agent's offer of one capability, with its live in-flight counter."""
+
+    agent_id: str
+    capability: str
+    version: str
+    cost_class: str
+    max_concurrency: int
+    in_flight: int = 0
+
+    @property
+    def has_room(self) -> bool:
+        return self.in_flight < self.max_concurrency
+
+
+@dataclass(slots=True)
+class VersionGroup:
+    version: Version
+    text: str
+    members: int = 0
+    # cost class -> load level -> agent_id -> Slot (dicts keep insertion order)
+    available: dict[str, dict[int, dict[str, Slot]]] = field(
+        default_factory=lambda: {cost: {} for cost in COST_CLASSES}
+    )
+
+    def add_available(self, slot: Slot, level: int) -> None:
+        self.available[slot.cost_class].setdefault(level, {})[slot.agent_id] = slot
+
+    def discard_available(self, slot: Slot, level: int) -> None:
+        levels = self.available[slot.cost_class]
+        bucket = levels.get(level)
+        if bucket is not None and bucket.pop(slot.agent_id, None) is not None and not bucket:
+            del levels[level]
+
+
+@dataclass(slots=True)
+class CapabilityEntry:
+    """Everything indexed under one capability name."""
+
+    groups: dict[str, VersionGroup] = field(default_factory=dict)
+    spec_cache: dict[str, tuple[VersionGroup, ...]] = field(default_factory=dict)
+
+    def matching(self, spec_text: str) -> tuple[VersionGroup, ...]:
+        cached = self.spec_cache.get(spec_text)
+        if cached is None:
+            spec = parse_spec(spec_text)
+            cached = tuple(
+                g for g in self.groups.values() if spec.contains(g.version, prereleases=True)
+            )
+            self.spec_cache[spec_text] = cached
+        return cached
+
+
+class CapabilityIndex:
+    """Multimap capability name -> slots, ordered for ``find``. Not thread-safe by design:
+    only the core's single caller touches it."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, CapabilityEntry] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def versions(self, name: str) -> list[str]:
+        entry = self._entries.get(name)
+        if entry is None:
+            return []
+        return [g.text for g in sorted(entry.groups.values(), key=lambda g: g.version)]
+
+    # -- membership -----------------------------------------------------------------------
+    def add(self, slot: Slot) -> bool:
+        """Index a slot (not yet available). True if its version is new for this name."""
+        entry = self._entries.setdefault(slot.capability, CapabilityEntry())
+        group = entry.groups.get(slot.version)
+        is_new = group is None
+        if group is None:
+            group = VersionGroup(parse_version(slot.version), slot.version)
+            entry.groups[slot.version] = group
+            entry.spec_cache.clear()
+        group.members += 1
+        return is_new
+
+    def remove(self, slot: Slot, level: int) -> None:
+        """Forget a slot entirely, pruning empty versions and names."""
+        entry = self._entries[slot.capability]
+        group = entry.groups[slot.version]
+        group.discard_available(slot, level)
+        group.members -= 1
+        if group.members == 0:
+            del entry.groups[slot.version]
+            entry.spec_cache.clear()
+            if not entry.groups:
+                del self._entries[slot.capability]
+
+    # -- availability ---------------------------------------------------------------------
+    def make_available(self, slot: Slot, level: int) -> None:
+        self._group(slot).add_available(slot, level)
+
+    def make_unavailable(self, slot: Slot, level: int) -> None:
+        self._group(slot).discard_available(slot, level)
+
+    def _group(self, slot: Slot) -> VersionGroup:
+        return self._entries[slot.capability].groups[slot.version]
+
+    # -- queries --------------------------------------------------------------------------
+    def find(self, name: str, spec_text: str = ">=0", limit: int | None = None) -> list[Candidate]:
+        """Agents that can take one more task now: cheapest cost class, then least loaded."""
+        entry = self._entries.get(name)
+        if entry is None:
+            parse_spec(spec_text)  # an invalid spec is an error even for an unknown name
+            return []
+        groups = entry.matching(spec_text)
+        out: list[Candidate] = []
+        want = limit if limit is not None else -1
+        for cost in COST_CLASSES:
+            per_group = [levels for g in groups if (levels := g.available[cost])]
+            if not per_group:
+                continue
+            all_levels = (
+                sorted(per_group[0]) if len(per_group) == 1 else sorted(set().union(*per_group))
+            )
+            for level in all_levels:
+                for levels in per_group:
+                    for slot in levels.get(level, {}).values():
+                        out.append(
+                            Candidate(
+                                slot.agent_id,
+                                slot.capability,
+                                slot.version,
+                                slot.cost_class,
+                                slot.in_flight,
+                                slot.max_concurrency,
+                            )
+                        )
+                        if len(out) == want:
+                            return out
+        return out

@@ -1,0 +1,609 @@
+"""The agent pool manager's brain: events in, commands out, no I/O.
+
+Theory of operation
+-------------------
+:class:`PoolCore` owns the registry (agent records), the capability index and
+the leases. The asyncio shell (``mesh.manager``) decodes a delivery, calls
+``handle(event, now)``, carries out the returned commands (journal append,
+publishes, replies) and only then acks. Queries (``find_by_capability``,
+``status``) are plain method calls that change nothing.
+
+* Registration: a record starts in Spawning, moves to Registering when its
+  registration arrives and to Ready once accepted; the agent gets a
+  ``RegistrationAccepted`` (or ``RegistrationRefused`` with a reason).
+* Leases: ``acquire`` takes one slot of one capability on one agent, gated on
+  that capability's in-flight counter against ``max_concurrency``; ``release``
+  gives it back. Leases expire after their TTL so a crashed producer cannot
+  pin an agent forever.
+* Drain: Draining at once (no new leases), Terminated when the last lease is
+  released; the agent is then told it may exit.
+* Liveness: receiver-side monotonic time. An agent not heard from for
+  ``3 x heartbeat_interval_s`` is lost: Terminated and removed, its leases
+  dropped. If the core itself was not ticked for a long while (the manager
+  process stalled), it gives everyone a fresh window instead of mass-evicting.
+* Every removal path goes through :meth:`PoolCore._remove`, which prunes the
+  index, so ``find_by_capability`` never returns a ghost.
+
+Nothing here raises for an expected outcome: refusals are ``Refusal`` values
+with a :class:`~mesh.wire.reasons.Reason`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+
+from mesh import constants as c
+from mesh.core.events import (
+    AcquireRequested,
+    Announce,
+    AppendLog,
+    Command,
+    DeregistrationReceived,
+    DrainRequested,
+    Event,
+    FindRequested,
+    HeartbeatReceived,
+    Instant,
+    LogEntry,
+    RegistrationReceived,
+    ReleaseRequested,
+    Reply,
+    SendToAgent,
+    Tick,
+)
+from mesh.core.index import (
+    Candidate,
+    CapabilityIndex,
+    InvalidVersionSpec,
+    Slot,
+    parse_spec,
+    parse_version,
+)
+from mesh.core.lifecycle import ACQUIRABLE, AgentState, Trigger, next_state
+from mesh.wire.models import (
+    AcquireRequest,
+    AgentRegistration,
+    AgentStatus,
+    AgentSummary,
+    CapabilityStatus,
+    DrainAccepted,
+    DrainComplete,
+    DrainNotice,
+    FindReply,
+    Lease,
+    LeaseGranted,
+    Refusal,
+    RegistrationAccepted,
+    RegistrationRefused,
+    Released,
+    ReRegisterRequest,
+)
+from mesh.wire.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+_RECENTLY_TERMINATED_MAX = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """Knobs of the core. Defaults are the production ones."""
+
+    min_heartbeat_interval_s: float = c.MIN_HEARTBEAT_INTERVAL_S
+    missed_heartbeats_before_lost: int = c.MISSED_HEARTBEATS_BEFORE_LOST
+    default_lease_ttl_s: float = c.DEFAULT_LEASE_TTL_S
+    stall_threshold_s: float = 3.0  # a gap between ticks longer than this is a manager stall
+    reregister_backoff_s: float = 5.0  # ask an unknown agent to re-register at most this often
+
+
+@dataclass(slots=True)
+class AgentRecord:
+    agent_id: str
+    incarnation: str
+    deployment: str
+    heartbeat_interval_s: float
+    registered_at: float
+    last_seen: float
+    state: AgentState = AgentState.SPAWNING
+    slots: dict[str, Slot] = field(default_factory=dict)
+    in_flight: int = 0
+    leases: set[str] = field(default_factory=set)
+    last_heartbeat_seq: int = -1
+    last_heartbeat_at: float | None = None
+    reported_in_flight: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LeaseRecord:
+    lease_id: str
+    agent_id: str
+    capability: str
+    expires_at: float
+
+
+class PoolCore:
+    """Registry, capability index, lifecycle and leases. Single caller, no locks, no I/O."""
+
+    def __init__(self, settings: PoolSettings | None = None) -> None:
+        self.settings = settings or PoolSettings()
+        self.index = CapabilityIndex()
+        self.agents: dict[str, AgentRecord] = {}
+        self.leases: dict[str, LeaseRecord] = {}
+        self.counters: Counter[str] = Counter()
+        self._expiry_heap: list[tuple[float, str]] = []
+        self._recently_terminated: OrderedDict[str, str] = OrderedDict()  # id -> incarnation
+        self._reregister_asked: dict[str, float] = {}
+        self._last_tick: float | None = None
+        self._handlers: dict[type[Any], Callable[[Any, Instant], list[Command]]] = {
+            HeartbeatReceived: self._on_heartbeat,
+            RegistrationReceived: self._on_registration,
+            DeregistrationReceived: self._on_deregistration,
+            FindRequested: self._on_find,
+            AcquireRequested: self._on_acquire,
+            ReleaseRequested: self._on_release,
+            DrainRequested: self._on_drain,
+            Tick: self._on_tick,
+        }
+
+    # ---- the one entry point for changes ---------------------------------------------------
+    def handle(self, event: Event, now: Instant) -> list[Command]:
+        """Apply one event; return the commands the shell must carry out, in order."""
+        return self._handlers[type(event)](event, now)
+
+    # ---- queries -----------------------------------------------------------------------------
+    def find_by_capability(
+        self, name: str, version_spec: str = ">=0", limit: int | None = None
+    ) -> list[Candidate]:
+        """Agents that can take work now, cheapest cost class first, then least loaded.
+
+        An empty list is a normal answer. Raises :class:`InvalidVersionSpec` for a bad spec.
+        """
+        return self.index.find(name, version_spec, limit)
+
+    def status(self, now: Instant) -> list[AgentStatus]:
+        out = []
+        for agent in sorted(self.agents.values(), key=lambda a: a.agent_id):
+            caps = [
+                CapabilityStatus(
+                    name=s.capability,
+                    version=s.version,
+                    cost_class=s.cost_class,
+                    in_flight=s.in_flight,
+                    max_concurrency=s.max_concurrency,
+                )
+                for s in agent.slots.values()
+            ]
+            hb_age = None if agent.last_heartbeat_at is None else now.mono - agent.last_heartbeat_at
+            out.append(
+                AgentStatus(
+                    agent_id=agent.agent_id,
+                    deployment=agent.deployment,
+                    state=agent.state.value,
+                    capabilities=caps,
+                    in_flight=agent.in_flight,
+                    last_heartbeat_age_s=hb_age,
+                    registered_age_s=now.mono - agent.registered_at,
+                )
+            )
+        return out
+
+    # ---- registration ------------------------------------------------------------------------
+    def _on_registration(self, event: RegistrationReceived, now: Instant) -> list[Command]:
+        reg = event.registration
+        out: list[Command] = []
+        existing = self.agents.get(reg.agent_id)
+        if existing is not None:
+            if existing.incarnation == reg.incarnation:
+                # The agent retried (our acceptance was lost, or slow): answer the same way.
+                self.counters["registration_duplicate"] += 1
+                return [SendToAgent(reg.agent_id, _accepted(reg))]
+            out += self._remove(existing, Trigger.DEREGISTER, now, "replaced by a new incarnation")
+        if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
+            return out + self._refuse_registration(reg, now)
+
+        agent = AgentRecord(
+            agent_id=reg.agent_id,
+            incarnation=reg.incarnation,
+            deployment=reg.deployment,
+            heartbeat_interval_s=reg.heartbeat_interval_s,
+            registered_at=now.mono,
+            last_seen=now.mono,
+        )
+        self.agents[agent.agent_id] = agent
+        self._recently_terminated.pop(agent.agent_id, None)
+        self._reregister_asked.pop(agent.agent_id, None)
+        out += self._transition(agent, Trigger.REGISTER, now, "registration received")
+        for cap in reg.capabilities:
+            slot = Slot(agent.agent_id, cap.name, cap.version, cap.cost_class, cap.max_concurrency)
+            agent.slots[cap.name] = slot
+            if self.index.add(slot):
+                out += self._version_drift(cap.name, now)
+        out += self._transition(agent, Trigger.ACCEPT, now, "registration accepted")
+        self._refresh_availability(agent, agent.in_flight, agent.in_flight)
+        self.counters["registered"] += 1
+        out.append(SendToAgent(agent.agent_id, _accepted(reg)))
+        for cap in reg.capabilities:
+            entry = LogEntry(
+                at=now.wall,
+                kind="capability_available",
+                agent_id=agent.agent_id,
+                capability=cap.name,
+                detail={"version": cap.version, "cost_class": cap.cost_class},
+            )
+            out.append(Announce(cap.name, agent.agent_id, entry))
+        return out
+
+    def _refuse_registration(self, reg: AgentRegistration, now: Instant) -> list[Command]:
+        minimum = self.settings.min_heartbeat_interval_s
+        detail = (
+            f"heartbeat_interval_s={reg.heartbeat_interval_s:g} is below the minimum of "
+            f"{minimum:g} s: with the {self.settings.missed_heartbeats_before_lost}-miss rule "
+            "such a short interval evicts healthy agents during GC pauses"
+        )
+        self.counters["registration_refused"] += 1
+        entry = LogEntry(
+            at=now.wall,
+            kind="refused",
+            agent_id=reg.agent_id,
+            reason=Reason.HEARTBEAT_INTERVAL_TOO_SHORT.value,
+            detail={"detail": detail},
+        )
+        refusal = RegistrationRefused(
+            agent_id=reg.agent_id,
+            incarnation=reg.incarnation,
+            reason=Reason.HEARTBEAT_INTERVAL_TOO_SHORT,
+            detail=detail,
+        )
+        return [AppendLog(entry), SendToAgent(reg.agent_id, refusal)]
+
+    def _on_deregistration(self, event: DeregistrationReceived, now: Instant) -> list[Command]:
+        msg = event.deregistration
+        agent = self.agents.get(msg.agent_id)
+        if agent is None or agent.incarnation != msg.incarnation:
+            self.counters["deregistration_ignored"] += 1
+            return []
+        return self._remove(agent, Trigger.DEREGISTER, now, msg.reason or "deregistered")
+
+    # ---- heartbeats --------------------------------------------------------------------------
+    def _on_heartbeat(self, event: HeartbeatReceived, now: Instant) -> list[Command]:
+        hb = event.heartbeat
+        agent = self.agents.get(hb.agent_id)
+        if agent is None or agent.incarnation != hb.incarnation:
+            return self._ask_to_reregister(hb.agent_id, now)
+        if hb.seq <= agent.last_heartbeat_seq:
+            self.counters["heartbeat_stale"] += 1
+            return []
+        agent.last_heartbeat_seq = hb.seq
+        agent.last_seen = now.mono
+        agent.last_heartbeat_at = now.mono
+        agent.reported_in_flight = hb.in_flight
+        return []
+
+    def _ask_to_reregister(self, agent_id: str, now: Instant) -> list[Command]:
+        self.counters["heartbeat_unknown_agent"] += 1
+        asked = self._reregister_asked.get(agent_id)
+        if asked is not None and now.mono - asked < self.settings.reregister_backoff_s:
+            return []
+        self._reregister_asked[agent_id] = now.mono
+        return [SendToAgent(agent_id, ReRegisterRequest(agent_id=agent_id, reason="unknown agent"))]
+
+    # ---- find / acquire / release ------------------------------------------------------------
+    def _on_find(self, event: FindRequested, now: Instant) -> list[Command]:
+        req = event.request
+        try:
+            found = self.index.find(req.capability, req.version_spec, req.limit)
+        except InvalidVersionSpec as exc:
+            return [Reply(Refusal(reason=Reason.INVALID_VERSION_SPEC, detail=str(exc)))]
+        return [Reply(FindReply(agents=[_summary(cand) for cand in found]))]
+
+    def acquire(
+        self, request: AcquireRequest, lease_id: str, now: Instant
+    ) -> tuple[Lease | Refusal, list[Command]]:
+        """Lease one slot; returns the lease (or a refusal) and the log commands."""
+        slot_or_refusal = self._choose_slot(request)
+        if isinstance(slot_or_refusal, Refusal):
+            self.counters[f"acquire_refused.{slot_or_refusal.reason.value}"] += 1
+            return slot_or_refusal, []
+        slot = slot_or_refusal
+        agent = self.agents[slot.agent_id]
+        ttl = request.ttl_s or self.settings.default_lease_ttl_s
+        lease = LeaseRecord(lease_id, agent.agent_id, slot.capability, now.mono + ttl)
+        self.leases[lease_id] = lease
+        agent.leases.add(lease_id)
+        heapq.heappush(self._expiry_heap, (lease.expires_at, lease_id))
+        self._change_load(agent, slot, +1)
+        self.counters["acquired"] += 1
+        out = self._transition(
+            agent, Trigger.ACQUIRE, now, "slot leased", capability=slot.capability, lease=lease_id
+        )
+        granted = Lease(
+            lease_id=lease_id,
+            agent_id=agent.agent_id,
+            capability=slot.capability,
+            version=slot.version,
+            cost_class=slot.cost_class,
+            expires_in_s=ttl,
+        )
+        return granted, out
+
+    def release(self, lease_id: str, now: Instant, reason: str = "released") -> list[Command]:
+        """Give a leased slot back. Unknown leases are refused (as a Reply), never fatal."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            self.counters["release_unknown_lease"] += 1
+            return [Reply(Refusal(reason=Reason.UNKNOWN_LEASE, detail=f"no lease {lease_id!r}"))]
+        agent = self.agents[lease.agent_id]
+        agent.leases.discard(lease_id)
+        self._change_load(agent, agent.slots[lease.capability], -1)
+        self.counters["released"] += 1
+        out: list[Command] = [Reply(Released(lease_id=lease_id))]
+        draining = agent.state is AgentState.DRAINING
+        trigger = Trigger.RELEASE if agent.in_flight > 0 or draining else Trigger.IDLE
+        out += self._transition(
+            agent, trigger, now, reason, capability=lease.capability, lease=lease_id
+        )
+        if draining and agent.in_flight == 0:
+            out += self._finish_drain(agent, now)
+        return out
+
+    def _on_acquire(self, event: AcquireRequested, now: Instant) -> list[Command]:
+        result, out = self.acquire(event.request, event.lease_id, now)
+        reply = LeaseGranted(lease=result) if isinstance(result, Lease) else result
+        return [*out, Reply(reply)]
+
+    def _on_release(self, event: ReleaseRequested, now: Instant) -> list[Command]:
+        return self.release(event.lease_id, now)
+
+    def _choose_slot(self, req: AcquireRequest) -> Slot | Refusal:
+        try:
+            if req.agent_id is None:
+                found = self.index.find(req.capability, req.version_spec, limit=1)
+                if found:
+                    return self.agents[found[0].agent_id].slots[req.capability]
+                return self._no_agent(req)
+            spec = parse_spec(req.version_spec)
+        except InvalidVersionSpec as exc:
+            return Refusal(reason=Reason.INVALID_VERSION_SPEC, detail=str(exc))
+        return self._check_named_agent(req, spec)
+
+    def _check_named_agent(self, req: AcquireRequest, spec: SpecifierSet) -> Slot | Refusal:
+        agent_id = req.agent_id or ""
+        agent = self.agents.get(agent_id)
+        if agent is None:
+            if agent_id in self._recently_terminated:
+                return Refusal(reason=Reason.AGENT_TERMINATED, detail=f"{agent_id} is terminated")
+            return Refusal(reason=Reason.UNKNOWN_AGENT, detail=f"no agent {agent_id!r}")
+        if agent.state is AgentState.DRAINING:
+            return Refusal(reason=Reason.AGENT_DRAINING, detail=f"{agent_id} is draining")
+        slot = agent.slots.get(req.capability)
+        if slot is None or not spec.contains(parse_version(slot.version), prereleases=True):
+            return Refusal(
+                reason=Reason.CAPABILITY_NOT_OFFERED,
+                detail=f"{agent_id} does not offer {req.capability} {req.version_spec}",
+            )
+        if agent.state not in ACQUIRABLE or not slot.has_room:
+            return Refusal(
+                reason=Reason.AGENT_AT_CAPACITY,
+                detail=f"{agent_id} has {slot.in_flight}/{slot.max_concurrency} "
+                f"{req.capability} tasks in flight",
+            )
+        return slot
+
+    def _no_agent(self, req: AcquireRequest) -> Refusal:
+        if req.capability not in self.index:
+            return Refusal(
+                reason=Reason.UNKNOWN_CAPABILITY, detail=f"no agent offers {req.capability}"
+            )
+        return Refusal(
+            reason=Reason.NO_AGENT_AVAILABLE,
+            detail=f"every agent offering {req.capability} {req.version_spec} is full or draining",
+        )
+
+    # ---- drain -------------------------------------------------------------------------------
+    def _on_drain(self, event: DrainRequested, now: Instant) -> list[Command]:
+        agent = self.agents.get(event.agent_id)
+        if agent is None:
+            reason = (
+                Reason.AGENT_TERMINATED
+                if event.agent_id in self._recently_terminated
+                else Reason.UNKNOWN_AGENT
+            )
+            return [Reply(Refusal(reason=reason, detail=f"cannot drain {event.agent_id!r}"))]
+        reply = Reply(DrainAccepted(agent_id=agent.agent_id, in_flight=agent.in_flight))
+        if agent.state is AgentState.DRAINING:
+            return [reply]
+        out = self._transition(agent, Trigger.DRAIN, now, event.reason or "drain requested")
+        self._refresh_availability(agent, agent.in_flight, agent.in_flight)
+        self.counters["drained"] += 1
+        out.append(SendToAgent(agent.agent_id, DrainNotice(agent_id=agent.agent_id)))
+        if agent.in_flight == 0:
+            out += self._finish_drain(agent, now)
+        return [*out, reply]
+
+    def _finish_drain(self, agent: AgentRecord, now: Instant) -> list[Command]:
+        """Draining and nothing leased: Terminated, removed, and told it may exit."""
+        out = self._remove(agent, Trigger.DRAINED, now, "drained: nothing in flight")
+        out.append(SendToAgent(agent.agent_id, DrainComplete(agent_id=agent.agent_id)))
+        return out
+
+    # ---- time --------------------------------------------------------------------------------
+    def _on_tick(self, event: Tick, now: Instant) -> list[Command]:
+        out: list[Command] = []
+        last, self._last_tick = self._last_tick, now.mono
+        if last is not None and now.mono - last > self.settings.stall_threshold_s:
+            # We were not running: silence from agents says nothing about them.
+            self.counters["manager_stalls"] += 1
+            for agent in self.agents.values():
+                agent.last_seen = max(agent.last_seen, now.mono)
+            entry = LogEntry(
+                at=now.wall,
+                kind="manager_stalled",
+                reason=f"no tick for {now.mono - last:.1f} s; liveness windows restarted",
+            )
+            out.append(AppendLog(entry))
+        out += self._expire_leases(now)
+        out += self._evict_silent(now)
+        return out
+
+    def _expire_leases(self, now: Instant) -> list[Command]:
+        out: list[Command] = []
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now.mono:
+            _, lease_id = heapq.heappop(heap)
+            if lease_id in self.leases:
+                self.counters["lease_expired"] += 1
+                out += [
+                    cmd
+                    for cmd in self.release(lease_id, now, "lease expired")
+                    if not isinstance(cmd, Reply)
+                ]
+        return out
+
+    def _evict_silent(self, now: Instant) -> list[Command]:
+        misses = self.settings.missed_heartbeats_before_lost
+        lost = [
+            a
+            for a in self.agents.values()
+            if now.mono - a.last_seen > misses * a.heartbeat_interval_s
+        ]
+        out: list[Command] = []
+        for agent in lost:
+            silence = now.mono - agent.last_seen
+            self.counters["lost"] += 1
+            out += self._remove(agent, Trigger.LOSE, now, f"no heartbeat for {silence:.1f} s")
+        return out
+
+    # ---- shared mechanics --------------------------------------------------------------------
+    def _transition(
+        self,
+        agent: AgentRecord,
+        trigger: Trigger,
+        now: Instant,
+        reason: str,
+        *,
+        capability: str | None = None,
+        lease: str | None = None,
+    ) -> list[Command]:
+        target = next_state(agent.state, trigger)
+        if target is None:
+            self.counters["illegal_transition"] += 1
+            log.warning(
+                "illegal lifecycle transition refused",
+                extra={"agent_id": agent.agent_id, "state": agent.state, "trigger": trigger},
+            )
+            return [
+                AppendLog(
+                    LogEntry(
+                        at=now.wall,
+                        kind="illegal_transition",
+                        agent_id=agent.agent_id,
+                        from_state=agent.state.value,
+                        reason=f"{trigger.value} is not allowed in {agent.state.value}",
+                    )
+                )
+            ]
+        source, agent.state = agent.state, target
+        entry = LogEntry(
+            at=now.wall,
+            kind=_LOG_KIND[trigger],
+            agent_id=agent.agent_id,
+            from_state=source.value,
+            to_state=target.value,
+            capability=capability,
+            reason=reason,
+            detail={"lease_id": lease} if lease else {},
+        )
+        return [AppendLog(entry)]
+
+    def _change_load(self, agent: AgentRecord, slot: Slot, delta: int) -> None:
+        before = agent.in_flight
+        slot.in_flight += delta
+        agent.in_flight += delta
+        self._refresh_availability(agent, before, agent.in_flight)
+
+    def _refresh_availability(self, agent: AgentRecord, old_level: int, new_level: int) -> None:
+        for slot in agent.slots.values():
+            self.index.make_unavailable(slot, old_level)
+        if agent.state in ACQUIRABLE:
+            for slot in agent.slots.values():
+                if slot.has_room:
+                    self.index.make_available(slot, new_level)
+
+    def _remove(
+        self, agent: AgentRecord, trigger: Trigger, now: Instant, reason: str
+    ) -> list[Command]:
+        """Take an agent out of everything. The single removal path: index pruned here."""
+        out = self._transition(agent, trigger, now, reason)
+        for slot in agent.slots.values():
+            self.index.remove(slot, agent.in_flight)
+            entry = LogEntry(
+                at=now.wall,
+                kind="capability_withdrawn",
+                agent_id=agent.agent_id,
+                capability=slot.capability,
+                reason=reason,
+                detail={"version": slot.version},
+            )
+            out.append(Announce(slot.capability, agent.agent_id, entry))
+        for lease_id in agent.leases:
+            self.leases.pop(lease_id, None)
+        del self.agents[agent.agent_id]
+        self._recently_terminated[agent.agent_id] = agent.incarnation
+        if len(self._recently_terminated) > _RECENTLY_TERMINATED_MAX:
+            self._recently_terminated.popitem(last=False)
+        self.counters["terminated"] += 1
+        return out
+
+    def _version_drift(self, name: str, now: Instant) -> list[Command]:
+        versions = self.index.versions(name)
+        if len(versions) < 2:
+            return []
+        self.counters["version_drift_warnings"] += 1
+        log.warning(
+            "capability has more than one active version",
+            extra={"capability": name, "versions": versions},
+        )
+        entry = LogEntry(
+            at=now.wall,
+            kind="version_drift",
+            capability=name,
+            reason=f"{name} has {len(versions)} active versions: {', '.join(versions)}",
+            detail={"versions": versions},
+        )
+        return [AppendLog(entry)]
+
+
+_LOG_KIND = {
+    Trigger.REGISTER: "registered",
+    Trigger.ACCEPT: "ready",
+    Trigger.REFUSE: "refused",
+    Trigger.ACQUIRE: "acquired",
+    Trigger.RELEASE: "released",
+    Trigger.IDLE: "released",
+    Trigger.DRAIN: "draining",
+    Trigger.DRAINED: "terminated",
+    Trigger.LOSE: "lost",
+    Trigger.DEREGISTER: "terminated",
+}
+
+
+def _accepted(reg: AgentRegistration) -> RegistrationAccepted:
+    return RegistrationAccepted(agent_id=reg.agent_id, incarnation=reg.incarnation)
+
+
+def _summary(cand: Candidate) -> AgentSummary:
+    return AgentSummary(
+        agent_id=cand.agent_id,
+        capability=cand.capability,
+        version=cand.version,
+        cost_class=cand.cost_class,
+        in_flight=cand.in_flight,
+        max_concurrency=cand.max_concurrency,
+    )

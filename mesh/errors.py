@@ -1,0 +1,83 @@
+"""One error tree for the mesh, split by whose fault and by layer.
+
+Expected outcomes (a refusal, no capacity, an unknown lease) are *values*
+returned by the core, never exceptions. Exceptions are for misuse, for bad
+peers, and for I/O that failed.
+"""
+
+from __future__ import annotations
+
+
+class MeshError(Exception):
+    """Root of every error the mesh raises on purpose."""
+
+
+class LocalProtocolError(MeshError):
+    """You used the mesh API in a way it does not allow."""
+
+
+class RemoteProtocolError(MeshError):
+    """A peer sent something that breaks the wire contract."""
+
+
+class MessageRejected(RemoteProtocolError):
+    """A message could not be decoded; carries the reason code it is dead-lettered with."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class TransportError(MeshError):
+    """Talking to the broker failed."""
+
+
+class BrokerUnavailable(TransportError):
+    """The broker cannot be reached."""
+
+
+class PublishFailed(TransportError):
+    """The broker did not accept a publish."""
+
+
+class PublishUnroutable(PublishFailed):
+    """The publish matched no queue and came back as returned."""
+
+
+class PublishNacked(PublishFailed):
+    """The broker refused the publish (a bounded queue is full, for instance)."""
+
+
+class PublishTimeout(PublishFailed):
+    """No confirm arrived in time: the message may or may not have been enqueued."""
+
+
+class RequestTimeout(TransportError):
+    """A request to the manager got no reply in time."""
+
+
+class StoreError(MeshError):
+    """The journal store failed."""
+
+
+class TaskFailed(MeshError):
+    """A task did not produce a result; ``code`` is the machine-readable reason."""
+
+    def __init__(self, code: str, message: str, *, task_id: str = "") -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.task_id = task_id
+
+
+class TaskInputInvalid(TaskFailed):
+    """The agent refused the task because its payload violates the capability's input schema."""
+
+
+class TaskRefused(TaskFailed):
+    """The manager would not hand out an agent for the task (see ``code``)."""
+
+
+class TaskTimeout(TaskFailed):
+    """The task's result did not arrive before its deadline."""

@@ -1,0 +1,58 @@
+"""Naming rules for exchanges, queues and routing keys: pure functions, readable results.
+
+Operators read these names in the RabbitMQ management UI, so they say what they
+hold: ``mesh.manager.heartbeats``, ``mesh.agent.calc-1.tasks``.
+"""
+
+from __future__ import annotations
+
+from mesh import constants as c
+
+
+def exchange(namespace: str, suffix: str) -> str:
+    return f"{namespace}.{suffix}"
+
+
+def manager_queue(namespace: str, purpose: str) -> str:
+    """``mesh.manager.announce``, ``mesh.manager.heartbeats``, ``mesh.manager.rpc``."""
+    return f"{namespace}.manager.{purpose}"
+
+
+def agent_control_queue(namespace: str, agent_id: str) -> str:
+    return f"{namespace}.agent.{agent_id}.control"
+
+
+def agent_task_queue(namespace: str, agent_id: str) -> str:
+    return f"{namespace}.agent.{agent_id}.tasks"
+
+
+def dead_letter_queue(namespace: str) -> str:
+    return f"{namespace}.dead-letter"
+
+
+def reply_queue(namespace: str, client_name: str, unique: str) -> str:
+    return f"{namespace}.reply.{client_name}.{unique}"
+
+
+def agent_announce_key(agent_id: str, verb: str) -> str:
+    """``agent.<agent_id>.register`` | ``.deregister`` | ``.drain``."""
+    return f"{c.RK_AGENT}.{agent_id}.{verb}"
+
+
+def heartbeat_key(agent_id: str) -> str:
+    return f"{c.RK_HEARTBEAT}.{agent_id}"
+
+
+def log_key(agent_id: str, kind: str) -> str:
+    """``log.<agent_id>.<kind>``; events about no agent use ``-`` as the agent."""
+    return f"{c.RK_LOG}.{agent_id or '-'}.{kind}"
+
+
+def capability_key(capability: str, agent_id: str) -> str:
+    """``capability.<name>.<agent_id>``: bind ``capability.rag.search.*`` for one capability,
+    ``capability.#.<agent_id>`` for one agent."""
+    return f"{c.RK_CAPABILITY}.{capability}.{agent_id}"
+
+
+def rpc_key(method: str) -> str:
+    return f"{c.RK_RPC}.{method}"

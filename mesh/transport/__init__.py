@@ -1,0 +1,5 @@
+"""RabbitMQ transport: the only package that imports aio-pika."""
+
+from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Consumer, Delivery, Handler, redact
+
+__all__ = ["DEFAULT_EXCHANGE", "AmqpTransport", "Consumer", "Delivery", "Handler", "redact"]

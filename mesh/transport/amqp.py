@@ -1,0 +1,355 @@
+"""The only module that talks to aio-pika.
+
+It declares topology from :mod:`mesh.topology` specs (idempotently, cached per
+spec), publishes with confirms, ``mandatory`` and a timeout, and consumes into
+:class:`Delivery` objects so the rest of the mesh never sees aio-pika types.
+
+Publish outcomes are exceptions from :mod:`mesh.errors`:
+
+* :class:`~mesh.errors.PublishUnroutable` - no queue matched (returned);
+* :class:`~mesh.errors.PublishNacked` - the broker refused it (a full bounded queue);
+* :class:`~mesh.errors.PublishTimeout` - no confirm in time: the outcome is *unknown*
+  and the message may still be enqueued later, so retry with the same business ID.
+
+Each publish attempt gets a fresh ``message_id``: aiormq matches returned
+messages to publishes by it, so reusing one could hand one publish another's
+outcome. Business IDs travel in headers or ``correlation_id``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aio_pika
+import aiormq
+from aio_pika.abc import (
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+    AbstractRobustQueue,
+    DeliveryMode,
+)
+
+from mesh import constants as c
+from mesh.errors import (
+    BrokerUnavailable,
+    PublishNacked,
+    PublishTimeout,
+    PublishUnroutable,
+    TransportError,
+)
+from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec
+from mesh.wire.codec import encode
+from mesh.wire.models import Message
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EXCHANGE = ""
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One received message, independent of the AMQP client library."""
+
+    body: bytes
+    routing_key: str
+    exchange: str
+    headers: Mapping[str, Any]
+    reply_to: str | None
+    correlation_id: str | None
+    message_id: str | None
+    user_id: str | None
+    redelivered: bool
+    _raw: AbstractIncomingMessage = field(repr=False)
+
+    async def ack(self) -> None:
+        await self._raw.ack()
+
+    async def reject(self, requeue: bool = False) -> None:
+        await self._raw.reject(requeue=requeue)
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+
+def _delivery(msg: AbstractIncomingMessage) -> Delivery:
+    return Delivery(
+        body=msg.body,
+        routing_key=msg.routing_key or "",
+        exchange=msg.exchange or "",
+        headers=msg.headers or {},
+        reply_to=msg.reply_to,
+        correlation_id=msg.correlation_id,
+        message_id=msg.message_id,
+        user_id=msg.user_id,
+        redelivered=bool(msg.redelivered),
+        _raw=msg,
+    )
+
+
+class Consumer:
+    """A running consumer; ``cancel()`` stops new deliveries (in-flight ones stay unacked)."""
+
+    def __init__(self, queue: AbstractRobustQueue, tag: str, channel: AbstractRobustChannel):
+        self.queue_name = queue.name
+        self._queue = queue
+        self._tag = tag
+        self._channel = channel
+
+    async def cancel(self) -> None:
+        try:
+            await self._queue.cancel(self._tag)
+        except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
+            log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
+
+
+class AmqpTransport:
+    """A named connection to RabbitMQ with a confirming publish channel."""
+
+    def __init__(
+        self,
+        connection: AbstractRobustConnection,
+        publish_channel: AbstractRobustChannel,
+        *,
+        url: str,
+        publish_timeout_s: float,
+    ) -> None:
+        self.url = url
+        self.publish_timeout_s = publish_timeout_s
+        self._connection = connection
+        self._publish_channel = publish_channel
+        self._exchanges: dict[str, AbstractExchange] = {}
+        self._declared: set[ExchangeSpec | QueueSpec | BindingSpec] = set()
+        self._fast_channel: AbstractRobustChannel | None = None
+        self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        connection.reconnect_callbacks.add(self._reconnected)
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str = c.DEFAULT_AMQP_URL,
+        *,
+        name: str,
+        publish_timeout_s: float = c.DEFAULT_PUBLISH_TIMEOUT_S,
+        connect_timeout_s: float = 10.0,
+    ) -> AmqpTransport:
+        """Connect, or raise :class:`BrokerUnavailable` with one sentence that says what to do."""
+        try:
+            connection = await aio_pika.connect_robust(
+                url, client_properties={"connection_name": name}, timeout=connect_timeout_s
+            )
+        except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as exc:
+            raise BrokerUnavailable(
+                f"cannot reach RabbitMQ at {redact(url)} ({type(exc).__name__}: {exc}); "
+                "start it (`rabbitmq-server -detached`, or `docker compose up -d rabbitmq`) "
+                "or point MESH_AMQP_URL at a running broker"
+            ) from None
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        return cls(connection, channel, url=url, publish_timeout_s=publish_timeout_s)
+
+    @property
+    def is_closed(self) -> bool:
+        return bool(self._connection.is_closed)
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Run ``callback`` after every reconnection (consumers are restored before it)."""
+        self._on_reconnect.append(callback)
+
+    async def _reconnected(self, *_: Any) -> None:
+        log.warning("reconnected to the broker", extra={"url": redact(self.url)})
+        for callback in self._on_reconnect:
+            await callback()
+
+    async def close(self) -> None:
+        if not self._connection.is_closed:
+            await self._connection.close()
+
+    # ---- declaration ----------------------------------------------------------------------
+    async def declare(self, declarations: Declarations) -> None:
+        """Declare exchanges, queues and bindings; specs already declared are skipped."""
+        channel = self._publish_channel
+        for ex in declarations.exchanges:
+            if ex not in self._declared:
+                self._exchanges[ex.name] = await channel.declare_exchange(
+                    ex.name, type=ex.type, durable=ex.durable
+                )
+                self._declared.add(ex)
+        for q in declarations.queues:
+            if q not in self._declared:
+                await channel.declare_queue(
+                    q.name,
+                    durable=q.durable,
+                    exclusive=q.exclusive,
+                    auto_delete=q.auto_delete,
+                    arguments=q.arguments.to_amqp(),
+                )
+                self._declared.add(q)
+        for b in declarations.bindings:
+            if b not in self._declared:
+                queue = await channel.get_queue(b.queue, ensure=False)
+                await queue.bind(b.exchange, routing_key=b.routing_key)
+                self._declared.add(b)
+
+    async def delete_queue(self, name: str, *, if_empty: bool = False) -> None:
+        await self._publish_channel.queue_delete(name, if_empty=if_empty)
+        self._declared = {s for s in self._declared if getattr(s, "name", None) != name}
+
+    async def declare_reply_queue(self, name: str) -> str:
+        """An exclusive, auto-deleted queue for replies to this connection."""
+        await self._publish_channel.declare_queue(name, exclusive=True, auto_delete=True)
+        return name
+
+    # ---- publishing -----------------------------------------------------------------------
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: Message | bytes,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        persistent: bool = False,
+        mandatory: bool = True,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Publish and wait for the broker's confirm. See the module doc for the outcomes."""
+        body = message if isinstance(message, bytes) else encode(message)
+        msg = aio_pika.Message(
+            body,
+            content_type=c.CONTENT_TYPE,
+            type=None if isinstance(message, bytes) else message.type,
+            message_id=uuid.uuid4().hex,
+            reply_to=reply_to,
+            correlation_id=correlation_id,
+            headers=dict(headers) if headers else None,
+            delivery_mode=DeliveryMode.PERSISTENT if persistent else DeliveryMode.NOT_PERSISTENT,
+        )
+        target = await self._exchange(exchange)
+        timeout = self.publish_timeout_s if timeout_s is None else timeout_s
+        try:
+            await target.publish(msg, routing_key, mandatory=mandatory, timeout=timeout)
+        except aiormq.exceptions.PublishError as exc:
+            raise PublishUnroutable(
+                f"no queue bound for {exchange or '<default>'}/{routing_key} ({exc})"
+            ) from None
+        except aiormq.exceptions.DeliveryError as exc:
+            raise PublishNacked(
+                f"broker refused publish to {exchange or '<default>'}/{routing_key} ({exc})"
+            ) from None
+        except TimeoutError:
+            raise PublishTimeout(
+                f"no confirm within {timeout:g} s for {exchange or '<default>'}/{routing_key}; "
+                "the message may still be enqueued"
+            ) from None
+        except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
+            raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
+
+    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None:
+        """Fire-and-forget on a channel without confirms: for superseded messages (heartbeats)."""
+        if self._fast_channel is None:
+            self._fast_channel = await self._connection.channel(publisher_confirms=False)
+        target = await self._fast_channel.get_exchange(exchange, ensure=False)
+        msg = aio_pika.Message(body, content_type=c.CONTENT_TYPE)
+        await target.publish(msg, routing_key, mandatory=False)
+
+    async def _exchange(self, name: str) -> AbstractExchange:
+        if name == DEFAULT_EXCHANGE:
+            return self._publish_channel.default_exchange
+        exchange = self._exchanges.get(name)
+        if exchange is None:
+            exchange = await self._publish_channel.get_exchange(name, ensure=False)
+            self._exchanges[name] = exchange
+        return exchange
+
+    # ---- consuming ------------------------------------------------------------------------
+    async def consume(
+        self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False
+    ) -> Consumer:
+        """Consume ``queue`` on its own channel. With ``no_ack`` nothing needs acking."""
+        channel = await self._connection.channel()
+        await channel.set_qos(prefetch_count=0 if no_ack else prefetch)
+        q = await channel.get_queue(queue, ensure=False)
+
+        async def on_message(msg: AbstractIncomingMessage) -> None:
+            await handler(_delivery(msg))
+
+        tag = await q.consume(on_message, no_ack=no_ack)
+        return Consumer(q, tag, channel)  # type: ignore[arg-type]
+
+    async def consume_raw(
+        self, queue: str, callback: Callable[[bytes], None], *, no_ack: bool = True
+    ) -> Consumer:
+        """The cheapest path: hand only the body to a synchronous callback (heartbeats)."""
+        channel = await self._connection.channel()
+        q = await channel.get_queue(queue, ensure=False)
+
+        async def on_message(msg: AbstractIncomingMessage) -> None:
+            callback(msg.body)
+
+        tag = await q.consume(on_message, no_ack=no_ack)
+        return Consumer(q, tag, channel)  # type: ignore[arg-type]
+
+    async def dead_letter(
+        self,
+        delivery: Delivery,
+        *,
+        dead_letter_exchange: str,
+        source_queue: str,
+        reason: str,
+        detail: str,
+    ) -> None:
+        """Republish a refused message to the dead-letter exchange with its reason, confirmed.
+
+        The caller acks the original afterwards. Routing key: the source queue's name.
+        """
+        headers = {
+            **{k: v for k, v in delivery.headers.items() if isinstance(k, str)},
+            c.H_REASON: reason,
+            c.H_DETAIL: detail[:1000],
+            c.H_SOURCE_QUEUE: source_queue,
+            "x-mesh-original-routing-key": delivery.routing_key,
+            "x-mesh-original-exchange": delivery.exchange,
+        }
+        await self.publish(
+            dead_letter_exchange,
+            source_queue,
+            delivery.body,
+            headers=headers,
+            correlation_id=delivery.correlation_id,
+            persistent=True,
+        )
+
+    async def get_one(self, queue: str, *, timeout_s: float = 5.0) -> Delivery | None:
+        """Fetch one message with basic.get (for tools and tests); ``None`` if empty."""
+        channel = await self._connection.channel()
+        try:
+            q = await channel.get_queue(queue, ensure=False)
+            msg = await q.get(no_ack=True, fail=False, timeout=timeout_s)
+            return None if msg is None else _delivery(msg)
+        finally:
+            await channel.close()
+
+    async def queue_depth(self, queue: str) -> int:
+        """Messages ready in ``queue`` (passive declare)."""
+        channel = await self._connection.channel()
+        try:
+            q = await channel.declare_queue(queue, passive=True)
+            return int(q.declaration_result.message_count or 0)
+        finally:
+            await channel.close()

@@ -1,0 +1,75 @@
+"""Bytes <-> models. The only outcome of bad bytes is a typed :class:`MessageRejected`.
+
+Decoding is: refuse oversized bodies before parsing, parse with orjson, look the
+``type`` up in the registry, then validate with pydantic. Each failure has its
+own reason code, which is what the consumer dead-letters the message with.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import ValidationError
+
+from mesh.constants import MAX_MESSAGE_BYTES
+from mesh.errors import MessageRejected
+from mesh.wire.models import MESSAGE_TYPES, Message
+from mesh.wire.reasons import Reason
+
+M = TypeVar("M", bound=Message)
+
+REGISTRY: dict[str, type[Message]] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
+
+
+def encode(message: Message) -> bytes:
+    """Serialise a message to JSON bytes."""
+    return orjson.dumps(message.model_dump(mode="json", exclude_none=False))
+
+
+def decode(body: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse and validate any known message; raise :class:`MessageRejected` otherwise."""
+    if len(body) > max_bytes:
+        raise MessageRejected(
+            Reason.MESSAGE_TOO_LARGE, f"{len(body)} bytes is over the {max_bytes}-byte limit"
+        )
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise MessageRejected(Reason.MALFORMED_JSON, str(exc)) from None
+    if not isinstance(obj, dict):
+        raise MessageRejected(Reason.MALFORMED_JSON, "a message must be a JSON object")
+    type_name = obj.get("type")
+    if not isinstance(type_name, str):
+        raise MessageRejected(Reason.MISSING_TYPE, "the message has no string 'type' field")
+    cls = REGISTRY.get(type_name)
+    if cls is None:
+        raise MessageRejected(Reason.UNKNOWN_MESSAGE_TYPE, f"unknown message type {type_name!r}")
+    return _validate(cls, obj)
+
+
+def decode_as(body: bytes, *expected: type[M], max_bytes: int = MAX_MESSAGE_BYTES) -> M:
+    """Decode, and insist the message is one of ``expected``."""
+    message = decode(body, max_bytes=max_bytes)
+    if not isinstance(message, expected):
+        names = ", ".join(cls.TYPE for cls in expected)
+        raise MessageRejected(
+            Reason.UNEXPECTED_MESSAGE_TYPE, f"got {message.type!r} where {names} was expected"
+        )
+    return message
+
+
+def _validate(cls: type[M], obj: dict[str, Any]) -> M:
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        reason = (
+            Reason.UNKNOWN_FIELD
+            if any(e["type"] == "extra_forbidden" for e in errors)
+            else Reason.SCHEMA_VIOLATION
+        )
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in errors[:5]
+        )
+        raise MessageRejected(reason, f"{cls.TYPE}: {detail}") from None

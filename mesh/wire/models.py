@@ -1,0 +1,408 @@
+"""Pydantic v2 models of every message on the wire.
+
+Every message is a flat JSON object whose ``type`` field names its schema and
+version (``mesh.heartbeat.v1``). Unknown fields are an error (``extra="forbid"``):
+the admission rules depend on nobody sneaking in fields we do not understand.
+The JSON Schemas in ``schemas/`` are generated from these classes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from mesh.constants import DEFAULT_HEARTBEAT_INTERVAL_S
+from mesh.wire.reasons import Reason
+
+_SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)$")
+
+CapabilityName = Annotated[
+    str,
+    Field(
+        pattern=r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)+$",
+        max_length=128,
+        description="Dotted capability name, e.g. 'rag.search'.",
+        examples=["rag.search"],
+    ),
+]
+AgentId = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$",
+        description="Agent identifier; usable as a routing-key word (no dots).",
+        examples=["calc-7f9c"],
+    ),
+]
+SemVer = Annotated[
+    str,
+    Field(
+        pattern=_SEMVER.pattern,
+        description="Semantic version MAJOR.MINOR.PATCH.",
+        examples=["2.1.0"],
+    ),
+]
+VersionSpec = Annotated[
+    str,
+    Field(
+        max_length=200,
+        description="PEP 440 version specifier set, e.g. '>=2.0,<3'.",
+        examples=[">=2.0,<3"],
+    ),
+]
+Identifier = Annotated[str, Field(min_length=1, max_length=128)]
+Timestamp = Annotated[float, Field(ge=0, description="Seconds since the Unix epoch.")]
+CostClass = Literal["A", "B", "C"]
+
+
+def _check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+    return schema
+
+
+JsonSchemaDoc = Annotated[dict[str, Any], AfterValidator(_check_json_schema)]
+
+
+class WireModel(BaseModel):
+    """Base of every wire model: strict about unknown fields, immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Message(WireModel):
+    """A top-level message: its ``type`` names the schema it follows."""
+
+    TYPE: ClassVar[str]
+    type: str
+
+
+class Capability(WireModel):
+    """One versioned capability an agent offers."""
+
+    name: CapabilityName
+    version: SemVer
+    input_schema: JsonSchemaDoc = Field(description="JSON Schema every task payload must match.")
+    output_schema: JsonSchemaDoc = Field(description="JSON Schema every result must match.")
+    max_concurrency: int = Field(ge=1, le=10_000)
+    cost_class: CostClass = Field(description="A is cheapest, C is dearest.")
+    description: str = Field(default="", max_length=1000)
+
+
+class AgentRegistration(Message):
+    """Agent -> manager: who I am and what I can do. Answered by accepted or refused."""
+
+    TYPE = "mesh.agent-registration.v1"
+    type: Literal["mesh.agent-registration.v1"] = "mesh.agent-registration.v1"
+    agent_id: AgentId
+    incarnation: Identifier = Field(description="Changes every time the agent process starts.")
+    deployment: Identifier = Field(description="The pool (Kubernetes Deployment) it belongs to.")
+    endpoint: str = Field(default="", max_length=512, description="Its HTTP endpoint, if any.")
+    capabilities: list[Capability] = Field(min_length=1, max_length=64)
+    heartbeat_interval_s: float = Field(default=DEFAULT_HEARTBEAT_INTERVAL_S, gt=0, le=3600)
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("capabilities")
+    @classmethod
+    def _names_unique(cls, caps: list[Capability]) -> list[Capability]:
+        names = [c.name for c in caps]
+        if len(set(names)) != len(names):
+            raise ValueError("capability names must be unique within one registration")
+        return caps
+
+
+class Deregistration(Message):
+    """Agent -> manager: I am leaving (after a drain, or on shutdown)."""
+
+    TYPE = "mesh.agent-deregistration.v1"
+    type: Literal["mesh.agent-deregistration.v1"] = "mesh.agent-deregistration.v1"
+    agent_id: AgentId
+    incarnation: Identifier
+    reason: str = Field(default="", max_length=500)
+
+
+class Heartbeat(Message):
+    """Agent -> manager: still alive. Dynamic utilisation only; it grants nothing."""
+
+    TYPE = "mesh.heartbeat.v1"
+    type: Literal["mesh.heartbeat.v1"] = "mesh.heartbeat.v1"
+    agent_id: AgentId
+    incarnation: Identifier
+    seq: int = Field(ge=0)
+    in_flight: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict, max_length=64)
+    draining: bool = False
+    sent_at: Timestamp
+
+
+class DrainRequest(Message):
+    """Anyone -> manager: drain this agent (an operator, or the agent itself on SIGTERM)."""
+
+    TYPE = "mesh.drain-request.v1"
+    type: Literal["mesh.drain-request.v1"] = "mesh.drain-request.v1"
+    agent_id: AgentId
+    reason: str = Field(default="", max_length=500)
+
+
+class RegistrationAccepted(Message):
+    """Manager -> agent: you are Ready and will be handed work."""
+
+    TYPE = "mesh.registration-accepted.v1"
+    type: Literal["mesh.registration-accepted.v1"] = "mesh.registration-accepted.v1"
+    agent_id: AgentId
+    incarnation: Identifier
+
+
+class RegistrationRefused(Message):
+    """Manager -> agent: your registration was refused; ``reason`` says why."""
+
+    TYPE = "mesh.registration-refused.v1"
+    type: Literal["mesh.registration-refused.v1"] = "mesh.registration-refused.v1"
+    agent_id: AgentId
+    incarnation: Identifier
+    reason: Reason
+    detail: str = ""
+
+
+class ReRegisterRequest(Message):
+    """Manager -> agent: I do not know you (I restarted, or you were declared lost)."""
+
+    TYPE = "mesh.reregister-request.v1"
+    type: Literal["mesh.reregister-request.v1"] = "mesh.reregister-request.v1"
+    agent_id: AgentId
+    reason: str = ""
+
+
+class DrainNotice(Message):
+    """Manager -> agent: you are Draining; finish what you hold, take nothing new."""
+
+    TYPE = "mesh.drain-notice.v1"
+    type: Literal["mesh.drain-notice.v1"] = "mesh.drain-notice.v1"
+    agent_id: AgentId
+    reason: str = ""
+
+
+class DrainComplete(Message):
+    """Manager -> agent: every lease on you is released; you are Terminated and may exit."""
+
+    TYPE = "mesh.drain-complete.v1"
+    type: Literal["mesh.drain-complete.v1"] = "mesh.drain-complete.v1"
+    agent_id: AgentId
+
+
+class OrchestrationEvent(Message):
+    """One entry of the append-only orchestration log (also published on the events exchange)."""
+
+    TYPE = "mesh.orchestration-event.v1"
+    type: Literal["mesh.orchestration-event.v1"] = "mesh.orchestration-event.v1"
+    seq: int | None = Field(default=None, description="Position in the journal, once stored.")
+    at: Timestamp
+    kind: str = Field(max_length=64, examples=["registered", "ready", "acquired", "lost"])
+    agent_id: str = Field(default="", max_length=63)
+    from_state: str | None = None
+    to_state: str | None = None
+    capability: str | None = None
+    reason: str = Field(default="", max_length=1000)
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class Task(Message):
+    """Producer -> agent: run one capability on this payload."""
+
+    TYPE = "mesh.task.v1"
+    type: Literal["mesh.task.v1"] = "mesh.task.v1"
+    task_id: Identifier
+    capability: CapabilityName
+    lease_id: Identifier | None = None
+    payload: dict[str, Any]
+    deadline: Timestamp | None = None
+    submitted_at: Timestamp
+
+
+class ErrorInfo(WireModel):
+    """Why a task failed, machine-readable first."""
+
+    code: Reason
+    message: str = Field(max_length=4000)
+
+
+class TaskResult(Message):
+    """Agent -> producer: the outcome of one task."""
+
+    TYPE = "mesh.task-result.v1"
+    type: Literal["mesh.task-result.v1"] = "mesh.task-result.v1"
+    task_id: Identifier
+    agent_id: AgentId
+    capability: CapabilityName
+    status: Literal["ok", "error"]
+    output: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    started_at: Timestamp
+    finished_at: Timestamp
+
+
+# ---- Manager API (request/reply over the control exchange) -------------------------------
+
+
+class FindRequest(Message):
+    """Client -> manager: which agents can take this capability now?"""
+
+    TYPE = "mesh.find-request.v1"
+    type: Literal["mesh.find-request.v1"] = "mesh.find-request.v1"
+    capability: CapabilityName
+    version_spec: VersionSpec = ">=0"
+    limit: int | None = Field(default=None, ge=1, le=10_000)
+
+
+class AcquireRequest(Message):
+    """Client -> manager: reserve one slot, on a named agent or on the best match."""
+
+    TYPE = "mesh.acquire-request.v1"
+    type: Literal["mesh.acquire-request.v1"] = "mesh.acquire-request.v1"
+    capability: CapabilityName
+    version_spec: VersionSpec = ">=0"
+    agent_id: AgentId | None = Field(default=None, description="Omit to take the best match.")
+    ttl_s: float | None = Field(default=None, gt=0, le=86_400)
+
+
+class ReleaseRequest(Message):
+    """Client -> manager: give back the slot a lease holds."""
+
+    TYPE = "mesh.release-request.v1"
+    type: Literal["mesh.release-request.v1"] = "mesh.release-request.v1"
+    lease_id: Identifier
+
+
+class StatusRequest(Message):
+    """Client -> manager: the agents, their states and the manager's counters."""
+
+    TYPE = "mesh.status-request.v1"
+    type: Literal["mesh.status-request.v1"] = "mesh.status-request.v1"
+
+
+class AgentSummary(WireModel):
+    """One agent as a find reply shows it."""
+
+    agent_id: AgentId
+    capability: CapabilityName
+    version: SemVer
+    cost_class: CostClass
+    in_flight: int
+    max_concurrency: int
+
+
+class FindReply(Message):
+    """Manager -> client: agents that can take work now, best first (may be empty)."""
+
+    TYPE = "mesh.find-reply.v1"
+    type: Literal["mesh.find-reply.v1"] = "mesh.find-reply.v1"
+    agents: list[AgentSummary]
+
+
+class Lease(WireModel):
+    """One reserved slot on one agent for one capability."""
+
+    lease_id: Identifier
+    agent_id: AgentId
+    capability: CapabilityName
+    version: SemVer
+    cost_class: CostClass
+    expires_in_s: float
+
+
+class LeaseGranted(Message):
+    """Manager -> client: the slot is yours until you release it or it expires."""
+
+    TYPE = "mesh.lease-granted.v1"
+    type: Literal["mesh.lease-granted.v1"] = "mesh.lease-granted.v1"
+    lease: Lease
+
+
+class Released(Message):
+    """Manager -> client: the lease is released."""
+
+    TYPE = "mesh.released.v1"
+    type: Literal["mesh.released.v1"] = "mesh.released.v1"
+    lease_id: Identifier
+
+
+class DrainAccepted(Message):
+    """Manager -> client: the agent is Draining."""
+
+    TYPE = "mesh.drain-accepted.v1"
+    type: Literal["mesh.drain-accepted.v1"] = "mesh.drain-accepted.v1"
+    agent_id: AgentId
+    in_flight: int
+
+
+class Refusal(Message):
+    """Manager -> client: the request was refused. ``reason`` is machine-readable."""
+
+    TYPE = "mesh.refusal.v1"
+    type: Literal["mesh.refusal.v1"] = "mesh.refusal.v1"
+    reason: Reason
+    detail: str = ""
+    retry_after_ms: int | None = Field(default=None, ge=0)
+
+
+class CapabilityStatus(WireModel):
+    """One capability of one agent, with its live in-flight count."""
+
+    name: CapabilityName
+    version: SemVer
+    cost_class: CostClass
+    in_flight: int
+    max_concurrency: int
+
+
+class AgentStatus(WireModel):
+    """One agent as ``mesh status`` shows it."""
+
+    agent_id: AgentId
+    deployment: str
+    state: str
+    capabilities: list[CapabilityStatus]
+    in_flight: int
+    last_heartbeat_age_s: float | None
+    registered_age_s: float
+
+
+class StatusReply(Message):
+    """Manager -> client: every agent the manager knows, and its counters."""
+
+    TYPE = "mesh.status-reply.v1"
+    type: Literal["mesh.status-reply.v1"] = "mesh.status-reply.v1"
+    manager_id: str
+    uptime_s: float
+    agents: list[AgentStatus]
+    counters: dict[str, int]
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    AgentRegistration,
+    Deregistration,
+    Heartbeat,
+    DrainRequest,
+    RegistrationAccepted,
+    RegistrationRefused,
+    ReRegisterRequest,
+    DrainNotice,
+    DrainComplete,
+    OrchestrationEvent,
+    Task,
+    TaskResult,
+    FindRequest,
+    AcquireRequest,
+    ReleaseRequest,
+    StatusRequest,
+    FindReply,
+    LeaseGranted,
+    Released,
+    DrainAccepted,
+    Refusal,
+    StatusReply,
+)

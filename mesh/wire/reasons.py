@@ -1,0 +1,40 @@
+"""Machine-readable reason codes carried by refusals, errors and dead letters."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """Why something was refused, failed or dead-lettered. Stable strings on the wire."""
+
+    # Capacity and lookup (replies to find / acquire).
+    NO_AGENT_AVAILABLE = "NO_AGENT_AVAILABLE"
+    UNKNOWN_CAPABILITY = "UNKNOWN_CAPABILITY"
+    INVALID_VERSION_SPEC = "INVALID_VERSION_SPEC"
+    UNKNOWN_AGENT = "UNKNOWN_AGENT"
+    AGENT_DRAINING = "AGENT_DRAINING"
+    AGENT_TERMINATED = "AGENT_TERMINATED"
+    AGENT_AT_CAPACITY = "AGENT_AT_CAPACITY"
+    CAPABILITY_NOT_OFFERED = "CAPABILITY_NOT_OFFERED"
+    UNKNOWN_LEASE = "UNKNOWN_LEASE"
+    # Registration.
+    HEARTBEAT_INTERVAL_TOO_SHORT = "HEARTBEAT_INTERVAL_TOO_SHORT"
+    # Bad messages (dead-letter reasons).
+    MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
+    MALFORMED_JSON = "MALFORMED_JSON"
+    MISSING_TYPE = "MISSING_TYPE"
+    UNKNOWN_MESSAGE_TYPE = "UNKNOWN_MESSAGE_TYPE"
+    UNEXPECTED_MESSAGE_TYPE = "UNEXPECTED_MESSAGE_TYPE"
+    UNKNOWN_FIELD = "UNKNOWN_FIELD"
+    SCHEMA_VIOLATION = "SCHEMA_VIOLATION"
+    # Task execution (carried in task results).
+    INPUT_SCHEMA_VIOLATION = "INPUT_SCHEMA_VIOLATION"
+    OUTPUT_SCHEMA_VIOLATION = "OUTPUT_SCHEMA_VIOLATION"
+    CAPABILITY_NOT_HANDLED = "CAPABILITY_NOT_HANDLED"
+    HANDLER_ERROR = "HANDLER_ERROR"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    # Transport outcomes surfaced to callers.
+    QUEUE_FULL = "QUEUE_FULL"
+    UNROUTABLE = "UNROUTABLE"
+    PUBLISH_OUTCOME_UNKNOWN = "PUBLISH_OUTCOME_UNKNOWN"
