@@ -1,0 +1,3 @@
+from mesh.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,352 @@
+"""``mesh demo``: the whole mesh on one machine, against the local broker.
+
+It starts the manager and a few sample agents as real processes (each in its
+own session, so Ctrl-C reaches only the demo, which then shuts them down in
+order), follows the orchestration events, runs a producer that sends real
+tasks by capability and version range, drains one agent half-way through to
+show that no in-flight task is lost, and ends with a summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from mesh import constants as c
+from mesh.errors import RequestTimeout, TaskFailed, TaskRefused
+from mesh.producer import MeshClient
+from mesh.topology.specs import BindingSpec, Declarations
+from mesh.transport import Delivery
+from mesh.wire import OrchestrationEvent, Refusal, decode
+
+SHOWN_EVENTS = {
+    "manager_started",
+    "registered",
+    "ready",
+    "refused",
+    "draining",
+    "terminated",
+    "lost",
+    "version_drift",
+    "manager_stalled",
+}
+
+# (capability, version range, payload, what to print)
+JOBS: list[tuple[str, str, dict[str, Any]]] = [
+    ("math.evaluate", ">=1,<2", {"expression": "2 * (3 + 4) ** 2"}),
+    ("math.evaluate", ">=1,<2", {"expression": "sqrt(144) + 7 // 2"}),
+    ("text.stats", "~=1.2", {"text": "The quick brown fox jumps over the lazy dog. Twice!"}),
+    ("math.evaluate", ">=1", {"expression": "round(22 / 7, 4)"}),
+    ("test.echo", ">=1", {"message": "hello mesh", "sleep_ms": 400}),
+    ("text.stats", ">=1.0", {"text": "Agents announce capabilities. Producers ask by range."}),
+    ("test.echo", ">=1", {"message": "slow one", "sleep_ms": 1200}),
+    # A payload that violates math.evaluate's input schema: a typed error, by design.
+    ("math.evaluate", ">=1", {"expr": "1 + 1"}),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSettings:
+    amqp_url: str = c.DEFAULT_AMQP_URL
+    namespace: str = c.DEFAULT_NAMESPACE
+    duration_s: float = 30.0
+    concurrency: int = 4
+    producer_only: bool = False
+    work_dir: Path = Path(".mesh/demo")
+    agents: tuple[str, ...] = ("calc", "calc", "textstats", "echo")
+    heartbeat_interval_s: float = 5.0
+
+
+@dataclass
+class Tally:
+    submitted: int = 0
+    succeeded: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
+    by_agent: Counter[str] = field(default_factory=Counter)
+    latencies_ms: list[float] = field(default_factory=list)
+
+    @property
+    def accounted(self) -> int:
+        return self.succeeded + sum(self.errors.values()) + sum(self.refused.values())
+
+
+class Processes:
+    """Child processes of the demo, each logging to its own file."""
+
+    def __init__(self, settings: DemoSettings) -> None:
+        self.settings = settings
+        self.log_dir = settings.work_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self._files: list[IO[bytes]] = []
+
+    def start(self, name: str, *args: str) -> None:
+        s = self.settings
+        cmd = [
+            sys.executable,
+            "-m",
+            "mesh",
+            "--amqp-url",
+            s.amqp_url,
+            "--namespace",
+            s.namespace,
+            *args,
+        ]
+        log_file = (self.log_dir / f"{name}.log").open("ab")
+        self._files.append(log_file)
+        self.children[name] = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def alive(self, name: str) -> bool:
+        proc = self.children.get(name)
+        return proc is not None and proc.poll() is None
+
+    async def stop(self, name: str, timeout_s: float) -> int | None:
+        proc = self.children.get(name)
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(proc.wait, timeout_s)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        return proc.returncode
+
+    def close(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for f in self._files:
+            f.close()
+
+
+def say(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')}  {text}", flush=True)
+
+
+async def run_demo(settings: DemoSettings) -> int:
+    client = await MeshClient.connect(
+        settings.amqp_url, namespace=settings.namespace, name="mesh-demo"
+    )
+    procs = Processes(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await _follow_events(client)
+        agent_names = await _start_mesh(settings, procs, client, stop)
+        if agent_names is None:
+            return 1
+        tally = Tally()
+        await _produce(settings, client, procs, agent_names, tally, stop)
+        await _report(client, tally)
+        await _shutdown(settings, procs, agent_names)
+        lost = tally.submitted - tally.accounted
+        return 0 if lost == 0 else 1
+    finally:
+        procs.close()
+        await client.close()
+
+
+async def _follow_events(client: MeshClient) -> None:
+    topo = client.topology
+    queue = f"{topo.namespace}.demo-events.{os.getpid()}"
+    await client.transport.declare_reply_queue(queue)
+    await client.transport.declare(
+        Declarations(bindings=(BindingSpec(queue, topo.events_exchange, f"{c.RK_LOG}.#"),))
+    )
+
+    async def show(delivery: Delivery) -> None:
+        ev = decode(delivery.body)
+        if isinstance(ev, OrchestrationEvent) and ev.kind in SHOWN_EVENTS:
+            move = f"{ev.from_state} → {ev.to_state}" if ev.to_state else ""
+            who = ev.agent_id or "manager"
+            say(f"[event] {ev.kind:<16} {who:<14} {move:<26} {ev.reason}")
+
+    await client.transport.consume(queue, show, no_ack=True)
+
+
+async def _start_mesh(
+    s: DemoSettings, procs: Processes, client: MeshClient, stop: asyncio.Event
+) -> list[str] | None:
+    if s.producer_only:
+        say(f"producer only: using the mesh already running in namespace {s.namespace!r}")
+    else:
+        say(f"starting the manager (namespace {s.namespace!r}, logs in {procs.log_dir}/)")
+        procs.start("manager", "manager", "--journal", str(s.work_dir / "orchestration.sqlite3"))
+    try:
+        await _wait_for(lambda: _manager_answers(client), 20, stop)
+    except TimeoutError:
+        say("the manager did not answer within 20 s; see its log above")
+        return None
+    names: list[str] = []
+    if not s.producer_only:
+        counts: Counter[str] = Counter()
+        for sample in s.agents:
+            counts[sample] += 1
+            name = f"{sample}-{counts[sample]}"
+            names.append(name)
+            procs.start(
+                name, "agent", sample, "--id", name, "--heartbeat-interval",
+                str(s.heartbeat_interval_s),
+            )  # fmt: skip
+        say(f"starting {len(names)} agents: {', '.join(names)}")
+
+    async def all_ready() -> bool:
+        status = await client.status()
+        ready = [a for a in status.agents if a.state in ("Ready", "Busy")]
+        return len(ready) >= max(1, len(names))
+
+    try:
+        await _wait_for(all_ready, 30, stop)
+    except TimeoutError:
+        say("agents did not become Ready within 30 s; see their logs in " + str(procs.log_dir))
+        return None
+    if not s.producer_only:
+        say("every agent is Ready")
+    return names
+
+
+async def _manager_answers(client: MeshClient) -> bool:
+    try:
+        await client.status(timeout_s=1.0)
+    except RequestTimeout:
+        return False
+    return True
+
+
+async def _wait_for(check: Any, timeout_s: float, stop: asyncio.Event) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        if await check():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        await asyncio.sleep(0.3)
+    raise TimeoutError
+
+
+async def _produce(
+    s: DemoSettings,
+    client: MeshClient,
+    procs: Processes,
+    agent_names: list[str],
+    tally: Tally,
+    stop: asyncio.Event,
+) -> None:
+    jobs = itertools.cycle(JOBS)
+    rng = random.Random(7)
+    say(
+        f"producer: {s.concurrency} tasks at a time"
+        + (f" for {s.duration_s:g} s" if s.duration_s else "")
+    )
+
+    async def worker() -> None:
+        while not stop.is_set():
+            capability, spec, payload = next(jobs)
+            tally.submitted += 1
+            started = time.perf_counter()
+            try:
+                outcome = await client.run_task(capability, payload, version_spec=spec)
+            except TaskRefused as exc:
+                tally.refused[exc.code] += 1
+                say(f"  refused  {capability:<14} {exc.code}: {exc.message}")
+                await asyncio.sleep(0.5)
+                continue
+            except TaskFailed as exc:
+                tally.errors[exc.code] += 1
+                say(f"  error    {capability:<14} {exc.code}: {exc.message[:70]}")
+                continue
+            ms = (time.perf_counter() - started) * 1000
+            tally.succeeded += 1
+            tally.latencies_ms.append(ms)
+            tally.by_agent[outcome.lease.agent_id] += 1
+            say(
+                f"  ok       {capability:<14} on {outcome.lease.agent_id:<12} {ms:6.0f} ms  "
+                f"{_brief(outcome.output)}"
+            )
+            await asyncio.sleep(rng.uniform(0.1, 0.4))
+
+    workers = [asyncio.create_task(worker()) for _ in range(s.concurrency)]
+    drain_at = time.monotonic() + s.duration_s / 2 if s.duration_s else None
+    end_at = time.monotonic() + s.duration_s if s.duration_s else None
+    drained = False
+    while not stop.is_set() and (end_at is None or time.monotonic() < end_at):
+        if drain_at and not drained and time.monotonic() >= drain_at and agent_names:
+            drained = True
+            victim = agent_names[0]
+            reply = await client.drain(victim, "demo: showing a graceful drain under load")
+            if isinstance(reply, Refusal):
+                say(f"drain of {victim} refused: {reply.reason}")
+            else:
+                say(f"draining {victim} with {reply.in_flight} task(s) in flight")
+        await asyncio.sleep(0.2)
+    stop.set()
+    say("producer: stopping; waiting for tasks in flight")
+    await asyncio.gather(*workers, return_exceptions=True)
+    if drained and agent_names:
+        code = procs.children[agent_names[0]].poll()
+        say(f"{agent_names[0]} exited with code {code} after its drain" if code is not None
+            else f"{agent_names[0]} is still finishing its drain")  # fmt: skip
+
+
+def _brief(output: dict[str, Any]) -> str:
+    text = ", ".join(f"{k}={v}" for k, v in output.items())
+    return text if len(text) <= 70 else text[:67] + "..."
+
+
+async def _report(client: MeshClient, tally: Tally) -> None:
+    lat = sorted(tally.latencies_ms)
+    print()
+    print("summary")
+    print(f"  tasks submitted   {tally.submitted}")
+    print(f"  succeeded         {tally.succeeded}")
+    for code, n in sorted(tally.errors.items()):
+        print(f"  typed error       {n} x {code}")
+    for code, n in sorted(tally.refused.items()):
+        print(f"  refused           {n} x {code}")
+    print(f"  lost              {tally.submitted - tally.accounted}")
+    if lat:
+        p95 = lat[min(len(lat) - 1, int(len(lat) * 0.95))]
+        print(
+            f"  latency           p50 {statistics.median(lat):.0f} ms · p95 {p95:.0f} ms · "
+            f"max {lat[-1]:.0f} ms"
+        )
+    for agent, n in sorted(tally.by_agent.items()):
+        print(f"  {agent:<17} {n} task(s)")
+    with contextlib.suppress(RequestTimeout):
+        from mesh.cli import render_status
+
+        print()
+        print(render_status(await client.status()))
+    print()
+
+
+async def _shutdown(s: DemoSettings, procs: Processes, agent_names: list[str]) -> None:
+    if s.producer_only:
+        return
+    say("shutting down: agents drain and deregister, then the manager stops")
+    codes = await asyncio.gather(*(procs.stop(n, 30) for n in agent_names))
+    for name, code in zip(agent_names, codes, strict=True):
+        if code not in (0, None):
+            say(f"{name} exited with code {code}; see {procs.log_dir / (name + '.log')}")
+    await procs.stop("manager", 10)
+    say(f"done. The orchestration log: mesh log --journal {s.work_dir / 'orchestration.sqlite3'}")

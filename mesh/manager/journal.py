@@ -1,0 +1,123 @@
+"""The orchestration log's durable copy: an append-only SQLite table.
+
+Every entry the core emits is appended here before it is published, with a
+sequence number the database assigns. Triggers make the table append-only:
+an UPDATE or DELETE aborts. WAL mode lets ``mesh log`` read while the
+manager writes. PostgreSQL takes this role when several managers share a
+ledger (see the admission issue).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import orjson
+
+from mesh.errors import StoreError
+from mesh.wire.models import OrchestrationEvent
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS orchestration_log (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    at         REAL    NOT NULL,
+    kind       TEXT    NOT NULL,
+    agent_id   TEXT    NOT NULL DEFAULT '',
+    from_state TEXT,
+    to_state   TEXT,
+    capability TEXT,
+    reason     TEXT    NOT NULL DEFAULT '',
+    detail     TEXT    NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS orchestration_log_agent ON orchestration_log (agent_id, seq);
+CREATE TRIGGER IF NOT EXISTS orchestration_log_no_update BEFORE UPDATE ON orchestration_log
+BEGIN SELECT RAISE(ABORT, 'the orchestration log is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS orchestration_log_no_delete BEFORE DELETE ON orchestration_log
+BEGIN SELECT RAISE(ABORT, 'the orchestration log is append-only'); END;
+"""
+
+_COLUMNS = "seq, at, kind, agent_id, from_state, to_state, capability, reason, detail"
+
+
+class Journal(Protocol):
+    def append_many(self, events: Iterable[OrchestrationEvent]) -> list[OrchestrationEvent]: ...
+    def tail(self, limit: int = 50, *, agent_id: str | None = None) -> list[OrchestrationEvent]: ...
+    def close(self) -> None: ...
+
+
+class SqliteJournal:
+    """Append-only orchestration log in one SQLite file (WAL)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the journal at {path}: {exc}") from exc
+
+    def append_many(self, events: Iterable[OrchestrationEvent]) -> list[OrchestrationEvent]:
+        """Append in one transaction; returns the events with their sequence numbers."""
+        stored = []
+        try:
+            with self._transaction():
+                for ev in events:
+                    cur = self._db.execute(
+                        "INSERT INTO orchestration_log (at, kind, agent_id, from_state, to_state,"
+                        " capability, reason, detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            ev.at,
+                            ev.kind,
+                            ev.agent_id,
+                            ev.from_state,
+                            ev.to_state,
+                            ev.capability,
+                            ev.reason,
+                            orjson.dumps(ev.detail).decode(),
+                        ),
+                    )
+                    stored.append(ev.model_copy(update={"seq": cur.lastrowid}))
+        except sqlite3.Error as exc:
+            raise StoreError(f"journal append failed: {exc}") from exc
+        return stored
+
+    def tail(self, limit: int = 50, *, agent_id: str | None = None) -> list[OrchestrationEvent]:
+        """The last ``limit`` entries, oldest first."""
+        where, params = ("WHERE agent_id = ?", (agent_id,)) if agent_id else ("", ())
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM orchestration_log {where} ORDER BY seq DESC LIMIT ?",
+            (*params, limit),
+        ).fetchall()
+        return [_row_to_event(row) for row in reversed(rows)]
+
+    def count(self) -> int:
+        return int(self._db.execute("SELECT count(*) FROM orchestration_log").fetchone()[0])
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _transaction(self) -> _Tx:
+        return _Tx(self._db)
+
+
+class _Tx:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN")
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+def _row_to_event(row: tuple[object, ...]) -> OrchestrationEvent:
+    fields = dict(zip(_COLUMNS.split(", "), row, strict=True))
+    fields["detail"] = orjson.loads(str(fields["detail"]))
+    return OrchestrationEvent.model_validate(fields)

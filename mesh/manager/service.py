@@ -1,0 +1,338 @@
+"""The manager service: the asyncio shell around :class:`~mesh.core.PoolCore`.
+
+Theory of operation
+-------------------
+Three consumers feed the core, all on one event loop, so the core never needs
+a lock (its ``handle`` is synchronous and never interleaves):
+
+* ``<ns>.manager.announce`` (quorum): registrations, deregistrations, drain
+  requests from agents. Acked only after the core's commands were carried out.
+* ``<ns>.manager.heartbeats``: no-ack, straight into :class:`HeartbeatSink`.
+* ``<ns>.manager.rpc``: the client API (find, acquire, release, drain,
+  status); each request is answered on its ``reply_to`` with its
+  ``correlation_id``, then acked.
+
+A ticker feeds ``Tick`` once per ``tick_interval_s`` for heartbeat loss and
+lease expiry. Commands are carried out in order: log entries are appended to
+the journal and then published on the events exchange; agent messages go to
+the agent's control queue with confirms; replies go to the requester.
+
+A message that cannot be decoded is republished to the dead-letter exchange
+with its reason code in ``x-mesh-reason``, counted, and acked; if it asked
+for a reply, the requester also gets a ``Refusal`` with that reason. Nothing a
+peer sends can crash the manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+
+from mesh.core.events import (
+    AcquireRequested,
+    Announce,
+    AppendLog,
+    Command,
+    DeregistrationReceived,
+    DrainRequested,
+    Event,
+    FindRequested,
+    LogEntry,
+    RegistrationReceived,
+    ReleaseRequested,
+    Reply,
+    SendToAgent,
+    Tick,
+)
+from mesh.core.pool import PoolCore
+from mesh.errors import MessageRejected, PublishUnroutable, TransportError
+from mesh.manager.clock import Clock, SystemClock
+from mesh.manager.heartbeats import HeartbeatSink
+from mesh.manager.journal import Journal, SqliteJournal
+from mesh.manager.settings import ManagerSettings
+from mesh.topology import names
+from mesh.topology.specs import Topology
+from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Consumer, Delivery
+from mesh.wire.codec import decode_as, encode
+from mesh.wire.models import (
+    AcquireRequest,
+    AgentRegistration,
+    Deregistration,
+    DrainRequest,
+    FindRequest,
+    Message,
+    OrchestrationEvent,
+    Refusal,
+    ReleaseRequest,
+    StatusReply,
+    StatusRequest,
+)
+from mesh.wire.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+_ANNOUNCE_TYPES = (AgentRegistration, Deregistration, DrainRequest)
+_RPC_TYPES = (FindRequest, AcquireRequest, ReleaseRequest, DrainRequest, StatusRequest)
+
+
+class ManagerService:
+    """Runs the pool manager against a broker until stopped."""
+
+    def __init__(
+        self,
+        settings: ManagerSettings,
+        *,
+        transport: AmqpTransport | None = None,
+        journal: Journal | None = None,
+        clock: Clock | None = None,
+        on_log: Callable[[OrchestrationEvent], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.topology = Topology(namespace=settings.namespace)
+        self.core = PoolCore(settings.pool)
+        self.counters: Counter[str] = Counter()
+        self.clock: Clock = clock or SystemClock()
+        self._transport = transport
+        self._owns_transport = transport is None
+        self._journal = journal
+        self._on_log = on_log
+        self._consumers: list[Consumer] = []
+        self._ticker: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._started_at = time.monotonic()
+        self.heartbeats = HeartbeatSink(self.core, self.clock, self._spawn, self.counters)
+
+    @property
+    def transport(self) -> AmqpTransport:
+        if self._transport is None:
+            raise RuntimeError("the manager is not started")
+        return self._transport
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.settings
+        if self._transport is None:
+            self._transport = await AmqpTransport.connect(
+                s.amqp_url, name=f"manager:{s.manager_id}", publish_timeout_s=s.publish_timeout_s
+            )
+        if self._journal is None:
+            self._journal = SqliteJournal(s.journal_path)
+        await self.transport.declare(self.topology.manager())
+        await self._execute(
+            [AppendLog(LogEntry(at=time.time(), kind="manager_started", reason=s.manager_id))]
+        )
+        t = self.topology
+        self._consumers = [
+            await self.transport.consume(t.announce_queue, self._on_announce, prefetch=s.prefetch),
+            await self.transport.consume(t.rpc_queue, self._on_rpc, prefetch=s.prefetch),
+            await self.transport.consume_raw(t.heartbeat_queue, self.heartbeats),
+        ]
+        self.transport.on_reconnect(self._after_reconnect)
+        self._ticker = asyncio.create_task(self._tick_forever(), name="manager-ticker")
+        log.info("manager started", extra={"namespace": s.namespace, "manager_id": s.manager_id})
+
+    async def stop(self) -> None:
+        for consumer in self._consumers:
+            await consumer.cancel()
+        self._consumers = []
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._owns_transport and self._transport is not None:
+            await self._transport.close()
+        if self._journal is not None:
+            self._journal.close()
+        log.info("manager stopped", extra={"manager_id": self.settings.manager_id})
+
+    async def run_until_stopped(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+    async def _after_reconnect(self) -> None:
+        self.counters["reconnects"] += 1
+        await self.transport.declare(self.topology.manager())
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_interval_s)
+            try:
+                await self._feed(Tick())
+            except TransportError as exc:
+                log.warning("tick commands not delivered", extra={"error": str(exc)})
+
+    # ---- inputs ---------------------------------------------------------------------------
+    async def _on_announce(self, delivery: Delivery) -> None:
+        await self._guarded(delivery, self.topology.announce_queue, self._handle_announce)
+
+    async def _on_rpc(self, delivery: Delivery) -> None:
+        await self._guarded(delivery, self.topology.rpc_queue, self._handle_rpc)
+
+    async def _handle_announce(self, delivery: Delivery) -> None:
+        message = decode_as(delivery.body, *_ANNOUNCE_TYPES)
+        self.counters[f"received.{message.type}"] += 1
+        event: Event
+        if isinstance(message, AgentRegistration):
+            event = RegistrationReceived(message)
+        elif isinstance(message, Deregistration):
+            event = DeregistrationReceived(message)
+        elif isinstance(message, DrainRequest):
+            event = DrainRequested(message.agent_id, message.reason)
+        else:  # pragma: no cover - decode_as admits only the types above
+            raise AssertionError(message.type)
+        await self._feed(event)
+
+    async def _handle_rpc(self, delivery: Delivery) -> None:
+        message = decode_as(delivery.body, *_RPC_TYPES)
+        self.counters[f"received.{message.type}"] += 1
+        if isinstance(message, StatusRequest):
+            await self._reply(delivery, self.status())
+            return
+        event: Event
+        if isinstance(message, FindRequest):
+            event = FindRequested(message)
+        elif isinstance(message, AcquireRequest):
+            lease_id = delivery.correlation_id or uuid.uuid4().hex
+            event = AcquireRequested(message, lease_id)
+        elif isinstance(message, ReleaseRequest):
+            event = ReleaseRequested(message.lease_id)
+        elif isinstance(message, DrainRequest):
+            event = DrainRequested(message.agent_id, message.reason)
+        else:  # pragma: no cover - decode_as admits only the types above
+            raise AssertionError(message.type)
+        await self._feed(event, delivery)
+
+    async def _guarded(
+        self, delivery: Delivery, queue: str, handle: Callable[[Delivery], Awaitable[None]]
+    ) -> None:
+        """Handle, then ack. Bad input is dead-lettered with its reason; nothing escapes."""
+        try:
+            await handle(delivery)
+        except MessageRejected as exc:
+            await self._dead_letter(delivery, queue, exc)
+        except TransportError as exc:
+            # The broker is going away: leave the message unacked so it comes back.
+            log.warning("could not finish a delivery", extra={"queue": queue, "error": str(exc)})
+            return
+        except Exception:
+            self.counters["handler_errors"] += 1
+            log.exception("bug while handling a delivery", extra={"queue": queue})
+            await delivery.reject(requeue=False)
+            return
+        await delivery.ack()
+
+    async def _dead_letter(self, delivery: Delivery, queue: str, exc: MessageRejected) -> None:
+        self.counters["dead_lettered"] += 1
+        self.counters[f"dead_lettered.{exc.reason}"] += 1
+        log.warning(
+            "message dead-lettered",
+            extra={"queue": queue, "reason": exc.reason, "detail": exc.detail},
+        )
+        await self.transport.dead_letter(
+            delivery,
+            dead_letter_exchange=self.topology.dead_letter_exchange,
+            source_queue=queue,
+            reason=exc.reason,
+            detail=exc.detail,
+        )
+        if delivery.reply_to:
+            await self._reply(delivery, Refusal(reason=Reason(exc.reason), detail=exc.detail))
+
+    # ---- the core and its commands --------------------------------------------------------
+    def status(self) -> StatusReply:
+        now = self.clock.now()
+        counters = Counter(self.core.counters)
+        counters.update(self.counters)
+        return StatusReply(
+            manager_id=self.settings.manager_id,
+            uptime_s=time.monotonic() - self._started_at,
+            agents=self.core.status(now),
+            counters=dict(sorted(counters.items())),
+        )
+
+    async def _feed(self, event: Event, request: Delivery | None = None) -> None:
+        commands = self.core.handle(event, self.clock.now())
+        await self._execute(commands, request)
+
+    def _spawn(self, commands: list[Command]) -> None:
+        """Carry out commands from a synchronous path (the heartbeat sink) in the background."""
+        task = asyncio.create_task(self._execute(commands))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _execute(self, commands: Sequence[Command], request: Delivery | None = None) -> None:
+        logs = [cmd.entry for cmd in commands if isinstance(cmd, AppendLog)]
+        stored = self._append(logs) if logs else []
+        for event in stored:
+            await self._publish_event(names.log_key(event.agent_id, event.kind), event)
+        for cmd in commands:
+            if isinstance(cmd, SendToAgent):
+                await self._send_to_agent(cmd.agent_id, cmd.message)
+            elif isinstance(cmd, Reply):
+                if request is not None:
+                    await self._reply(request, cmd.message)
+            elif isinstance(cmd, Announce):
+                key = names.capability_key(cmd.capability, cmd.agent_id)
+                await self._publish_event(key, _to_wire(cmd.entry))
+
+    def _append(self, entries: list[LogEntry]) -> list[OrchestrationEvent]:
+        assert self._journal is not None
+        stored = self._journal.append_many(_to_wire(e) for e in entries)
+        for event in stored:
+            log.info(
+                "orchestration event",
+                extra={"kind": event.kind, "agent_id": event.agent_id, "seq": event.seq},
+            )
+            if self._on_log is not None:
+                self._on_log(event)
+        return stored
+
+    async def _publish_event(self, routing_key: str, event: OrchestrationEvent) -> None:
+        # The journal holds the durable copy; the events exchange is a live feed.
+        await self.transport.publish_fast(self.topology.events_exchange, routing_key, encode(event))
+
+    async def _send_to_agent(self, agent_id: str, message: Message) -> None:
+        try:
+            await self.transport.publish(self.topology.agents_exchange, agent_id, message)
+        except PublishUnroutable:
+            self.counters["agent_unreachable"] += 1
+            log.info(
+                "agent has no control queue", extra={"agent_id": agent_id, "msg": message.type}
+            )
+
+    async def _reply(self, request: Delivery, message: Message) -> None:
+        if not request.reply_to:
+            return
+        try:
+            await self.transport.publish(
+                DEFAULT_EXCHANGE,
+                request.reply_to,
+                message,
+                correlation_id=request.correlation_id,
+            )
+        except PublishUnroutable:
+            self.counters["requester_gone"] += 1
+
+
+def _to_wire(entry: LogEntry) -> OrchestrationEvent:
+    return OrchestrationEvent(
+        at=entry.at,
+        kind=entry.kind,
+        agent_id=entry.agent_id,
+        from_state=entry.from_state,
+        to_state=entry.to_state,
+        capability=entry.capability,
+        reason=entry.reason,
+        detail=dict(entry.detail),
+    )

@@ -1,0 +1,291 @@
+"""The client API over RabbitMQ, and the producer helper built on it.
+
+:class:`MeshClient` talks to the manager by request/reply: each request goes
+to the control exchange (``rpc.<method>``) with ``reply_to`` set to this
+client's exclusive reply queue and a fresh ``correlation_id``; replies are
+matched back to the waiting call by that ID. A reply that arrives after its
+caller gave up is counted and dropped.
+
+:meth:`MeshClient.run_task` is the producer helper: acquire a slot on the
+best agent for a capability and version range, publish the task to that
+agent's bounded task queue (confirmed), await the result, release the slot.
+Refusals and failures raise typed errors carrying the machine-readable code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from mesh import constants as c
+from mesh.errors import (
+    LocalProtocolError,
+    PublishNacked,
+    PublishUnroutable,
+    RequestTimeout,
+    TaskFailed,
+    TaskInputInvalid,
+    TaskRefused,
+    TaskTimeout,
+)
+from mesh.topology import names
+from mesh.topology.specs import Topology
+from mesh.transport.amqp import AmqpTransport, Consumer, Delivery
+from mesh.wire.codec import decode
+from mesh.wire.models import (
+    AcquireRequest,
+    AgentSummary,
+    DrainAccepted,
+    DrainRequest,
+    FindReply,
+    FindRequest,
+    Lease,
+    LeaseGranted,
+    Message,
+    Refusal,
+    Released,
+    ReleaseRequest,
+    StatusReply,
+    StatusRequest,
+    Task,
+    TaskResult,
+)
+from mesh.wire.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+_METHODS: dict[type[Message], str] = {
+    FindRequest: "find",
+    AcquireRequest: "acquire",
+    ReleaseRequest: "release",
+    DrainRequest: "drain",
+    StatusRequest: "status",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TaskOutcome:
+    """A finished task: its output, and which agent and lease produced it."""
+
+    output: dict[str, Any]
+    result: TaskResult
+    lease: Lease
+
+
+class MeshClient:
+    """Find, acquire, release, drain, status; and run tasks. One per process is plenty."""
+
+    def __init__(self, transport: AmqpTransport, topology: Topology, reply_queue: str) -> None:
+        self.transport = transport
+        self.topology = topology
+        self.reply_queue = reply_queue
+        self.counters: Counter[str] = Counter()
+        self._pending: dict[str, asyncio.Future[Message]] = {}
+        self._consumer: Consumer | None = None
+        self._owns_transport = False
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str = c.DEFAULT_AMQP_URL,
+        *,
+        namespace: str = c.DEFAULT_NAMESPACE,
+        name: str = "client",
+        transport: AmqpTransport | None = None,
+    ) -> MeshClient:
+        owns = transport is None
+        if transport is None:
+            transport = await AmqpTransport.connect(url, name=name)
+        topology = Topology(namespace=namespace)
+        await transport.declare(topology.shared())
+        queue = names.reply_queue(namespace, name.replace(":", "-"), uuid.uuid4().hex[:8])
+        await transport.declare_reply_queue(queue)
+        client = cls(transport, topology, queue)
+        client._owns_transport = owns
+        client._consumer = await transport.consume(queue, client._on_reply, no_ack=True)
+        return client
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.cancel()
+        for fut in self._pending.values():
+            fut.cancel()
+        if self._owns_transport:
+            await self.transport.close()
+
+    async def __aenter__(self) -> MeshClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    # ---- request/reply --------------------------------------------------------------------
+    async def _on_reply(self, delivery: Delivery) -> None:
+        fut = self._pending.pop(delivery.correlation_id or "", None)
+        if fut is None or fut.done():
+            self.counters["late_replies"] += 1
+            return
+        try:
+            fut.set_result(decode(delivery.body))
+        except Exception as exc:  # a bad reply fails its caller, not the consumer
+            fut.set_exception(exc)
+
+    async def request(self, message: Message, *, timeout_s: float = 10.0) -> Message:
+        """Send one request to the manager and wait for its reply."""
+        method = _METHODS.get(type(message))
+        if method is None:
+            raise LocalProtocolError(f"{message.type} is not a manager request")
+        correlation_id = uuid.uuid4().hex
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[correlation_id] = fut
+        try:
+            await self.transport.publish(
+                self.topology.control_exchange,
+                names.rpc_key(method),
+                message,
+                reply_to=self.reply_queue,
+                correlation_id=correlation_id,
+                timeout_s=timeout_s,
+            )
+            return await asyncio.wait_for(fut, timeout_s)
+        except PublishUnroutable:
+            raise RequestTimeout(
+                "no manager is listening (its request queue does not exist); start `mesh manager`"
+            ) from None
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the manager did not answer {method} within {timeout_s:g} s; is it running?"
+            ) from None
+        finally:
+            self._pending.pop(correlation_id, None)
+
+    # ---- the API --------------------------------------------------------------------------
+    async def find(
+        self, capability: str, version_spec: str = ">=0", limit: int | None = None
+    ) -> list[AgentSummary]:
+        """Agents that can take work now, best first. Empty is a normal answer."""
+        reply = await self.request(
+            FindRequest(capability=capability, version_spec=version_spec, limit=limit)
+        )
+        if isinstance(reply, Refusal):
+            raise LocalProtocolError(f"{reply.reason}: {reply.detail}")
+        return _expect(reply, FindReply).agents
+
+    async def acquire(
+        self,
+        capability: str,
+        version_spec: str = ">=0",
+        *,
+        agent_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> Lease | Refusal:
+        """A lease on one slot, or a refusal with a reason code (a value, not an error)."""
+        reply = await self.request(
+            AcquireRequest(
+                capability=capability, version_spec=version_spec, agent_id=agent_id, ttl_s=ttl_s
+            )
+        )
+        if isinstance(reply, Refusal):
+            return reply
+        return _expect(reply, LeaseGranted).lease
+
+    async def release(self, lease_id: str) -> Released | Refusal:
+        reply = await self.request(ReleaseRequest(lease_id=lease_id))
+        return reply if isinstance(reply, Refusal) else _expect(reply, Released)
+
+    async def drain(self, agent_id: str, reason: str = "") -> DrainAccepted | Refusal:
+        reply = await self.request(DrainRequest(agent_id=agent_id, reason=reason))
+        return reply if isinstance(reply, Refusal) else _expect(reply, DrainAccepted)
+
+    async def status(self, *, timeout_s: float = 10.0) -> StatusReply:
+        return _expect(await self.request(StatusRequest(), timeout_s=timeout_s), StatusReply)
+
+    # ---- the producer helper --------------------------------------------------------------
+    async def run_task(
+        self,
+        capability: str,
+        payload: dict[str, Any],
+        *,
+        version_spec: str = ">=0",
+        timeout_s: float = 30.0,
+    ) -> TaskOutcome:
+        """Acquire, send, await, release. Raises TaskRefused/TaskInputInvalid/TaskFailed/
+        TaskTimeout with the machine-readable code."""
+        deadline = time.time() + timeout_s
+        lease = await self.acquire(capability, version_spec, ttl_s=timeout_s + 5)
+        if isinstance(lease, Refusal):
+            raise TaskRefused(lease.reason.value, lease.detail)
+        try:
+            result = await self._send_and_wait(lease, payload, deadline)
+        finally:
+            await self._release_quietly(lease.lease_id)
+        if result.status == "ok" and result.output is not None:
+            return TaskOutcome(result.output, result, lease)
+        error = result.error
+        code = error.code if error else Reason.HANDLER_ERROR
+        message = error.message if error else "no output"
+        cls = TaskInputInvalid if code is Reason.INPUT_SCHEMA_VIOLATION else TaskFailed
+        raise cls(code.value, message, task_id=result.task_id)
+
+    async def _send_and_wait(
+        self, lease: Lease, payload: dict[str, Any], deadline: float
+    ) -> TaskResult:
+        task = Task(
+            task_id=uuid.uuid4().hex,
+            capability=lease.capability,
+            lease_id=lease.lease_id,
+            payload=payload,
+            deadline=deadline,
+            submitted_at=time.time(),
+        )
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[task.task_id] = fut
+        try:
+            await self.transport.publish(
+                self.topology.tasks_exchange,
+                lease.agent_id,
+                task,
+                reply_to=self.reply_queue,
+                correlation_id=task.task_id,
+                headers={c.H_LEASE_ID: lease.lease_id},
+                persistent=True,
+            )
+            reply = await asyncio.wait_for(fut, max(0.0, deadline - time.time()))
+        except PublishNacked:
+            raise TaskRefused(
+                Reason.QUEUE_FULL.value, f"{lease.agent_id}'s task queue is full"
+            ) from None
+        except PublishUnroutable:
+            raise TaskRefused(
+                Reason.UNROUTABLE.value, f"{lease.agent_id} has no task queue"
+            ) from None
+        except TimeoutError:
+            raise TaskTimeout(
+                Reason.DEADLINE_EXCEEDED.value,
+                f"no result from {lease.agent_id} before the deadline",
+                task_id=task.task_id,
+            ) from None
+        finally:
+            self._pending.pop(task.task_id, None)
+        return _expect(reply, TaskResult)
+
+    async def _release_quietly(self, lease_id: str) -> None:
+        try:
+            await self.release(lease_id)
+        except Exception as exc:  # the lease expires on its own; never mask the task's outcome
+            self.counters["release_failed"] += 1
+            log.warning("release failed", extra={"lease_id": lease_id, "error": str(exc)})
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _expect(reply: Message, cls: type[M]) -> M:
+    if not isinstance(reply, cls):
+        raise LocalProtocolError(f"expected {cls.TYPE}, got {reply.type}")
+    return reply

@@ -1,0 +1,152 @@
+"""Helpers for integration tests: a manager in-process, and a "raw" agent that speaks the
+wire protocol by hand (what an agent in another language would do)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from mesh.core.pool import PoolSettings
+from mesh.manager.service import ManagerService
+from mesh.manager.settings import ManagerSettings
+from mesh.topology import Topology, names
+from mesh.transport import AmqpTransport, Delivery
+from mesh.wire import (
+    AgentRegistration,
+    Capability,
+    Heartbeat,
+    Message,
+    decode,
+    encode,
+)
+
+# Tests shorten the heartbeat rule (3 x 0.5 s) so loss is seen in seconds, not 30 s.
+FAST_POOL = PoolSettings(min_heartbeat_interval_s=0.5, reregister_backoff_s=0.5)
+
+
+def manager_settings(namespace: str, journal: Path, **overrides: Any) -> ManagerSettings:
+    base: dict[str, Any] = {
+        "namespace": namespace,
+        "journal_path": journal,
+        "manager_id": f"test-{namespace}",
+        "tick_interval_s": 0.2,
+        "pool": FAST_POOL,
+    }
+    base.update(overrides)
+    return ManagerSettings(**base)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    *,
+    timeout_s: float = 15.0,
+    what: str = "condition",
+) -> None:
+    """Poll ``check`` until it is true; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+def echo_capability(version: str = "1.0.0", max_concurrency: int = 2) -> Capability:
+    return Capability(
+        name="test.echo",
+        version=version,
+        input_schema={"type": "object"},
+        output_schema={"type": "object"},
+        max_concurrency=max_concurrency,
+        cost_class="C",
+    )
+
+
+class RawAgent:
+    """Registers and heartbeats by publishing wire messages; records what the manager says."""
+
+    def __init__(
+        self,
+        transport: AmqpTransport,
+        topology: Topology,
+        agent_id: str,
+        *,
+        interval_s: float = 0.5,
+        capabilities: list[Capability] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.topology = topology
+        self.agent_id = agent_id
+        self.incarnation = uuid.uuid4().hex
+        self.interval_s = interval_s
+        self.capabilities = capabilities or [echo_capability()]
+        self.inbox: list[Message] = []
+        self.seq = 0
+        self._beating: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.transport.declare(self.topology.agent(self.agent_id, 8))
+        await self.transport.consume(
+            self.topology.agent_control_queue(self.agent_id), self._on_control, no_ack=True
+        )
+
+    async def _on_control(self, delivery: Delivery) -> None:
+        self.inbox.append(decode(delivery.body))
+
+    def received(self, cls: type[Message]) -> list[Message]:
+        return [m for m in self.inbox if isinstance(m, cls)]
+
+    async def register(self) -> None:
+        reg = AgentRegistration(
+            agent_id=self.agent_id,
+            incarnation=self.incarnation,
+            deployment="raw",
+            capabilities=self.capabilities,
+            heartbeat_interval_s=self.interval_s,
+        )
+        await self.publish_announce("register", encode(reg))
+
+    async def publish_announce(self, verb: str, body: bytes) -> None:
+        await self.transport.publish(
+            self.topology.announce_exchange, names.agent_announce_key(self.agent_id, verb), body
+        )
+
+    async def heartbeat(self) -> None:
+        self.seq += 1
+        hb = Heartbeat(
+            agent_id=self.agent_id,
+            incarnation=self.incarnation,
+            seq=self.seq,
+            sent_at=time.time(),
+        )
+        await self.transport.publish_fast(
+            self.topology.heartbeat_exchange, names.heartbeat_key(self.agent_id), encode(hb)
+        )
+
+    def start_heartbeats(self) -> None:
+        async def beat() -> None:
+            while True:
+                await self.heartbeat()
+                await asyncio.sleep(self.interval_s)
+
+        self._beating = asyncio.create_task(beat())
+
+    async def stop_heartbeats(self) -> None:
+        if self._beating is not None:
+            self._beating.cancel()
+            await asyncio.gather(self._beating, return_exceptions=True)
+            self._beating = None
+
+
+async def start_manager(settings: ManagerSettings) -> ManagerService:
+    manager = ManagerService(settings)
+    await manager.start()
+    return manager

@@ -1,0 +1,242 @@
+"""The manager against the real broker, driven by raw wire messages."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mesh import constants as c
+from mesh.core.pool import PoolSettings
+from mesh.manager.journal import SqliteJournal
+from mesh.manager.service import ManagerService
+from mesh.producer import MeshClient
+from mesh.topology import Topology
+from mesh.wire import (
+    DrainComplete,
+    DrainNotice,
+    DrainRequest,
+    Reason,
+    Refusal,
+    RegistrationAccepted,
+    RegistrationRefused,
+    ReRegisterRequest,
+    encode,
+)
+
+from .harness import RawAgent, echo_capability, eventually, manager_settings, start_manager
+
+
+@pytest.fixture
+async def manager(amqp_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[ManagerService]:
+    service = await start_manager(
+        manager_settings(namespace, tmp_path / "journal.sqlite3", amqp_url=amqp_url)
+    )
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def client(
+    amqp_url: str, namespace: str, manager: ManagerService
+) -> AsyncIterator[MeshClient]:
+    mesh_client = await MeshClient.connect(amqp_url, namespace=namespace, name="test-client")
+    yield mesh_client
+    await mesh_client.close()
+
+
+@pytest.fixture
+async def raw_agent(transport_factory: Any, topology: Topology) -> Callable[..., Any]:
+    async def make(agent_id: str, **kwargs: Any) -> RawAgent:
+        agent = RawAgent(await transport_factory(suffix=agent_id), topology, agent_id, **kwargs)
+        await agent.start()
+        return agent
+
+    return make
+
+
+def states(status: Any) -> dict[str, str]:
+    return {a.agent_id: a.state for a in status.agents}
+
+
+async def test_a_registered_agent_becomes_ready_and_is_told_so(
+    manager: ManagerService, client: MeshClient, raw_agent: Any, tmp_path: Path
+) -> None:
+    agent = await raw_agent("raw-1")
+    await agent.register()
+
+    await eventually(lambda: bool(agent.received(RegistrationAccepted)), what="acceptance")
+    status = await client.status()
+    assert states(status) == {"raw-1": "Ready"}
+    found = await client.find("test.echo")
+    assert [a.agent_id for a in found] == ["raw-1"]
+
+    kinds = [(e.kind, e.to_state) for e in SqliteJournal(tmp_path / "journal.sqlite3").tail()]
+    assert ("registered", "Registering") in kinds
+    assert ("ready", "Ready") in kinds
+
+
+async def test_a_heartbeat_interval_below_five_seconds_is_refused_with_its_reason(
+    amqp_url: str, namespace: str, tmp_path: Path, raw_agent: Any
+) -> None:
+    # The production rule (5 s minimum), not the shortened test one.
+    settings = manager_settings(namespace, tmp_path / "j.sqlite3", amqp_url=amqp_url)
+    service = await start_manager(replace(settings, pool=PoolSettings()))
+    try:
+        agent = await raw_agent("too-eager", interval_s=1.0)
+        await agent.register()
+        await eventually(lambda: bool(agent.received(RegistrationRefused)), what="refusal")
+        refusal = agent.received(RegistrationRefused)[0]
+        assert isinstance(refusal, RegistrationRefused)
+        assert refusal.reason is Reason.HEARTBEAT_INTERVAL_TOO_SHORT
+        assert "GC pauses" in refusal.detail
+        assert service.status().agents == []
+    finally:
+        await service.stop()
+
+
+async def test_an_agent_whose_heartbeats_stop_is_terminated_and_never_returned_again(
+    manager: ManagerService, client: MeshClient, raw_agent: Any, tmp_path: Path
+) -> None:
+    steady = await raw_agent("steady", interval_s=0.5)
+    fading = await raw_agent("fading", interval_s=0.5)
+    for agent in (steady, fading):
+        await agent.register()
+        agent.start_heartbeats()
+    await eventually(lambda: len(manager.core.agents) == 2, what="two agents")
+
+    await fading.stop_heartbeats()
+    await eventually(lambda: "fading" not in manager.core.agents, timeout_s=10, what="loss")
+
+    # The steady one (heartbeats with jitter inside the window) was never evicted.
+    assert "steady" in manager.core.agents
+    assert [a.agent_id for a in await client.find("test.echo")] == ["steady"]
+    refusal = await client.acquire("test.echo", agent_id="fading")
+    assert isinstance(refusal, Refusal) and refusal.reason is Reason.AGENT_TERMINATED
+    lost = [e for e in SqliteJournal(tmp_path / "journal.sqlite3").tail() if e.kind == "lost"]
+    assert [(e.agent_id, e.to_state) for e in lost] == [("fading", "Terminated")]
+    await steady.stop_heartbeats()
+
+
+async def test_malformed_and_unknown_field_messages_are_dead_lettered_with_a_reason(
+    manager: ManagerService,
+    client: MeshClient,
+    raw_agent: Any,
+    topology: Topology,
+    management_api: Any,
+) -> None:
+    agent = await raw_agent("sloppy")
+    bad_bodies = {
+        Reason.MALFORMED_JSON: b"{not json",
+        Reason.MISSING_TYPE: b'{"agent_id": "sloppy"}',
+        Reason.UNKNOWN_MESSAGE_TYPE: b'{"type": "mesh.nonsense.v9"}',
+        Reason.UNKNOWN_FIELD: encode(DrainRequest(agent_id="sloppy"))[:-1] + b',"admin":true}',
+        Reason.MESSAGE_TOO_LARGE: b'{"type":"x","pad":"' + b"x" * c.MAX_MESSAGE_BYTES + b'"}',
+    }
+    for body in bad_bodies.values():
+        await agent.publish_announce("register", body)
+
+    await eventually(
+        lambda: manager.counters["dead_lettered"] == len(bad_bodies), what="dead letters"
+    )
+    reasons = set()
+    for _ in bad_bodies:
+        delivery = await agent.transport.get_one(topology.dead_letter_queue)
+        assert delivery is not None
+        assert delivery.headers[c.H_SOURCE_QUEUE] == topology.announce_queue
+        reasons.add(delivery.headers[c.H_REASON])
+    assert reasons == {r.value for r in bad_bodies}
+    for reason in bad_bodies:
+        assert manager.counters[f"dead_lettered.{reason}"] == 1
+
+    # Still serving: a good registration right after the garbage is accepted.
+    await agent.register()
+    await eventually(lambda: bool(agent.received(RegistrationAccepted)), what="acceptance")
+    status = await client.status()
+    assert states(status) == {"sloppy": "Ready"}
+    assert status.counters["dead_lettered"] == len(bad_bodies)
+
+
+async def test_a_malformed_request_gets_a_refusal_reply_and_a_dead_letter(
+    manager: ManagerService, client: MeshClient, topology: Topology
+) -> None:
+    fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    correlation = uuid.uuid4().hex
+    client._pending[correlation] = fut  # type: ignore[assignment]
+    await client.transport.publish(
+        topology.control_exchange,
+        "rpc.acquire",
+        b'{"type": "mesh.acquire-request.v1", "capability": "NOT A NAME"}',
+        reply_to=client.reply_queue,
+        correlation_id=correlation,
+    )
+    reply = await asyncio.wait_for(fut, 10)
+    assert isinstance(reply, Refusal)
+    assert reply.reason is Reason.SCHEMA_VIOLATION
+    assert "capability" in reply.detail
+    await eventually(lambda: manager.counters["dead_lettered"] == 1, what="dead letter")
+
+
+async def test_draining_an_idle_agent_terminates_it_and_tells_it_to_exit(
+    manager: ManagerService, client: MeshClient, raw_agent: Any
+) -> None:
+    agent = await raw_agent("idle-one")
+    await agent.register()
+    await eventually(lambda: "idle-one" in manager.core.agents, what="registration")
+
+    reply = await client.drain("idle-one", "test")
+    assert not isinstance(reply, Refusal)
+    await eventually(lambda: bool(agent.received(DrainComplete)), what="drain complete")
+    assert agent.received(DrainNotice)
+    assert "idle-one" not in manager.core.agents
+    assert await client.find("test.echo") == []
+
+
+async def test_leases_gate_on_in_flight_and_release_makes_room_again(
+    manager: ManagerService, client: MeshClient, raw_agent: Any
+) -> None:
+    agent = await raw_agent("pair", capabilities=[echo_capability(max_concurrency=2)])
+    await agent.register()
+    await eventually(lambda: "pair" in manager.core.agents, what="registration")
+
+    first = await client.acquire("test.echo")
+    second = await client.acquire("test.echo")
+    third = await client.acquire("test.echo")
+    assert not isinstance(first, Refusal) and not isinstance(second, Refusal)
+    assert isinstance(third, Refusal) and third.reason is Reason.NO_AGENT_AVAILABLE
+    assert states(await client.status()) == {"pair": "Busy"}
+
+    assert not isinstance(await client.release(first.lease_id), Refusal)
+    again = await client.release(first.lease_id)
+    assert isinstance(again, Refusal) and again.reason is Reason.UNKNOWN_LEASE
+    assert [a.agent_id for a in await client.find("test.echo")] == ["pair"]
+
+
+async def test_a_restarted_manager_asks_unknown_agents_to_register_again(
+    amqp_url: str, namespace: str, tmp_path: Path, raw_agent: Any
+) -> None:
+    journal = tmp_path / "journal.sqlite3"
+    first = await start_manager(manager_settings(namespace, journal, amqp_url=amqp_url))
+    agent = await raw_agent("survivor")
+    await agent.register()
+    agent.start_heartbeats()
+    await eventually(lambda: "survivor" in first.core.agents, what="registration")
+    await first.stop()
+
+    second = await start_manager(manager_settings(namespace, journal, amqp_url=amqp_url))
+    try:
+        await eventually(lambda: bool(agent.received(ReRegisterRequest)), what="re-register ask")
+        assert "survivor" not in second.core.agents
+        await agent.register()
+        await eventually(lambda: "survivor" in second.core.agents, what="re-registration")
+        # The journal spans both lives of the manager.
+        starts = [e for e in SqliteJournal(journal).tail(100) if e.kind == "manager_started"]
+        assert len(starts) == 2
+    finally:
+        await agent.stop_heartbeats()
+        await second.stop()
