@@ -191,7 +191,7 @@ class ManagerService:
             event = DrainRequested(message.agent_id, message.reason)
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
-        await self._feed(event)
+        await self._feed(event, delivery)  # a drain request may carry reply_to
 
     async def _handle_rpc(self, delivery: Delivery) -> None:
         message = decode_as(delivery.body, *_RPC_TYPES)

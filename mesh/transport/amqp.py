@@ -135,6 +135,8 @@ class AmqpTransport:
         self._publish_channel = publish_channel
         self._exchanges: dict[str, AbstractExchange] = {}
         self._declared: set[ExchangeSpec | QueueSpec | BindingSpec] = set()
+        self._queues: dict[str, AbstractRobustQueue] = {}
+        self._queue_specs: dict[str, QueueSpec] = {}
         self._fast_channel: AbstractRobustChannel | None = None
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         connection.reconnect_callbacks.add(self._reconnected)
@@ -172,6 +174,8 @@ class AmqpTransport:
 
     async def _reconnected(self, *_: Any) -> None:
         log.warning("reconnected to the broker", extra={"url": redact(self.url)})
+        # aio-pika has restored what it knew; forget our cache so later declares are real.
+        self._declared.clear()
         for callback in self._on_reconnect:
             await callback()
 
@@ -181,7 +185,11 @@ class AmqpTransport:
 
     # ---- declaration ----------------------------------------------------------------------
     async def declare(self, declarations: Declarations) -> None:
-        """Declare exchanges, queues and bindings; specs already declared are skipped."""
+        """Declare exchanges, queues and bindings; specs already declared are skipped.
+
+        Everything is declared through aio-pika's robust objects, so after a reconnect the
+        library re-declares the queues (with their arguments) and re-binds them.
+        """
         channel = self._publish_channel
         for ex in declarations.exchanges:
             if ex not in self._declared:
@@ -191,27 +199,46 @@ class AmqpTransport:
                 self._declared.add(ex)
         for q in declarations.queues:
             if q not in self._declared:
-                await channel.declare_queue(
-                    q.name,
-                    durable=q.durable,
-                    exclusive=q.exclusive,
-                    auto_delete=q.auto_delete,
-                    arguments=q.arguments.to_amqp(),
-                )
+                self._queues[q.name] = await self._declare_queue(channel, q)
                 self._declared.add(q)
         for b in declarations.bindings:
             if b not in self._declared:
-                queue = await channel.get_queue(b.queue, ensure=False)
+                queue = self._queues.get(b.queue)
+                if queue is None:
+                    queue = await channel.declare_queue(b.queue, passive=True)
+                    self._queues[b.queue] = queue
                 await queue.bind(b.exchange, routing_key=b.routing_key)
                 self._declared.add(b)
 
+    async def _declare_queue(
+        self, channel: AbstractRobustChannel, spec: QueueSpec
+    ) -> AbstractRobustQueue:
+        self._queue_specs[spec.name] = spec
+        return await channel.declare_queue(
+            spec.name,
+            durable=spec.durable,
+            exclusive=spec.exclusive,
+            auto_delete=spec.auto_delete,
+            arguments=spec.arguments.to_amqp(),
+        )
+
+    async def _queue_on(self, channel: AbstractRobustChannel, name: str) -> AbstractRobustQueue:
+        """The queue, declared on ``channel`` so a reconnect restores it before its consumer."""
+        spec = self._queue_specs.get(name)
+        if spec is not None:
+            return await self._declare_queue(channel, spec)
+        return await channel.declare_queue(name, passive=True)
+
     async def delete_queue(self, name: str, *, if_empty: bool = False) -> None:
         await self._publish_channel.queue_delete(name, if_empty=if_empty)
+        self._queues.pop(name, None)
+        self._queue_specs.pop(name, None)
         self._declared = {s for s in self._declared if getattr(s, "name", None) != name}
 
     async def declare_reply_queue(self, name: str) -> str:
         """An exclusive, auto-deleted queue for replies to this connection."""
-        await self._publish_channel.declare_queue(name, exclusive=True, auto_delete=True)
+        spec = QueueSpec(name, durable=False, exclusive=True, auto_delete=True)
+        self._queues[name] = await self._declare_queue(self._publish_channel, spec)
         return name
 
     # ---- publishing -----------------------------------------------------------------------
@@ -284,26 +311,26 @@ class AmqpTransport:
         """Consume ``queue`` on its own channel. With ``no_ack`` nothing needs acking."""
         channel = await self._connection.channel()
         await channel.set_qos(prefetch_count=0 if no_ack else prefetch)
-        q = await channel.get_queue(queue, ensure=False)
+        q = await self._queue_on(channel, queue)
 
         async def on_message(msg: AbstractIncomingMessage) -> None:
             await handler(_delivery(msg))
 
         tag = await q.consume(on_message, no_ack=no_ack)
-        return Consumer(q, tag, channel)  # type: ignore[arg-type]
+        return Consumer(q, tag, channel)
 
     async def consume_raw(
         self, queue: str, callback: Callable[[bytes], None], *, no_ack: bool = True
     ) -> Consumer:
         """The cheapest path: hand only the body to a synchronous callback (heartbeats)."""
         channel = await self._connection.channel()
-        q = await channel.get_queue(queue, ensure=False)
+        q = await self._queue_on(channel, queue)
 
         async def on_message(msg: AbstractIncomingMessage) -> None:
             callback(msg.body)
 
         tag = await q.consume(on_message, no_ack=no_ack)
-        return Consumer(q, tag, channel)  # type: ignore[arg-type]
+        return Consumer(q, tag, channel)
 
     async def dead_letter(
         self,

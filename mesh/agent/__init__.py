@@ -1,0 +1,45 @@
+"""Agent SDK: declare capabilities on an :class:`Agent`, run it with :class:`AgentRuntime`.
+
+A minimal agent::
+
+    class Upper(Agent):
+        deployment = "upper"
+
+        @capability("text.upper", version="1.0.0",
+                    input_schema={...}, output_schema={...}, max_concurrency=4)
+        async def upper(self, payload: dict[str, Any]) -> dict[str, Any]:
+            return {"text": payload["text"].upper()}
+
+    await run_agent(Upper(), AgentSettings(), stop_event)
+
+The runtime registers the agent and waits for the manager's acceptance,
+heartbeats, validates every payload and result against the capability's
+schemas, and drains gracefully. :func:`process_task` is the per-task logic on
+its own, for tests without a broker.
+"""
+
+from mesh.agent.base import Agent, BoundCapability, CapabilitySpec, capability
+from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
+from mesh.agent.processing import process_task
+from mesh.agent.runtime import (
+    AgentRuntime,
+    AgentSettings,
+    AgentTransport,
+    backoff_delay,
+    run_agent,
+)
+
+__all__ = [
+    "Agent",
+    "AgentRuntime",
+    "AgentSettings",
+    "AgentTransport",
+    "BoundCapability",
+    "CapabilitySpec",
+    "RegistrationRefusedError",
+    "RegistrationTimeoutError",
+    "backoff_delay",
+    "capability",
+    "process_task",
+    "run_agent",
+]

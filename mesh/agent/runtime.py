@@ -1,0 +1,874 @@
+"""The asyncio shell around an :class:`~mesh.agent.Agent`: register, heartbeat, work, drain.
+
+Theory of operation
+-------------------
+``start()`` connects (unless given a transport), declares the agent's queues
+(``<ns>.agent.<id>.control``, auto-deleted, and ``<ns>.agent.<id>.tasks``,
+bounded at twice the total ``max_concurrency`` as slack: the manager's leases
+are the exact capacity), consumes the control queue and publishes an
+``AgentRegistration`` (persistent, confirmed) on ``agent.<id>.register``. It
+then waits for a ``RegistrationAccepted`` carrying this process's incarnation,
+re-publishing with jittered exponential backoff (capped) while nobody answers.
+A ``RegistrationRefused`` raises :class:`RegistrationRefusedError`. Only after
+acceptance do heartbeats and the task consumer start and ``ready`` get set.
+
+Heartbeats go out every ``heartbeat_interval_s`` without confirms (each one is
+superseded by the next); a failed heartbeat is logged and the next one tried.
+
+Tasks are consumed with ``prefetch = sum(max_concurrency)``; the transport runs
+one handler per delivery, so tasks run concurrently and each capability's
+semaphore bounds its own share. Each delivery is decoded (garbage is
+dead-lettered with its reason, then acked), handed to
+:func:`~mesh.agent.processing.process_task`, and its ``TaskResult`` published
+to the producer's ``reply_to`` queue with ``correlation_id = task_id``. The task
+is acked only after that publish is confirmed, or failed for good (the producer
+is gone); if the broker's answer stays unknown the task is requeued, so a result
+may arrive twice but is never silently lost. A cancelled handler (the channel
+closed) acks nothing, and the broker redelivers the task.
+
+Control messages (each acked; garbage dead-lettered):
+
+* ``RegistrationAccepted`` / ``RegistrationRefused`` answer the pending registration;
+* ``ReRegisterRequest`` (the manager restarted or forgot us): register again
+  with the same incarnation in the background; ignored while one is running;
+* ``DrainNotice``: draining - ``ready`` cleared, heartbeats say ``draining``,
+  tasks already queued are still worked (they were leased before the drain);
+* ``DrainComplete``: the manager released every lease - finish shutting down.
+
+``drain()`` (and SIGTERM in the CLI) publishes a ``DrainRequest`` on
+``agent.<id>.drain`` and then behaves as on a ``DrainNotice``. Shutdown, after
+``DrainComplete`` or ``drain_timeout_s``: let the task queue empty, cancel the
+task consumer, wait for in-flight tasks (at most ``shutdown_grace_s``), publish
+a ``Deregistration`` on ``agent.<id>.deregister``, delete the task queue if it
+is empty, and close the transport if this runtime opened it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from mesh import constants as c
+from mesh.agent.base import Agent
+from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
+from mesh.agent.processing import process_task
+from mesh.errors import (
+    LocalProtocolError,
+    MeshError,
+    MessageRejected,
+    PublishNacked,
+    PublishUnroutable,
+    TransportError,
+)
+from mesh.topology import Declarations, Topology, names
+from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery, Handler
+from mesh.wire.codec import decode_as, encode
+from mesh.wire.models import (
+    Deregistration,
+    DrainAccepted,
+    DrainComplete,
+    DrainNotice,
+    DrainRequest,
+    Heartbeat,
+    Message,
+    Refusal,
+    RegistrationAccepted,
+    RegistrationRefused,
+    ReRegisterRequest,
+    Task,
+    TaskResult,
+)
+from mesh.wire.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+Phase = Literal["new", "starting", "running", "stopping", "stopped"]
+RegistrationReply = RegistrationAccepted | RegistrationRefused
+
+_CONTROL_TYPES: tuple[type[Message], ...] = (
+    RegistrationAccepted,
+    RegistrationRefused,
+    ReRegisterRequest,
+    DrainNotice,
+    DrainComplete,
+    DrainAccepted,
+    Refusal,
+)
+_CONTROL_PREFETCH = 16
+_SETTLE_POLL_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """How an agent runtime connects, registers and drains."""
+
+    amqp_url: str = c.DEFAULT_AMQP_URL
+    namespace: str = c.DEFAULT_NAMESPACE
+    registration_timeout_s: float = 5.0
+    """How long one registration attempt waits for the manager's answer."""
+    registration_backoff_cap_s: float = 10.0
+    """The longest pause between registration attempts."""
+    max_registration_attempts: int | None = None
+    """Give up with :class:`RegistrationTimeoutError` after this many attempts (None: never)."""
+    drain_timeout_s: float = 60.0
+    """The longest wait for the manager's ``DrainComplete`` (and the task queue to empty)."""
+    stop_timeout_s: float = 5.0
+    """``drain_timeout_s`` for :meth:`AgentRuntime.stop`, which is a drain in a hurry."""
+    shutdown_grace_s: float = 30.0
+    """After the drain, how long in-flight tasks may still run before they are cancelled."""
+    publish_timeout_s: float = c.DEFAULT_PUBLISH_TIMEOUT_S
+    result_publish_attempts: int = 3
+    """Attempts to publish a result whose outcome was unknown before the task is requeued."""
+    connect_timeout_s: float = 10.0
+
+
+class Subscription(Protocol):
+    """A running consumer."""
+
+    async def cancel(self) -> None: ...
+
+
+class AgentTransport(Protocol):
+    """What the runtime needs from a transport; :class:`mesh.transport.AmqpTransport` fits."""
+
+    async def declare(self, declarations: Declarations) -> None: ...
+
+    async def consume(
+        self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False
+    ) -> Subscription: ...
+
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: Message | bytes,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        persistent: bool = False,
+        mandatory: bool = True,
+        timeout_s: float | None = None,
+    ) -> None: ...
+
+    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None: ...
+
+    async def dead_letter(
+        self,
+        delivery: Delivery,
+        *,
+        dead_letter_exchange: str,
+        source_queue: str,
+        reason: str,
+        detail: str,
+    ) -> None: ...
+
+    async def delete_queue(self, name: str, *, if_empty: bool = False) -> None: ...
+
+    async def queue_depth(self, queue: str) -> int: ...
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def backoff_delay(
+    attempt: int, *, rng: random.Random, base_s: float = 0.5, cap_s: float = 10.0
+) -> float:
+    """Exponential backoff with equal jitter for retry number ``attempt`` (from 0).
+
+    Half of the step is fixed and half random, so retries spread out but never collapse to 0.
+    """
+    step = min(cap_s, base_s * 2.0 ** min(attempt, 32))
+    return step / 2 + rng.uniform(0, step / 2)
+
+
+class AgentRuntime:
+    """Runs one :class:`Agent` on the mesh. See the module documentation for the protocol."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        settings: AgentSettings | None = None,
+        transport: AgentTransport | None = None,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.agent = agent
+        self.settings = settings or AgentSettings()
+        self.topology = Topology(self.settings.namespace)
+        self.counters: Counter[str] = Counter()
+        self._transport = transport
+        self._owns_transport = transport is None
+        self._incarnation = uuid.uuid4().hex
+        self._rng = rng or random.Random()
+        self._capabilities = agent.bind()
+        self._task_queue = self.topology.agent_task_queue(agent.agent_id)
+        self._control_queue = self.topology.agent_control_queue(agent.agent_id)
+        self._phase: Phase = "new"
+        self._ready = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._drain_complete = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._active: set[asyncio.Task[Any]] = set()
+        self._in_flight: dict[str, int] = dict.fromkeys(self._capabilities, 0)
+        self._draining = False
+        self._heartbeat_seq = 0
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._control_consumer: Subscription | None = None
+        self._task_consumer: Subscription | None = None
+        self._registration: asyncio.Future[RegistrationReply] | None = None
+        self._reregistration: asyncio.Task[None] | None = None
+        self._shutdown_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._fatal: MeshError | None = None
+        self._starting: asyncio.Task[Any] | None = None
+
+    # ---- public state ---------------------------------------------------------------------
+    @property
+    def agent_id(self) -> str:
+        """The agent's ID (also its routing-key word and queue-name part)."""
+        return self.agent.agent_id
+
+    @property
+    def incarnation(self) -> str:
+        """A fresh hex UUID per runtime (process start); re-registration keeps it."""
+        return self._incarnation
+
+    @property
+    def ready(self) -> asyncio.Event:
+        """Set while the manager has accepted us and we are not draining (the /ready probe)."""
+        return self._ready
+
+    @property
+    def stopped(self) -> asyncio.Event:
+        """Set once the runtime has shut down, however that happened."""
+        return self._stopped
+
+    @property
+    def draining(self) -> bool:
+        """True from the drain request or notice on: no new leases, queued work still runs."""
+        return self._draining
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Tasks being worked per capability (received and not yet acked)."""
+        return dict(self._in_flight)
+
+    @property
+    def phase(self) -> Phase:
+        """``new``, ``starting``, ``running``, ``stopping`` or ``stopped``."""
+        return self._phase
+
+    def _extra(self, **more: Any) -> dict[str, Any]:
+        return {"agent_id": self.agent_id, "incarnation": self._incarnation, **more}
+
+    # ---- start ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect, declare, register and wait for acceptance; then heartbeat and take tasks.
+
+        Raises :class:`RegistrationRefusedError`, :class:`RegistrationTimeoutError` or
+        :class:`mesh.errors.BrokerUnavailable`; on any failure everything opened is closed.
+        """
+        if self._phase != "new":
+            raise LocalProtocolError(f"start() called on a runtime that is {self._phase}")
+        self._phase = "starting"
+        self._starting = asyncio.current_task()
+        try:
+            transport = await self._connect()
+            bound = 2 * self.agent.total_concurrency
+            await transport.declare(self.topology.agent(self.agent_id, bound))
+            self._control_consumer = await transport.consume(
+                self._control_queue, self._on_control, prefetch=_CONTROL_PREFETCH
+            )
+            await self._register()
+            self._heartbeat_task = self._spawn(self._heartbeat_loop(), "heartbeats")
+            self._task_consumer = await transport.consume(
+                self._task_queue, self._on_task, prefetch=self.agent.total_concurrency
+            )
+        except BaseException:
+            await self._abort()
+            raise
+        self._phase = "running"
+        if not self._draining:
+            self._ready.set()
+        log.info("agent ready", extra=self._extra(capabilities=sorted(self._capabilities)))
+
+    async def _connect(self) -> AgentTransport:
+        if self._transport is None:
+            self._transport = await AmqpTransport.connect(
+                self.settings.amqp_url,
+                name=f"agent:{self.agent_id}",
+                publish_timeout_s=self.settings.publish_timeout_s,
+                connect_timeout_s=self.settings.connect_timeout_s,
+            )
+        self._transport.on_reconnect(self._on_reconnect)
+        return self._transport
+
+    @property
+    def transport(self) -> AgentTransport:
+        """The transport in use; :class:`LocalProtocolError` before ``start()``."""
+        if self._transport is None:
+            raise LocalProtocolError("the runtime is not started")
+        return self._transport
+
+    # ---- registration ---------------------------------------------------------------------
+    async def _register(self) -> None:
+        """Publish the registration until the manager answers; raise if it refuses."""
+        registration = self.agent.registration(self._incarnation)
+        answer: asyncio.Future[RegistrationReply] = asyncio.get_running_loop().create_future()
+        self._registration = answer
+        limit = self.settings.max_registration_attempts
+        try:
+            attempt = 0
+            while not answer.done():
+                attempt += 1
+                self.counters["registration_attempts"] += 1
+                if await self._publish_registration(registration, attempt):
+                    await asyncio.wait({answer}, timeout=self.settings.registration_timeout_s)
+                if answer.done():
+                    break
+                if limit is not None and attempt >= limit:
+                    raise RegistrationTimeoutError(
+                        f"no manager accepted {self.agent_id} after {attempt} attempts; "
+                        "is `mesh manager` running on this namespace?"
+                    )
+                delay = backoff_delay(
+                    attempt - 1, rng=self._rng, cap_s=self.settings.registration_backoff_cap_s
+                )
+                log.warning(
+                    "no answer to registration; retrying",
+                    extra=self._extra(attempt=attempt, retry_in_s=round(delay, 3)),
+                )
+                await asyncio.wait({answer}, timeout=delay)
+            reply = answer.result()
+        finally:
+            self._registration = None
+            answer.cancel()
+        if isinstance(reply, RegistrationRefused):
+            raise RegistrationRefusedError(self.agent_id, reply.reason.value, reply.detail)
+        log.info("registration accepted", extra=self._extra(attempt=attempt))
+
+    async def _publish_registration(self, registration: Message, attempt: int) -> bool:
+        log.info("registering", extra=self._extra(attempt=attempt))
+        try:
+            await self.transport.publish(
+                self.topology.announce_exchange,
+                names.agent_announce_key(self.agent_id, "register"),
+                registration,
+                persistent=True,
+                timeout_s=self.settings.publish_timeout_s,
+            )
+        except PublishUnroutable:
+            log.warning(
+                "no manager queue is bound for registrations yet",
+                extra=self._extra(attempt=attempt),
+            )
+            return False
+        except TransportError as exc:
+            log.warning(
+                "registration publish failed", extra=self._extra(attempt=attempt, error=str(exc))
+            )
+            return False
+        return True
+
+    def _on_registration_reply(self, reply: RegistrationReply) -> None:
+        pending = self._registration
+        if reply.incarnation != self._incarnation or pending is None or pending.done():
+            log.debug("stale registration reply ignored", extra=self._extra(type=reply.type))
+            return
+        pending.set_result(reply)
+
+    def _on_reregister_request(self, request: ReRegisterRequest) -> None:
+        if self._draining:
+            # The manager holds no leases on an agent it does not know: the drain is complete.
+            log.info("manager forgot us while draining", extra=self._extra(reason=request.reason))
+            self._drain_complete.set()
+        elif self._phase != "running" or self._registering():
+            log.debug("re-register request ignored: registration in progress", extra=self._extra())
+        else:
+            log.warning("manager asked us to re-register", extra=self._extra(reason=request.reason))
+            self._ready.clear()
+            self._reregistration = self._spawn(self._reregister(), "re-register")
+
+    def _registering(self) -> bool:
+        background = self._reregistration is not None and not self._reregistration.done()
+        return background or self._registration is not None
+
+    async def _reregister(self) -> None:
+        try:
+            await self._register()
+        except MeshError as exc:
+            log.error("re-registration failed; stopping", extra=self._extra(error=str(exc)))
+            self._fatal = exc
+            self._spawn(self._shutdown(f"re-registration failed: {exc}", deregister=False), "stop")
+            return
+        if not self._draining:
+            self._ready.set()
+
+    async def _on_reconnect(self) -> None:
+        if self._phase in ("new", "stopped"):
+            return
+        log.warning("agent transport reconnected", extra=self._extra())
+        self.counters["reconnects"] += 1
+        if self._phase == "running":
+            self._spawn(self._send_heartbeat(), "heartbeat")  # a forgetful manager asks sooner
+
+    # ---- heartbeats -----------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.agent.heartbeat_interval_s
+        next_at = loop.time()
+        while True:
+            await self._send_heartbeat()
+            next_at = max(next_at + interval, loop.time())
+            await asyncio.sleep(next_at - loop.time())
+
+    async def _send_heartbeat(self) -> None:
+        heartbeat = Heartbeat(
+            agent_id=self.agent_id,
+            incarnation=self._incarnation,
+            seq=self._heartbeat_seq,
+            in_flight=dict(self._in_flight),
+            draining=self._draining,
+            sent_at=time.time(),
+        )
+        self._heartbeat_seq += 1
+        try:
+            async with asyncio.timeout(self.settings.publish_timeout_s):
+                await self.transport.publish_fast(
+                    self.topology.heartbeat_exchange,
+                    names.heartbeat_key(self.agent_id),
+                    encode(heartbeat),
+                )
+        except Exception as exc:  # never let a heartbeat kill the agent
+            self.counters["heartbeats_failed"] += 1
+            log.warning(
+                "heartbeat failed; next one in one interval",
+                extra=self._extra(seq=heartbeat.seq, error=f"{type(exc).__name__}: {exc}"),
+            )
+        else:
+            self.counters["heartbeats_sent"] += 1
+
+    # ---- control messages -----------------------------------------------------------------
+    async def _on_control(self, delivery: Delivery) -> None:
+        try:
+            message = decode_as(delivery.body, *_CONTROL_TYPES)
+            self._check_addressee(message)
+        except MessageRejected as exc:
+            self.counters["control_dead_lettered"] += 1
+            await self._dead_letter(delivery, self._control_queue, exc)
+            return
+        self._dispatch_control(message)
+        await _ack(delivery, self._extra())
+
+    def _check_addressee(self, message: Message) -> None:
+        addressee = getattr(message, "agent_id", self.agent_id)
+        if addressee != self.agent_id:
+            raise MessageRejected(
+                Reason.UNKNOWN_AGENT, f"addressed to {addressee!r}, received by {self.agent_id!r}"
+            )
+
+    def _dispatch_control(self, message: Message) -> None:
+        if isinstance(message, RegistrationAccepted | RegistrationRefused):
+            self._on_registration_reply(message)
+        elif isinstance(message, ReRegisterRequest):
+            self._on_reregister_request(message)
+        elif isinstance(message, DrainNotice):
+            self._begin_drain(message.reason or "drain notice from the manager")
+        elif isinstance(message, DrainComplete):
+            log.info("manager released every lease", extra=self._extra())
+            self._begin_drain("drain complete")
+            self._drain_complete.set()
+        elif isinstance(message, Refusal):
+            self._on_refusal(message)
+        else:
+            log.info("drain accepted by the manager", extra=self._extra())
+
+    def _on_refusal(self, refusal: Refusal) -> None:
+        """The manager's reply to our DrainRequest: it does not know us, so nothing is leased."""
+        log.info("drain request refused", extra=self._extra(reason=refusal.reason.value))
+        if self._draining and refusal.reason in (Reason.UNKNOWN_AGENT, Reason.AGENT_TERMINATED):
+            self._drain_complete.set()
+
+    # ---- tasks ----------------------------------------------------------------------------
+    async def _on_task(self, delivery: Delivery) -> None:
+        current = asyncio.current_task()
+        if current is not None:
+            self._active.add(current)
+        self._idle.clear()
+        try:
+            await self._handle_task(delivery)
+        finally:
+            if current is not None:
+                self._active.discard(current)
+            if not self._active:
+                self._idle.set()
+
+    async def _handle_task(self, delivery: Delivery) -> None:
+        try:
+            task = decode_as(delivery.body, Task)
+        except MessageRejected as exc:
+            self.counters["tasks_dead_lettered"] += 1
+            await self._dead_letter(delivery, self._task_queue, exc)
+            return
+        extra = self._extra(task_id=task.task_id, capability=task.capability)
+        if delivery.redelivered:
+            log.info("task redelivered; running it again", extra=extra)
+        counted = task.capability in self._in_flight
+        if counted:
+            self._in_flight[task.capability] += 1
+        try:
+            result = await process_task(task, self._capabilities, agent_id=self.agent_id)
+            self.counters[f"tasks_{result.status}"] += 1
+            if result.error is not None:
+                log.info("task failed", extra={**extra, "code": result.error.code.value})
+            if await self._send_result(delivery, result, extra):
+                await _ack(delivery, extra)
+            else:
+                await _requeue(delivery, extra)
+        finally:
+            if counted:
+                self._in_flight[task.capability] -= 1
+
+    async def _send_result(
+        self, delivery: Delivery, result: TaskResult, extra: dict[str, Any]
+    ) -> bool:
+        """Publish the result; ``True`` if the task can be acked, ``False`` to requeue it."""
+        if not delivery.reply_to:
+            self.counters["results_without_reply_to"] += 1
+            log.warning("task has no reply_to; its result is dropped", extra=extra)
+            return True
+        attempts = max(1, self.settings.result_publish_attempts)
+        for attempt in range(1, attempts + 1):
+            try:
+                await self.transport.publish(
+                    DEFAULT_EXCHANGE,
+                    delivery.reply_to,
+                    result,
+                    correlation_id=result.task_id,
+                    headers={c.H_AGENT_ID: self.agent_id},
+                    timeout_s=self.settings.publish_timeout_s,
+                )
+                return True
+            except PublishUnroutable:
+                self.counters["results_unroutable"] += 1
+                log.warning("the producer's reply queue is gone; result dropped", extra=extra)
+                return True
+            except PublishNacked as exc:
+                self.counters["results_refused"] += 1
+                log.error("broker refused the result", extra={**extra, "error": str(exc)})
+                return True
+            except TransportError as exc:
+                log.warning(
+                    "result publish outcome unknown",
+                    extra={**extra, "attempt": attempt, "error": str(exc)},
+                )
+                if attempt < attempts:
+                    await asyncio.sleep(backoff_delay(attempt - 1, rng=self._rng, cap_s=2.0))
+        self.counters["results_requeued"] += 1
+        log.error("could not publish the result; requeueing the task", extra=extra)
+        return False
+
+    async def _dead_letter(self, delivery: Delivery, queue: str, exc: MessageRejected) -> None:
+        extra = self._extra(queue=queue, reason=exc.reason, detail=exc.detail[:200])
+        log.warning("message dead-lettered", extra=extra)
+        try:
+            await self.transport.dead_letter(
+                delivery,
+                dead_letter_exchange=self.topology.dead_letter_exchange,
+                source_queue=queue,
+                reason=exc.reason,
+                detail=exc.detail,
+            )
+        except MeshError as err:
+            log.error("dead-lettering failed; rejecting", extra={**extra, "error": str(err)})
+            await _reject(delivery, extra)
+            return
+        await _ack(delivery, extra)
+
+    # ---- drain and stop -------------------------------------------------------------------
+    async def drain(
+        self, reason: str = "drain requested", *, timeout_s: float | None = None
+    ) -> None:
+        """Ask the manager to drain us, finish the work already leased, deregister and stop.
+
+        Returns once the runtime has stopped. ``timeout_s`` defaults to ``drain_timeout_s``.
+        Called while ``start()`` is still registering, it cancels ``start()`` instead.
+        """
+        if self._phase == "new":
+            await self._close()
+            return
+        if self._phase == "starting":
+            if self._starting is not None and self._starting is not asyncio.current_task():
+                self._starting.cancel()  # start() raises CancelledError and cleans up
+            await self._stopped.wait()
+            return
+        if self._shutdown_task is None:
+            self._begin_drain(reason, timeout_s=timeout_s, request=True)
+        if self._shutdown_task is not None:
+            await asyncio.shield(self._shutdown_task)
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        """A drain in a hurry: wait at most ``stop_timeout_s`` for the manager's leases."""
+        if self._phase == "stopped":
+            return
+        await self.drain("stopping", timeout_s=self.settings.stop_timeout_s)
+
+    async def run_until_stopped(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set (then drain) or the manager drains us; re-raise a fatal
+        error (a refused re-registration)."""
+        waiters = {
+            asyncio.ensure_future(stop.wait()),
+            asyncio.ensure_future(self._stopped.wait()),
+        }
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if not self._stopped.is_set():
+            await self.drain("stop requested")
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _begin_drain(
+        self, reason: str, *, timeout_s: float | None = None, request: bool = False
+    ) -> None:
+        if self._shutdown_task is not None or self._phase in ("stopping", "stopped"):
+            return
+        self._draining = True
+        self._ready.clear()
+        if self._reregistration is not None:
+            self._reregistration.cancel()
+        log.info("draining", extra=self._extra(reason=reason))
+        timeout = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+        self._shutdown_task = self._spawn(self._drain_then_stop(reason, timeout, request), "drain")
+
+    async def _drain_then_stop(self, reason: str, timeout_s: float, request: bool) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        if request:
+            await self._publish_drain_request(reason)
+        if await _wait_until(self._drain_complete, deadline):
+            self._stop_heartbeats()  # the manager has forgotten us: heartbeats would be news
+            await self._let_queue_empty(deadline)
+        else:
+            log.warning(
+                "no DrainComplete from the manager in time; stopping anyway",
+                extra=self._extra(timeout_s=timeout_s),
+            )
+        await self._shutdown(reason, deregister=True)
+
+    async def _publish_drain_request(self, reason: str) -> None:
+        try:
+            await self.transport.publish(
+                self.topology.announce_exchange,
+                names.agent_announce_key(self.agent_id, "drain"),
+                DrainRequest(agent_id=self.agent_id, reason=reason[:500]),
+                reply_to=self._control_queue,
+                correlation_id=self._incarnation,
+                persistent=True,
+                timeout_s=self.settings.publish_timeout_s,
+            )
+        except TransportError as exc:
+            log.warning("drain request not delivered", extra=self._extra(error=str(exc)))
+
+    async def _let_queue_empty(self, deadline: float) -> None:
+        """Work off tasks still queued (from leases that expired) before leaving."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                depth = await self.transport.queue_depth(self._task_queue)
+            except Exception as exc:
+                log.debug("queue depth unavailable", extra=self._extra(error=str(exc)))
+                return
+            if depth == 0 and not self._active:
+                return
+            if loop.time() >= deadline:
+                log.warning(
+                    "task queue not empty at the drain deadline", extra=self._extra(depth=depth)
+                )
+                return
+            await asyncio.sleep(min(_SETTLE_POLL_S, max(0.0, deadline - loop.time())))
+
+    async def _shutdown(self, reason: str, *, deregister: bool) -> None:
+        if self._phase in ("stopping", "stopped"):
+            return
+        self._phase = "stopping"
+        self._ready.clear()
+        try:
+            await _cancel_quietly(self._task_consumer)
+            self._task_consumer = None
+            await self._finish_in_flight()
+            self._stop_heartbeats()
+            if deregister:
+                await self._deregister(reason)
+            await _cancel_quietly(self._control_consumer)
+            self._control_consumer = None
+            await self._delete_task_queue_if_empty()
+        finally:
+            await self._close()
+        log.info("agent stopped", extra=self._extra(reason=reason))
+
+    async def _finish_in_flight(self) -> None:
+        grace = self.settings.shutdown_grace_s
+        if await _wait_until(self._idle, asyncio.get_running_loop().time() + grace):
+            return
+        log.error(
+            "in-flight tasks did not finish in time; cancelling them (they will be redelivered)",
+            extra=self._extra(in_flight=self.in_flight, grace_s=grace),
+        )
+        for task in list(self._active):
+            task.cancel()
+        if self._active:
+            await asyncio.wait(list(self._active), timeout=1.0)
+
+    async def _deregister(self, reason: str) -> None:
+        try:
+            await self.transport.publish(
+                self.topology.announce_exchange,
+                names.agent_announce_key(self.agent_id, "deregister"),
+                Deregistration(
+                    agent_id=self.agent_id, incarnation=self._incarnation, reason=reason[:500]
+                ),
+                persistent=True,
+                timeout_s=self.settings.publish_timeout_s,
+            )
+        except TransportError as exc:
+            log.warning("deregistration not delivered", extra=self._extra(error=str(exc)))
+
+    async def _delete_task_queue_if_empty(self) -> None:
+        try:
+            if await self.transport.queue_depth(self._task_queue) == 0:
+                await self.transport.delete_queue(self._task_queue, if_empty=True)
+        except Exception as exc:
+            log.info("task queue kept", extra=self._extra(error=str(exc)))
+
+    def _stop_heartbeats(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            self._heartbeat_task = None
+
+    async def _abort(self) -> None:
+        """Tear down whatever ``start()`` opened, without the drain protocol."""
+        if self._phase == "stopped":
+            return
+        self._stop_heartbeats()
+        for consumer in (self._task_consumer, self._control_consumer):
+            await _cancel_quietly(consumer)
+        self._task_consumer = self._control_consumer = None
+        await self._close()
+
+    async def _close(self) -> None:
+        current = asyncio.current_task()
+        for task in list(self._background):
+            if task is not current and task is not self._shutdown_task:
+                task.cancel()
+        if self._owns_transport and self._transport is not None:
+            try:
+                await self._transport.close()
+            except Exception as exc:
+                log.warning("closing the transport failed", extra=self._extra(error=str(exc)))
+        self._phase = "stopped"
+        self._ready.clear()
+        self._stopped.set()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=f"agent:{self.agent_id}:{what}")
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "agent background task failed",
+                exc_info=task.exception(),
+                extra=self._extra(task=task.get_name()),
+            )
+
+
+async def run_agent(
+    agent: Agent, settings: AgentSettings | None = None, stop_event: asyncio.Event | None = None
+) -> AgentRuntime:
+    """Start ``agent``, serve until ``stop_event`` is set (then drain), and return the runtime.
+
+    Setting ``stop_event`` while the agent is still registering abandons the registration.
+    """
+    runtime = AgentRuntime(agent, settings)
+    stop = stop_event or asyncio.Event()
+    starting = asyncio.ensure_future(runtime.start())
+    stop_wait = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait({starting})
+            return runtime
+        starting.result()
+        await runtime.run_until_stopped(stop)
+    finally:
+        stop_wait.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait({starting})
+        await runtime.stop()
+    return runtime
+
+
+async def _wait_until(event: asyncio.Event, deadline: float) -> bool:
+    """Wait for ``event`` until the loop-time ``deadline``; ``True`` if it was set."""
+    if event.is_set():
+        return True
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        return False
+    try:
+        async with asyncio.timeout(remaining):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+async def _cancel_quietly(consumer: Subscription | None) -> None:
+    if consumer is None:
+        return
+    try:
+        await consumer.cancel()
+    except Exception as exc:
+        log.debug("consumer cancel failed", extra={"error": str(exc)})
+
+
+async def _ack(delivery: Delivery, extra: dict[str, Any]) -> None:
+    try:
+        await delivery.ack()
+    except Exception as exc:  # the channel is gone: the broker redelivers
+        log.warning(
+            "ack failed; the message will be redelivered", extra={**extra, "error": str(exc)}
+        )
+
+
+async def _requeue(delivery: Delivery, extra: dict[str, Any]) -> None:
+    try:
+        await delivery.reject(requeue=True)
+    except Exception as exc:
+        log.warning("requeue failed", extra={**extra, "error": str(exc)})
+
+
+async def _reject(delivery: Delivery, extra: dict[str, Any]) -> None:
+    try:
+        await delivery.reject(requeue=False)
+    except Exception as exc:
+        log.warning("reject failed", extra={**extra, "error": str(exc)})

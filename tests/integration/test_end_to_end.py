@@ -1,0 +1,149 @@
+"""Manager, SDK agents and the producer helper together on the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mesh.agent import Agent, AgentRuntime, AgentSettings
+from mesh.errors import TaskInputInvalid
+from mesh.manager.service import ManagerService
+from mesh.producer import MeshClient
+from mesh.samples import SAMPLES
+
+from .harness import eventually, manager_settings, start_manager
+
+RuntimeFactory = Callable[..., Awaitable[AgentRuntime]]
+
+
+@pytest.fixture
+async def manager(amqp_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[ManagerService]:
+    service = await start_manager(
+        manager_settings(namespace, tmp_path / "j.sqlite3", amqp_url=amqp_url)
+    )
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def client(
+    amqp_url: str, namespace: str, manager: ManagerService
+) -> AsyncIterator[MeshClient]:
+    mesh_client = await MeshClient.connect(amqp_url, namespace=namespace, name="e2e-client")
+    yield mesh_client
+    await mesh_client.close()
+
+
+@pytest.fixture
+async def start_agent(amqp_url: str, namespace: str) -> AsyncIterator[RuntimeFactory]:
+    runtimes: list[AgentRuntime] = []
+
+    async def start(sample: str, agent_id: str, **settings: Any) -> AgentRuntime:
+        agent: Agent = SAMPLES[sample](agent_id, heartbeat_interval_s=5.0)
+        runtime = AgentRuntime(
+            agent, AgentSettings(amqp_url=amqp_url, namespace=namespace, **settings)
+        )
+        await runtime.start()
+        runtimes.append(runtime)
+        return runtime
+
+    yield start
+    for runtime in reversed(runtimes):
+        await runtime.stop()
+
+
+async def test_tasks_run_on_the_cheapest_agent_that_offers_the_capability(
+    client: MeshClient, start_agent: RuntimeFactory
+) -> None:
+    await start_agent("calc", "calc-a")
+    await start_agent("textstats", "text-a")
+
+    calc = await client.run_task("math.evaluate", {"expression": "6 * 7"}, version_spec=">=1,<2")
+    stats = await client.run_task("text.stats", {"text": "one two two"}, version_spec="~=1.2")
+
+    assert calc.output["value"] == 42
+    assert calc.lease.agent_id == "calc-a"
+    assert stats.output["words"] == 3
+    assert stats.lease.agent_id == "text-a"
+
+
+async def test_a_payload_that_violates_the_input_schema_is_a_typed_error_for_the_producer(
+    client: MeshClient, start_agent: RuntimeFactory
+) -> None:
+    await start_agent("calc", "calc-strict")
+
+    with pytest.raises(TaskInputInvalid) as caught:
+        await client.run_task("math.evaluate", {"expr": "1 + 1"})
+
+    assert caught.value.code == "INPUT_SCHEMA_VIOLATION"
+    assert "expression" in caught.value.message
+    # The slot was released: the next good task runs.
+    assert (await client.run_task("math.evaluate", {"expression": "1+1"})).output["value"] == 2
+
+
+async def test_draining_an_agent_with_tasks_in_flight_loses_none_of_them(
+    manager: ManagerService, client: MeshClient, start_agent: RuntimeFactory
+) -> None:
+    runtime = await start_agent("echo", "echo-drain")
+    tasks = [
+        asyncio.create_task(client.run_task("test.echo", {"message": f"task {i}", "sleep_ms": 800}))
+        for i in range(6)
+    ]
+    await eventually(
+        lambda: manager.core.agents["echo-drain"].in_flight == 6, what="six leases held"
+    )
+
+    accepted = await client.drain("echo-drain", "test drain under load")
+    assert getattr(accepted, "in_flight", None) == 6
+    refused = await client.acquire("test.echo")
+    assert getattr(refused, "reason", None) == "NO_AGENT_AVAILABLE"
+
+    results = await asyncio.gather(*tasks)
+    assert sorted(r.output["message"] for r in results) == sorted(f"task {i}" for i in range(6))
+    await asyncio.wait_for(runtime.stopped.wait(), 15)
+    assert "echo-drain" not in manager.core.agents
+    assert manager.core.counters["released"] == 6
+
+
+async def test_after_a_manager_restart_agents_register_again_and_work_resumes(
+    amqp_url: str, namespace: str, tmp_path: Path, start_agent: RuntimeFactory
+) -> None:
+    journal = tmp_path / "j.sqlite3"
+    first = await start_manager(manager_settings(namespace, journal, amqp_url=amqp_url))
+    await start_agent("calc", "calc-survivor")
+    await first.stop()
+
+    second = await start_manager(manager_settings(namespace, journal, amqp_url=amqp_url))
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="e2e-after-restart")
+    try:
+        # The agent's next heartbeat (interval 5 s) reaches a manager that does not know it.
+        await eventually(
+            lambda: "calc-survivor" in second.core.agents, timeout_s=20, what="re-registration"
+        )
+        outcome = await client.run_task("math.evaluate", {"expression": "2 ** 10"})
+        assert outcome.output["value"] == 1024
+    finally:
+        await client.close()
+        await second.stop()
+
+
+async def test_an_agent_whose_connection_is_cut_reconnects_and_keeps_serving(
+    client: MeshClient, start_agent: RuntimeFactory, management_api: Any
+) -> None:
+    await start_agent("calc", "calc-cut")
+    assert (await client.run_task("math.evaluate", {"expression": "1+2"})).output["value"] == 3
+
+    assert management_api.close_connections("agent:calc-cut") >= 1
+
+    async def serves() -> bool:
+        try:
+            outcome = await client.run_task("math.evaluate", {"expression": "3+4"}, timeout_s=2)
+        except Exception:
+            return False
+        return outcome.output["value"] == 7
+
+    await eventually(serves, timeout_s=30, what="the agent to serve again after reconnecting")

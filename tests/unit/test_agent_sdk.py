@@ -1,0 +1,907 @@
+"""The agent SDK without a broker: declaration, registration, per-task logic, and the runtime's
+protocol driven through an in-memory fake transport that plays the manager."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from mesh.agent import (
+    Agent,
+    AgentRuntime,
+    AgentSettings,
+    RegistrationRefusedError,
+    RegistrationTimeoutError,
+    backoff_delay,
+    capability,
+    process_task,
+)
+from mesh.errors import LocalProtocolError, PublishTimeout, PublishUnroutable
+from mesh.topology import Topology
+from mesh.transport import Delivery, Handler
+from mesh.wire import (
+    AgentRegistration,
+    Deregistration,
+    DrainComplete,
+    DrainNotice,
+    DrainRequest,
+    Heartbeat,
+    Message,
+    Reason,
+    RegistrationAccepted,
+    RegistrationRefused,
+    ReRegisterRequest,
+    Task,
+    TaskResult,
+    decode,
+    encode,
+)
+
+OBJECT_N = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+OBJECT_ANY = {"type": "object"}
+
+
+class Toy(Agent):
+    deployment = "toy"
+
+    @capability(
+        "toy.double",
+        version="1.2.3",
+        input_schema=OBJECT_N,
+        output_schema=OBJECT_N,
+        max_concurrency=3,
+        cost_class="A",
+        description="doubles n",
+    )
+    async def double(self, payload: dict[str, Any]) -> dict[str, Any]:
+        n = payload["n"]
+        if n == 13:
+            raise RuntimeError("unlucky number")
+        if n == 7:
+            return {"n": "seven"}
+        return {"n": n * 2}
+
+    @capability("toy.raw", version="1.0.0", input_schema=OBJECT_ANY, output_schema=OBJECT_ANY)
+    async def raw(self, payload: dict[str, Any]) -> Any:
+        if "sleep" in payload:
+            await asyncio.sleep(payload["sleep"])
+        return payload.get("return", {})
+
+
+# ---- declaration --------------------------------------------------------------------------
+
+
+def test_the_decorator_collects_capabilities_on_the_class() -> None:
+    assert set(Toy.capabilities) == {"toy.double", "toy.raw"}
+    double = Toy.capabilities["toy.double"]
+    assert double.method_name == "double"
+    assert double.capability.version == "1.2.3"
+    assert double.capability.max_concurrency == 3
+    assert double.capability.cost_class == "A"
+    assert Toy.capabilities["toy.raw"].capability.cost_class == "B"  # the default
+
+
+async def test_decorated_methods_stay_plain_coroutine_methods() -> None:
+    assert await Toy("toy-1").double({"n": 2}) == {"n": 4}
+
+
+def test_subclasses_inherit_and_override_capabilities() -> None:
+    class MoreToy(Toy):
+        deployment = "more-toy"
+
+        @capability("toy.extra", version="0.1.0", input_schema=OBJECT_ANY, output_schema=OBJECT_ANY)
+        async def extra(self, payload: dict[str, Any]) -> dict[str, Any]:
+            return {}
+
+        async def raw(self, payload: dict[str, Any]) -> Any:  # overridden without the mark
+            return {}
+
+    assert set(MoreToy.capabilities) == {"toy.double", "toy.extra"}
+    assert MoreToy("m-1").total_concurrency == 4
+
+
+def test_one_capability_declared_twice_is_refused() -> None:
+    with pytest.raises(LocalProtocolError, match="declared by both"):
+
+        class Twice(Agent):
+            deployment = "twice"
+
+            @capability("a.b", version="1.0.0", input_schema=OBJECT_ANY, output_schema=OBJECT_ANY)
+            async def one(self, payload: dict[str, Any]) -> dict[str, Any]:
+                return {}
+
+            @capability("a.b", version="2.0.0", input_schema=OBJECT_ANY, output_schema=OBJECT_ANY)
+            async def two(self, payload: dict[str, Any]) -> dict[str, Any]:
+                return {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "nodots"}, "name"),
+        ({"version": "1.0"}, "version"),
+        ({"input_schema": {"type": "objekt"}}, "not a valid JSON Schema"),
+        ({"output_schema": {"minLength": -1}}, "not a valid JSON Schema"),
+        ({"input_schema": {"$schema": 5}}, "not a valid JSON Schema"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"cost_class": "D"}, "cost_class"),
+    ],
+)
+def test_bad_capability_declarations_fail_at_import_time(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    args: dict[str, Any] = {
+        "name": "ok.name",
+        "version": "1.0.0",
+        "input_schema": OBJECT_ANY,
+        "output_schema": OBJECT_ANY,
+        **kwargs,
+    }
+    name = args.pop("name")
+    with pytest.raises(LocalProtocolError, match=message):
+        capability(name, **args)
+
+
+def test_a_handler_must_be_a_coroutine_function() -> None:
+    decorate = capability("a.b", version="1.0.0", input_schema=OBJECT_ANY, output_schema=OBJECT_ANY)
+
+    def sync(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(LocalProtocolError, match="async def"):
+        decorate(sync)  # type: ignore[type-var]
+
+
+# ---- construction and registration ---------------------------------------------------------
+
+
+def test_registration_builds_a_valid_wire_message() -> None:
+    agent = Toy("toy-7", heartbeat_interval_s=12, metadata={"zone": "a"}, endpoint="http://x:8080")
+    registration = agent.registration("inc-1")
+    assert isinstance(registration, AgentRegistration)
+    assert decode(encode(registration)) == registration
+    assert registration.agent_id == "toy-7"
+    assert registration.incarnation == "inc-1"
+    assert registration.deployment == "toy"
+    assert registration.heartbeat_interval_s == 12
+    assert registration.metadata == {"zone": "a"}
+    assert registration.endpoint == "http://x:8080"
+    assert {c.name: c.version for c in registration.capabilities} == {
+        "toy.double": "1.2.3",
+        "toy.raw": "1.0.0",
+    }
+
+
+def test_the_default_agent_id_is_the_deployment_and_six_hex_digits() -> None:
+    ids = {Toy().agent_id for _ in range(20)}
+    assert len(ids) > 1
+    for agent_id in ids:
+        assert re.fullmatch(r"toy-[0-9a-f]{6}", agent_id)
+
+
+@pytest.mark.parametrize("interval", [0.5, 1, 4.99])
+def test_a_heartbeat_interval_below_five_seconds_is_refused_with_the_3_miss_rule(
+    interval: float,
+) -> None:
+    with pytest.raises(LocalProtocolError, match="3-miss rule") as caught:
+        Toy("toy-1", heartbeat_interval_s=interval)
+    assert "5 s" in str(caught.value)
+    assert "GC pauses" in str(caught.value)
+
+
+@pytest.mark.parametrize("agent_id", ["has.dot", "-lead", "", "x" * 64, "sp ace"])
+def test_agent_ids_that_are_not_routing_key_words_are_refused(agent_id: str) -> None:
+    with pytest.raises(LocalProtocolError, match="agent_id"):
+        Toy(agent_id)
+
+
+def test_an_agent_without_deployment_or_capabilities_cannot_be_built() -> None:
+    class NoDeployment(Agent):
+        @capability("a.b", version="1.0.0", input_schema=OBJECT_ANY, output_schema=OBJECT_ANY)
+        async def h(self, payload: dict[str, Any]) -> dict[str, Any]:
+            return {}
+
+    class NoCapabilities(Agent):
+        deployment = "empty"
+
+    with pytest.raises(LocalProtocolError, match="deployment"):
+        NoDeployment()
+    with pytest.raises(LocalProtocolError, match="no @capability"):
+        NoCapabilities()
+
+
+def test_metadata_the_manager_would_refuse_is_refused_locally() -> None:
+    with pytest.raises(LocalProtocolError, match="metadata"):
+        Toy("toy-1", metadata={f"k{i}": "v" for i in range(65)})
+
+
+# ---- process_task ---------------------------------------------------------------------------
+
+
+def make_task(capability: str = "toy.double", payload: Any = None, **kw: Any) -> Task:
+    return Task(
+        task_id=kw.pop("task_id", "t-1"),
+        capability=capability,
+        payload={"n": 2} if payload is None else payload,
+        submitted_at=1000.0,
+        **kw,
+    )
+
+
+async def run(task: Task, agent: Agent | None = None, now: float = 1000.0) -> TaskResult:
+    return await process_task(
+        task, (agent or Toy("toy-1")).bind(), agent_id="toy-1", clock=lambda: now
+    )
+
+
+async def test_a_valid_task_produces_an_ok_result() -> None:
+    result = await run(make_task(payload={"n": 21}))
+    assert result.status == "ok"
+    assert result.output == {"n": 42}
+    assert result.error is None
+    assert (result.task_id, result.agent_id, result.capability) == ("t-1", "toy-1", "toy.double")
+    assert result.started_at == result.finished_at == 1000.0
+
+
+async def test_an_unknown_capability_is_an_error_result() -> None:
+    result = await run(make_task(capability="toy.triple"))
+    assert result.status == "error"
+    assert result.error is not None
+    assert result.error.code is Reason.CAPABILITY_NOT_HANDLED
+    assert "toy.double" in result.error.message
+
+
+async def test_a_task_past_its_deadline_is_not_run() -> None:
+    result = await run(make_task(payload={"n": 13}, deadline=999.0))
+    assert result.error is not None
+    assert result.error.code is Reason.DEADLINE_EXCEEDED
+
+
+async def test_a_handler_running_past_the_deadline_is_cancelled() -> None:
+    loop_now = __import__("time").time()
+    task = make_task("toy.raw", {"sleep": 5}, deadline=loop_now + 0.05)
+    result = await process_task(task, Toy("toy-1").bind(), agent_id="toy-1")
+    assert result.error is not None
+    assert result.error.code is Reason.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [{}, {"n": "two"}, {"n": 2, "extra": 1}, {"n": 1.5}],
+)
+async def test_a_payload_violating_the_input_schema_is_refused_with_the_message(
+    payload: dict[str, Any],
+) -> None:
+    result = await run(make_task(payload=payload))
+    assert result.error is not None
+    assert result.error.code is Reason.INPUT_SCHEMA_VIOLATION
+    assert "input_schema" in result.error.message
+
+
+async def test_a_handler_exception_is_a_handler_error_without_traceback_on_the_wire(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="mesh.agent.processing"):
+        result = await run(make_task(payload={"n": 13}))
+    assert result.error is not None
+    assert result.error.code is Reason.HANDLER_ERROR
+    assert result.error.message == "RuntimeError: unlucky number"
+    assert "Traceback" not in result.error.message
+    [record] = caplog.records
+    assert record.exc_info is not None  # the traceback goes to the log
+    assert record.__dict__["task_id"] == "t-1"
+
+
+async def test_an_output_violating_the_output_schema_is_refused() -> None:
+    result = await run(make_task(payload={"n": 7}))
+    assert result.error is not None
+    assert result.error.code is Reason.OUTPUT_SCHEMA_VIOLATION
+    assert "n: 'seven' is not of type 'integer'" in result.error.message
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (["not", "a", "dict"], "not a JSON object"),
+        ({"s": {1, 2}}, "cannot be serialised"),
+    ],
+)
+async def test_outputs_that_are_not_json_objects_are_output_schema_violations(
+    returned: Any, message: str
+) -> None:
+    result = await run(make_task("toy.raw", {"return": returned}))
+    assert result.error is not None
+    assert result.error.code is Reason.OUTPUT_SCHEMA_VIOLATION
+    assert message in result.error.message
+
+
+async def test_the_output_is_validated_as_the_producer_will_receive_it() -> None:
+    class Floaty(Agent):
+        deployment = "floaty"
+
+        @capability(
+            "f.nan",
+            version="1.0.0",
+            input_schema=OBJECT_ANY,
+            output_schema={"type": "object", "properties": {"x": {"type": "number"}}},
+        )
+        async def nan(self, payload: dict[str, Any]) -> dict[str, Any]:
+            return {"x": float("nan")}  # JSON has no NaN: it would arrive as null
+
+    result = await run(make_task("f.nan", {}), Floaty("f-1"))
+    assert result.error is not None
+    assert result.error.code is Reason.OUTPUT_SCHEMA_VIOLATION
+
+
+async def test_each_capability_runs_at_most_max_concurrency_handlers_at_once() -> None:
+    running = 0
+    peak = 0
+
+    class Gate(Agent):
+        deployment = "gate"
+
+        @capability(
+            "g.slow",
+            version="1.0.0",
+            input_schema=OBJECT_ANY,
+            output_schema=OBJECT_ANY,
+            max_concurrency=2,
+        )
+        async def slow(self, payload: dict[str, Any]) -> dict[str, Any]:
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            await asyncio.sleep(0.01)
+            running -= 1
+            return {}
+
+    bound = Gate("gate-1").bind()
+    results = await asyncio.gather(
+        *(process_task(make_task("g.slow", {}), bound, agent_id="gate-1") for _ in range(7))
+    )
+    assert all(r.status == "ok" for r in results)
+    assert peak == 2
+
+
+# ---- backoff --------------------------------------------------------------------------------
+
+
+def test_backoff_grows_exponentially_with_jitter_up_to_the_cap() -> None:
+    rng = random.Random(7)
+    for attempt in range(12):
+        step = min(10.0, 0.5 * 2**attempt)
+        for _ in range(50):
+            delay = backoff_delay(attempt, rng=rng, cap_s=10.0)
+            assert step / 2 <= delay <= step
+    assert backoff_delay(10_000, rng=rng, cap_s=3.0) <= 3.0
+    a = [backoff_delay(3, rng=random.Random(1)) for _ in range(3)]
+    assert a == [backoff_delay(3, rng=random.Random(1)) for _ in range(3)]
+
+
+# ---- the runtime against a fake transport ---------------------------------------------------
+
+
+class FakeRaw:
+    """Stands in for aio-pika's incoming message: records how it was settled."""
+
+    def __init__(self) -> None:
+        self.settled: str | None = None
+
+    async def ack(self) -> None:
+        self.settled = "ack"
+
+    async def reject(self, requeue: bool = False) -> None:
+        self.settled = "requeue" if requeue else "reject"
+
+
+def make_delivery(body: Message | bytes, *, reply_to: str | None = None) -> Delivery:
+    return Delivery(
+        body=body if isinstance(body, bytes) else encode(body),
+        routing_key="",
+        exchange="",
+        headers={},
+        reply_to=reply_to,
+        correlation_id=None,
+        message_id=None,
+        user_id=None,
+        redelivered=False,
+        _raw=FakeRaw(),  # type: ignore[arg-type]
+    )
+
+
+def settled(delivery: Delivery) -> str | None:
+    raw: FakeRaw = delivery._raw  # type: ignore[assignment]
+    return raw.settled
+
+
+@dataclass
+class Published:
+    exchange: str
+    routing_key: str
+    message: Message | bytes
+    reply_to: str | None
+    correlation_id: str | None
+    persistent: bool
+
+    @property
+    def decoded(self) -> Message:
+        return decode(self.message) if isinstance(self.message, bytes) else self.message
+
+
+class FakeSubscription:
+    def __init__(self, transport: FakeTransport, queue: str) -> None:
+        self.transport = transport
+        self.queue = queue
+
+    async def cancel(self) -> None:
+        self.transport.consumers.pop(self.queue, None)
+        self.transport.cancelled.append(self.queue)
+
+
+@dataclass
+class FakeTransport:
+    """Records everything; ``manager`` maps a published message to the control replies."""
+
+    manager: Callable[[Message], list[Message]] = lambda message: []
+    publish_error: Callable[[Published], Exception | None] = lambda p: None
+    fast_error: Exception | None = None
+    depth: int = 0
+    published: list[Published] = field(default_factory=list)
+    heartbeats: list[Heartbeat] = field(default_factory=list)
+    consumers: dict[str, Handler] = field(default_factory=dict)
+    prefetch: dict[str, int] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)
+    declared: list[Any] = field(default_factory=list)
+    dead_letters: list[tuple[str, str]] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    closed: bool = False
+    pending: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def declare(self, declarations: Any) -> None:
+        self.declared.append(declarations)
+
+    async def consume(
+        self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False
+    ) -> FakeSubscription:
+        self.consumers[queue] = handler
+        self.prefetch[queue] = prefetch
+        return FakeSubscription(self, queue)
+
+    def deliver(self, queue: str, delivery: Delivery) -> asyncio.Task[None]:
+        """Hand a delivery to the consumer on its own task, as aio-pika does."""
+        task = asyncio.create_task(self.consumers[queue](delivery))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+        return task
+
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: Message | bytes,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        headers: Any = None,
+        persistent: bool = False,
+        mandatory: bool = True,
+        timeout_s: float | None = None,
+    ) -> None:
+        published = Published(exchange, routing_key, message, reply_to, correlation_id, persistent)
+        error = self.publish_error(published)
+        if error is not None:
+            raise error
+        self.published.append(published)
+        if isinstance(message, Message):
+            for reply in self.manager(message):
+                control = next(q for q in self.consumers if q.endswith(".control"))
+                self.deliver(control, make_delivery(reply))
+
+    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None:
+        if self.fast_error is not None:
+            raise self.fast_error
+        message = decode(body)
+        assert isinstance(message, Heartbeat)
+        assert routing_key == f"hb.{message.agent_id}"
+        self.heartbeats.append(message)
+
+    async def dead_letter(
+        self,
+        delivery: Delivery,
+        *,
+        dead_letter_exchange: str,
+        source_queue: str,
+        reason: str,
+        detail: str,
+    ) -> None:
+        self.dead_letters.append((source_queue, reason))
+
+    async def delete_queue(self, name: str, *, if_empty: bool = False) -> None:
+        self.deleted.append(name)
+
+    async def queue_depth(self, queue: str) -> int:
+        return self.depth
+
+    def on_reconnect(self, callback: Any) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def of_type(self, cls: type[Message]) -> list[Published]:
+        return [p for p in self.published if isinstance(p.decoded, cls)]
+
+
+def accepting(message: Message) -> list[Message]:
+    """A manager that accepts every registration and drains on request."""
+    if isinstance(message, AgentRegistration):
+        return [RegistrationAccepted(agent_id=message.agent_id, incarnation=message.incarnation)]
+    if isinstance(message, DrainRequest):
+        return [DrainNotice(agent_id=message.agent_id), DrainComplete(agent_id=message.agent_id)]
+    return []
+
+
+FAST = AgentSettings(
+    namespace="t",
+    registration_timeout_s=0.05,
+    registration_backoff_cap_s=0.02,
+    drain_timeout_s=1.0,
+    stop_timeout_s=0.2,
+    shutdown_grace_s=1.0,
+)
+TOPOLOGY = Topology("t")
+
+
+def runtime_with(
+    transport: FakeTransport, agent: Agent | None = None, **settings: Any
+) -> AgentRuntime:
+    from dataclasses import replace
+
+    return AgentRuntime(
+        agent or Toy("toy-1"), replace(FAST, **settings), transport, rng=random.Random(0)
+    )
+
+
+async def test_start_declares_consumes_registers_and_only_then_is_ready() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    try:
+        assert runtime.ready.is_set()
+        [declarations] = transport.declared
+        assert declarations == TOPOLOGY.agent("toy-1", 2 * (3 + 1))
+        assert transport.prefetch == {"t.agent.toy-1.control": 16, "t.agent.toy-1.tasks": 4}
+        [registration] = transport.of_type(AgentRegistration)
+        assert registration.exchange == "t.announce"
+        assert registration.routing_key == "agent.toy-1.register"
+        assert registration.persistent
+        reg = registration.decoded
+        assert isinstance(reg, AgentRegistration)
+        assert reg.incarnation == runtime.incarnation
+        assert re.fullmatch(r"[0-9a-f]{32}", runtime.incarnation)
+        await asyncio.sleep(0)
+        [heartbeat] = transport.heartbeats  # the first one goes out at once
+        assert (heartbeat.seq, heartbeat.draining) == (0, False)
+        assert heartbeat.in_flight == {"toy.double": 0, "toy.raw": 0}
+        assert heartbeat.incarnation == runtime.incarnation
+    finally:
+        await runtime.stop()
+
+
+async def test_registration_is_retried_until_the_manager_answers() -> None:
+    seen: list[AgentRegistration] = []
+
+    def slow_manager(message: Message) -> list[Message]:
+        if isinstance(message, AgentRegistration):
+            seen.append(message)
+            if len(seen) < 3:
+                return []
+        return accepting(message)
+
+    transport = FakeTransport(manager=slow_manager)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    await runtime.stop()
+    assert len(seen) == 3
+    assert {r.incarnation for r in seen} == {runtime.incarnation}
+    assert runtime.counters["registration_attempts"] == 3
+
+
+async def test_a_registration_with_no_manager_listening_is_retried() -> None:
+    attempts = 0
+
+    def unroutable_twice(p: Published) -> Exception | None:
+        nonlocal attempts
+        if isinstance(p.decoded, AgentRegistration):
+            attempts += 1
+            if attempts <= 2:
+                return PublishUnroutable("no queue bound")
+        return None
+
+    transport = FakeTransport(manager=accepting, publish_error=unroutable_twice)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    await runtime.stop()
+    assert attempts == 3
+
+
+async def test_a_refused_registration_raises_with_the_reason_and_cleans_up() -> None:
+    def refusing(message: Message) -> list[Message]:
+        assert isinstance(message, AgentRegistration)
+        return [
+            RegistrationRefused(
+                agent_id=message.agent_id,
+                incarnation=message.incarnation,
+                reason=Reason.HEARTBEAT_INTERVAL_TOO_SHORT,
+                detail="too short",
+            )
+        ]
+
+    transport = FakeTransport(manager=refusing)
+    runtime = runtime_with(transport)
+    with pytest.raises(RegistrationRefusedError) as caught:
+        await runtime.start()
+    assert caught.value.reason == "HEARTBEAT_INTERVAL_TOO_SHORT"
+    assert caught.value.detail == "too short"
+    assert not runtime.ready.is_set()
+    assert runtime.stopped.is_set()
+    assert transport.consumers == {}
+    assert not transport.closed  # a transport handed in belongs to the caller
+
+
+async def test_a_reply_for_another_incarnation_does_not_count() -> None:
+    def confused(message: Message) -> list[Message]:
+        assert isinstance(message, AgentRegistration)
+        return [RegistrationAccepted(agent_id=message.agent_id, incarnation="someone-else")]
+
+    transport = FakeTransport(manager=confused)
+    runtime = runtime_with(transport, max_registration_attempts=2)
+    with pytest.raises(RegistrationTimeoutError):
+        await runtime.start()
+    assert len(transport.of_type(AgentRegistration)) == 2
+
+
+async def test_a_failing_heartbeat_does_not_kill_the_agent() -> None:
+    transport = FakeTransport(manager=accepting, fast_error=ConnectionError("down"))
+    runtime = runtime_with(transport)
+    await runtime.start()
+    await asyncio.sleep(0)
+    assert runtime.ready.is_set()
+    assert runtime.counters["heartbeats_failed"] == 1
+    await runtime.stop()
+
+
+async def test_a_task_is_run_and_its_result_published_to_reply_to_before_the_ack() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    delivery = make_delivery(make_task(payload={"n": 5}, task_id="t-9"), reply_to="reply.q")
+    await transport.deliver("t.agent.toy-1.tasks", delivery)
+    [published] = transport.of_type(TaskResult)
+    assert (published.exchange, published.routing_key) == ("", "reply.q")
+    assert published.correlation_id == "t-9"
+    result = published.decoded
+    assert isinstance(result, TaskResult)
+    assert (result.status, result.output) == ("ok", {"n": 10})
+    assert settled(delivery) == "ack"
+    assert runtime.counters["tasks_ok"] == 1
+    await runtime.stop()
+
+
+async def test_a_task_error_is_a_result_too() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    delivery = make_delivery(make_task(payload={"n": "x"}), reply_to="reply.q")
+    await transport.deliver("t.agent.toy-1.tasks", delivery)
+    result = transport.of_type(TaskResult)[0].decoded
+    assert isinstance(result, TaskResult)
+    assert result.error is not None
+    assert result.error.code is Reason.INPUT_SCHEMA_VIOLATION
+    assert settled(delivery) == "ack"
+    await runtime.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "MALFORMED_JSON"),
+        (b'{"type": "mesh.task.v1", "task_id": "t", "surprise": 1}', "UNKNOWN_FIELD"),
+        (
+            encode(Heartbeat(agent_id="a", incarnation="i", seq=0, sent_at=1.0)),
+            "UNEXPECTED_MESSAGE_TYPE",
+        ),
+    ],
+)
+async def test_garbage_in_the_task_queue_is_dead_lettered_with_its_reason_and_acked(
+    body: bytes, reason: str
+) -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    delivery = make_delivery(body, reply_to="reply.q")
+    await transport.deliver("t.agent.toy-1.tasks", delivery)
+    assert transport.dead_letters == [("t.agent.toy-1.tasks", reason)]
+    assert settled(delivery) == "ack"
+    assert runtime.counters["tasks_dead_lettered"] == 1
+    assert transport.of_type(TaskResult) == []
+    await runtime.stop()
+
+
+async def test_a_result_whose_producer_is_gone_is_dropped_and_the_task_acked() -> None:
+    def no_reply_queue(p: Published) -> Exception | None:
+        return PublishUnroutable("gone") if p.routing_key == "reply.q" else None
+
+    transport = FakeTransport(manager=accepting, publish_error=no_reply_queue)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    delivery = make_delivery(make_task(), reply_to="reply.q")
+    await transport.deliver("t.agent.toy-1.tasks", delivery)
+    assert settled(delivery) == "ack"
+    assert runtime.counters["results_unroutable"] == 1
+    await runtime.stop()
+
+
+async def test_a_result_whose_publish_stays_unconfirmed_requeues_the_task() -> None:
+    def timing_out(p: Published) -> Exception | None:
+        return PublishTimeout("no confirm") if p.routing_key == "reply.q" else None
+
+    transport = FakeTransport(manager=accepting, publish_error=timing_out)
+    runtime = runtime_with(transport, result_publish_attempts=2)
+    await runtime.start()
+    delivery = make_delivery(make_task(), reply_to="reply.q")
+    await transport.deliver("t.agent.toy-1.tasks", delivery)
+    assert settled(delivery) == "requeue"
+    assert runtime.counters["results_requeued"] == 1
+    await runtime.stop()
+
+
+async def test_garbage_and_misaddressed_control_messages_are_dead_lettered() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    bad = make_delivery(b"[]")
+    other = make_delivery(DrainNotice(agent_id="someone-else"))
+    await transport.deliver("t.agent.toy-1.control", bad)
+    await transport.deliver("t.agent.toy-1.control", other)
+    assert transport.dead_letters == [
+        ("t.agent.toy-1.control", "MALFORMED_JSON"),
+        ("t.agent.toy-1.control", "UNKNOWN_AGENT"),
+    ]
+    assert settled(bad) == settled(other) == "ack"
+    assert not runtime.draining
+    await runtime.stop()
+
+
+async def test_a_reregister_request_registers_again_with_the_same_incarnation() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    request = make_delivery(ReRegisterRequest(agent_id="toy-1", reason="manager restarted"))
+    await transport.deliver("t.agent.toy-1.control", request)
+    assert settled(request) == "ack"
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+        if runtime.ready.is_set():
+            break
+    registrations = [p.decoded for p in transport.of_type(AgentRegistration)]
+    assert len(registrations) == 2
+    assert {r.incarnation for r in registrations if isinstance(r, AgentRegistration)} == {
+        runtime.incarnation
+    }
+    assert runtime.ready.is_set()
+    await runtime.stop()
+
+
+async def test_a_drain_notice_keeps_working_queued_tasks_and_drain_complete_finishes() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    await transport.deliver("t.agent.toy-1.control", make_delivery(DrainNotice(agent_id="toy-1")))
+    assert runtime.draining
+    assert not runtime.ready.is_set()
+    slow = make_delivery(make_task("toy.raw", {"sleep": 0.1, "return": {"done": 1}}), reply_to="r")
+    working = transport.deliver("t.agent.toy-1.tasks", slow)
+    await asyncio.sleep(0.01)
+    assert runtime.in_flight == {"toy.double": 0, "toy.raw": 1}
+    await transport.deliver("t.agent.toy-1.control", make_delivery(DrainComplete(agent_id="toy-1")))
+    await asyncio.wait_for(runtime.stopped.wait(), 2)
+    await working
+    assert settled(slow) == "ack"
+    kinds = [type(p.decoded).__name__ for p in transport.published]
+    assert kinds.index("TaskResult") < kinds.index("Deregistration")
+    [dereg] = transport.of_type(Deregistration)
+    assert dereg.routing_key == "agent.toy-1.deregister"
+    assert isinstance(dereg.decoded, Deregistration)
+    assert dereg.decoded.incarnation == runtime.incarnation
+    assert transport.deleted == ["t.agent.toy-1.tasks"]
+    assert set(transport.cancelled) == {"t.agent.toy-1.tasks", "t.agent.toy-1.control"}
+    assert not transport.closed
+
+
+async def test_drain_asks_the_manager_then_finishes_and_deregisters() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    await asyncio.wait_for(runtime.drain("rolling deploy"), 2)
+    [request] = transport.of_type(DrainRequest)
+    assert request.routing_key == "agent.toy-1.drain"
+    assert request.reply_to == "t.agent.toy-1.control"
+    assert isinstance(request.decoded, DrainRequest)
+    assert request.decoded.reason == "rolling deploy"
+    assert len(transport.of_type(Deregistration)) == 1
+    assert runtime.stopped.is_set()
+    assert runtime.phase == "stopped"
+
+
+async def test_drain_without_an_answer_gives_up_after_its_timeout() -> None:
+    def silent_on_drain(message: Message) -> list[Message]:
+        return [] if isinstance(message, DrainRequest) else accepting(message)
+
+    transport = FakeTransport(manager=silent_on_drain, depth=3)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    await asyncio.wait_for(runtime.drain("bye", timeout_s=0.05), 2)
+    assert len(transport.of_type(Deregistration)) == 1
+    assert transport.deleted == []  # tasks are still queued: the queue stays
+
+
+async def test_run_until_stopped_drains_when_the_stop_event_is_set() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    stop = asyncio.Event()
+    serving = asyncio.create_task(runtime.run_until_stopped(stop))
+    await asyncio.sleep(0.01)
+    assert not serving.done()
+    stop.set()
+    await asyncio.wait_for(serving, 2)
+    assert len(transport.of_type(DrainRequest)) == 1
+    assert len(transport.of_type(Deregistration)) == 1
+
+
+async def test_stop_during_registration_abandons_it() -> None:
+    transport = FakeTransport(manager=lambda m: [])
+    runtime = runtime_with(transport, registration_timeout_s=10)
+    starting = asyncio.create_task(runtime.start())
+    await asyncio.sleep(0.01)
+    await asyncio.wait_for(runtime.stop(), 1)
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert runtime.stopped.is_set()
+    assert transport.of_type(Deregistration) == []
+
+
+async def test_a_second_reregister_request_while_one_runs_is_ignored() -> None:
+    registrations = 0
+
+    def answers_only_the_first(message: Message) -> list[Message]:
+        nonlocal registrations
+        if isinstance(message, AgentRegistration):
+            registrations += 1
+            if registrations > 1:
+                return []
+        return accepting(message)
+
+    transport = FakeTransport(manager=answers_only_the_first)
+    runtime = runtime_with(transport, registration_timeout_s=5)
+    await runtime.start()
+    for _ in range(3):
+        request = make_delivery(ReRegisterRequest(agent_id="toy-1"))
+        await transport.deliver("t.agent.toy-1.control", request)
+    await asyncio.sleep(0.01)
+    assert registrations == 2
+    assert not runtime.ready.is_set()
+    await runtime.stop()
