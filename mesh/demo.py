@@ -52,9 +52,11 @@ JOBS: list[tuple[str, str, dict[str, Any]]] = [
     ("test.echo", ">=1", {"message": "hello mesh", "sleep_ms": 400}),
     ("text.stats", ">=1.0", {"text": "Agents announce capabilities. Producers ask by range."}),
     ("test.echo", ">=1", {"message": "slow one", "sleep_ms": 1200}),
-    # A payload that violates math.evaluate's input schema: a typed error, by design.
-    ("math.evaluate", ">=1", {"expr": "1 + 1"}),
 ]
+# Every BAD_EVERY-th task violates math.evaluate's input schema on purpose: the producer
+# gets a typed INPUT_SCHEMA_VIOLATION error, and the agent keeps serving.
+BAD_JOB: tuple[str, str, dict[str, Any]] = ("math.evaluate", ">=1", {"expr": "1 + 1"})
+BAD_EVERY = 25
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,8 +263,9 @@ async def _produce(
 
     async def worker() -> None:
         while not stop.is_set():
-            capability, spec, payload = next(jobs)
             tally.submitted += 1
+            bad = tally.submitted % BAD_EVERY == 0
+            capability, spec, payload = BAD_JOB if bad else next(jobs)
             started = time.perf_counter()
             try:
                 outcome = await client.run_task(capability, payload, version_spec=spec)
@@ -273,7 +276,8 @@ async def _produce(
                 continue
             except TaskFailed as exc:
                 tally.errors[exc.code] += 1
-                say(f"  error    {capability:<14} {exc.code}: {exc.message[:70]}")
+                note = " (sent on purpose)" if bad else ""
+                say(f"  error    {capability:<14} {exc.code}{note}: {exc.message[:90]}")
                 continue
             ms = (time.perf_counter() - started) * 1000
             tally.succeeded += 1
@@ -321,6 +325,8 @@ async def _report(client: MeshClient, tally: Tally) -> None:
     print(f"  succeeded         {tally.succeeded}")
     for code, n in sorted(tally.errors.items()):
         print(f"  typed error       {n} x {code}")
+    if tally.errors:
+        print(f"                    (every {BAD_EVERY}th task is a bad payload, sent on purpose)")
     for code, n in sorted(tally.refused.items()):
         print(f"  refused           {n} x {code}")
     print(f"  lost              {tally.submitted - tally.accounted}")
