@@ -75,6 +75,16 @@ class Tick:
     """Time passed: check heartbeats and lease expiry."""
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionLost:
+    """The manager lost the broker: it hears nobody, so silence proves nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionRestored:
+    """The manager hears the broker again: every liveness window restarts now."""
+
+
 Event = (
     RegistrationReceived
     | DeregistrationReceived
@@ -84,6 +94,8 @@ Event = (
     | ReleaseRequested
     | DrainRequested
     | Tick
+    | ConnectionLost
+    | ConnectionRestored
 )
 
 # ---- commands -----------------------------------------------------------------------------

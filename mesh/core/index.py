@@ -19,6 +19,11 @@ the number of agents. An agent enters the available buckets when it is
 acquirable and has a free slot for that capability, and leaves them when it is
 full, draining or removed; every removal path prunes empty groups and names so
 no ghost is ever returned.
+
+Each slot keeps the :class:`Candidate` it last answered with and rebuilds it
+only when its in-flight count has changed: building a frozen dataclass costs
+more than the rest of a ``limit=1`` walk. Candidates are immutable snapshots, so
+handing the same one out twice is safe.
 """
 
 from __future__ import annotations
@@ -65,7 +70,10 @@ class Candidate:
 
 @dataclass(slots=True)
 class Slot:
-    """One agent's offer of one capability, with its live in-flight counter."""
+    """One agent's offer of one capability, with its live in-flight counter.
+
+    Only ``in_flight`` changes during a slot's life; a new registration makes new slots.
+    """
 
     agent_id: str
     capability: str
@@ -73,10 +81,25 @@ class Slot:
     cost_class: str
     max_concurrency: int
     in_flight: int = 0
+    _snapshot: Candidate | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def has_room(self) -> bool:
         return self.in_flight < self.max_concurrency
+
+    def candidate(self) -> Candidate:
+        """This slot as a :class:`Candidate`, rebuilt only when ``in_flight`` has changed."""
+        snapshot = self._snapshot
+        if snapshot is None or snapshot.in_flight != self.in_flight:
+            snapshot = self._snapshot = Candidate(
+                self.agent_id,
+                self.capability,
+                self.version,
+                self.cost_class,
+                self.in_flight,
+                self.max_concurrency,
+            )
+        return snapshot
 
 
 @dataclass(slots=True)
@@ -190,17 +213,14 @@ class CapabilityIndex:
             )
             for level in all_levels:
                 for levels in per_group:
-                    for slot in levels.get(level, {}).values():
-                        out.append(
-                            Candidate(
-                                slot.agent_id,
-                                slot.capability,
-                                slot.version,
-                                slot.cost_class,
-                                slot.in_flight,
-                                slot.max_concurrency,
-                            )
-                        )
+                    bucket = levels.get(level)
+                    if bucket is None:
+                        continue
+                    if want < 0:
+                        out += [slot.candidate() for slot in bucket.values()]
+                        continue
+                    for slot in bucket.values():
+                        out.append(slot.candidate())
                         if len(out) == want:
                             return out
         return out

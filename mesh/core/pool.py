@@ -20,7 +20,9 @@ publishes, replies) and only then acks. Queries (``find_by_capability``,
 * Liveness: receiver-side monotonic time. An agent not heard from for
   ``3 x heartbeat_interval_s`` is lost: Terminated and removed, its leases
   dropped. If the core itself was not ticked for a long while (the manager
-  process stalled), it gives everyone a fresh window instead of mass-evicting.
+  process stalled), or the manager lost the broker (``ConnectionLost`` until
+  ``ConnectionRestored``), it hears nobody, so it evicts nobody for that
+  silence: everyone gets a fresh window instead of a mass eviction.
 * Every removal path goes through :meth:`PoolCore._remove`, which prunes the
   index, so ``find_by_capability`` never returns a ghost.
 
@@ -45,6 +47,8 @@ from mesh.core.events import (
     Announce,
     AppendLog,
     Command,
+    ConnectionLost,
+    ConnectionRestored,
     DeregistrationReceived,
     DrainRequested,
     Event,
@@ -150,7 +154,10 @@ class PoolCore:
             ReleaseRequested: self._on_release,
             DrainRequested: self._on_drain,
             Tick: self._on_tick,
+            ConnectionLost: self._on_connection_lost,
+            ConnectionRestored: self._on_connection_restored,
         }
+        self._deaf_since: float | None = None
 
     # ---- the one entry point for changes ---------------------------------------------------
     def handle(self, event: Event, now: Instant) -> list[Command]:
@@ -306,7 +313,15 @@ class PoolCore:
     def acquire(
         self, request: AcquireRequest, lease_id: str, now: Instant
     ) -> tuple[Lease | Refusal, list[Command]]:
-        """Lease one slot; returns the lease (or a refusal) and the log commands."""
+        """Lease one slot; returns the lease (or a refusal) and the log commands.
+
+        Idempotent per ``lease_id``: a redelivered request gets the lease it already holds.
+        """
+        held = self.leases.get(lease_id)
+        if held is not None:
+            self.counters["acquire_duplicate"] += 1
+            slot = self.agents[held.agent_id].slots[held.capability]
+            return _lease(held, slot, now), []
         slot_or_refusal = self._choose_slot(request)
         if isinstance(slot_or_refusal, Refusal):
             self.counters[f"acquire_refused.{slot_or_refusal.reason.value}"] += 1
@@ -323,15 +338,7 @@ class PoolCore:
         out = self._transition(
             agent, Trigger.ACQUIRE, now, "slot leased", capability=slot.capability, lease=lease_id
         )
-        granted = Lease(
-            lease_id=lease_id,
-            agent_id=agent.agent_id,
-            capability=slot.capability,
-            version=slot.version,
-            cost_class=slot.cost_class,
-            expires_in_s=ttl,
-        )
-        return granted, out
+        return _lease(lease, slot, now), out
 
     def release(self, lease_id: str, now: Instant, reason: str = "released") -> list[Command]:
         """Give a leased slot back. Unknown leases are refused (as a Reply), never fatal."""
@@ -422,7 +429,8 @@ class PoolCore:
         out = self._transition(agent, Trigger.DRAIN, now, event.reason or "drain requested")
         self._refresh_availability(agent, agent.in_flight, agent.in_flight)
         self.counters["drained"] += 1
-        out.append(SendToAgent(agent.agent_id, DrainNotice(agent_id=agent.agent_id)))
+        notice = DrainNotice(agent_id=agent.agent_id, reason=event.reason or "drain requested")
+        out.append(SendToAgent(agent.agent_id, notice))
         if agent.in_flight == 0:
             out += self._finish_drain(agent, now)
         return [*out, reply]
@@ -440,17 +448,28 @@ class PoolCore:
         if last is not None and now.mono - last > self.settings.stall_threshold_s:
             # We were not running: silence from agents says nothing about them.
             self.counters["manager_stalls"] += 1
-            for agent in self.agents.values():
-                agent.last_seen = max(agent.last_seen, now.mono)
-            entry = LogEntry(
-                at=now.wall,
-                kind="manager_stalled",
-                reason=f"no tick for {now.mono - last:.1f} s; liveness windows restarted",
-            )
-            out.append(AppendLog(entry))
+            reason = f"no tick for {now.mono - last:.1f} s; liveness windows restarted"
+            out += self._restart_liveness_windows(now, "manager_stalled", reason)
         out += self._expire_leases(now)
-        out += self._evict_silent(now)
+        if self._deaf_since is None:
+            out += self._evict_silent(now)
         return out
+
+    def _on_connection_lost(self, event: ConnectionLost, now: Instant) -> list[Command]:
+        self._deaf_since = now.mono
+        self.counters["connection_lost"] += 1
+        return []
+
+    def _on_connection_restored(self, event: ConnectionRestored, now: Instant) -> list[Command]:
+        deaf = 0.0 if self._deaf_since is None else now.mono - self._deaf_since
+        self._deaf_since = None
+        reason = f"broker connection restored after {deaf:.1f} s; liveness windows restarted"
+        return self._restart_liveness_windows(now, "connection_restored", reason)
+
+    def _restart_liveness_windows(self, now: Instant, kind: str, reason: str) -> list[Command]:
+        for agent in self.agents.values():
+            agent.last_seen = max(agent.last_seen, now.mono)
+        return [AppendLog(LogEntry(at=now.wall, kind=kind, reason=reason))]
 
     def _expire_leases(self, now: Instant) -> list[Command]:
         out: list[Command] = []
@@ -592,6 +611,17 @@ _LOG_KIND = {
     Trigger.LOSE: "lost",
     Trigger.DEREGISTER: "terminated",
 }
+
+
+def _lease(lease: LeaseRecord, slot: Slot, now: Instant) -> Lease:
+    return Lease(
+        lease_id=lease.lease_id,
+        agent_id=lease.agent_id,
+        capability=slot.capability,
+        version=slot.version,
+        cost_class=slot.cost_class,
+        expires_in_s=max(0.0, lease.expires_at - now.mono),
+    )
 
 
 def _accepted(reg: AgentRegistration) -> RegistrationAccepted:

@@ -38,6 +38,8 @@ from mesh.core.events import (
     Announce,
     AppendLog,
     Command,
+    ConnectionLost,
+    ConnectionRestored,
     DeregistrationReceived,
     DrainRequested,
     Event,
@@ -57,7 +59,7 @@ from mesh.manager.journal import Journal, SqliteJournal
 from mesh.manager.settings import ManagerSettings
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Consumer, Delivery
+from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Consumer, Delivery, RawConsumer
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.models import (
     AcquireRequest,
@@ -101,7 +103,7 @@ class ManagerService:
         self._owns_transport = transport is None
         self._journal = journal
         self._on_log = on_log
-        self._consumers: list[Consumer] = []
+        self._consumers: list[Consumer | RawConsumer] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._started_at = time.monotonic()
@@ -132,6 +134,7 @@ class ManagerService:
             await self.transport.consume(t.rpc_queue, self._on_rpc, prefetch=s.prefetch),
             await self.transport.consume_raw(t.heartbeat_queue, self.heartbeats),
         ]
+        self.transport.on_disconnect(self._lost_broker)
         self.transport.on_reconnect(self._after_reconnect)
         self._ticker = asyncio.create_task(self._tick_forever(), name="manager-ticker")
         log.info("manager started", extra={"namespace": s.namespace, "manager_id": s.manager_id})
@@ -160,9 +163,14 @@ class ManagerService:
         finally:
             await self.stop()
 
+    def _lost_broker(self) -> None:
+        log.warning("lost the broker; no agent is evicted for silence until it is back")
+        self.core.handle(ConnectionLost(), self.clock.now())
+
     async def _after_reconnect(self) -> None:
         self.counters["reconnects"] += 1
         await self.transport.declare(self.topology.manager())
+        await self._feed(ConnectionRestored())
 
     async def _tick_forever(self) -> None:
         while True:
@@ -171,6 +179,9 @@ class ManagerService:
                 await self._feed(Tick())
             except TransportError as exc:
                 log.warning("tick commands not delivered", extra={"error": str(exc)})
+            except Exception:  # the ticker must outlive any bug in one tick
+                self.counters["handler_errors"] += 1
+                log.exception("bug while ticking")
 
     # ---- inputs ---------------------------------------------------------------------------
     async def _on_announce(self, delivery: Delivery) -> None:
@@ -203,7 +214,7 @@ class ManagerService:
         if isinstance(message, FindRequest):
             event = FindRequested(message)
         elif isinstance(message, AcquireRequest):
-            lease_id = delivery.correlation_id or uuid.uuid4().hex
+            lease_id = _lease_id(delivery)
             event = AcquireRequested(message, lease_id)
         elif isinstance(message, ReleaseRequest):
             event = ReleaseRequested(message.lease_id)
@@ -299,8 +310,14 @@ class ManagerService:
         return stored
 
     async def _publish_event(self, routing_key: str, event: OrchestrationEvent) -> None:
-        # The journal holds the durable copy; the events exchange is a live feed.
-        await self.transport.publish_fast(self.topology.events_exchange, routing_key, encode(event))
+        # The journal holds the durable copy; the events exchange is a live feed, and a feed
+        # entry lost while the broker is away must not stop the commands after it.
+        try:
+            await self.transport.publish_fast(
+                self.topology.events_exchange, routing_key, encode(event)
+            )
+        except TransportError:
+            self.counters["events_unpublished"] += 1
 
     async def _send_to_agent(self, agent_id: str, message: Message) -> None:
         try:
@@ -323,6 +340,14 @@ class ManagerService:
             )
         except PublishUnroutable:
             self.counters["requester_gone"] += 1
+
+
+def _lease_id(request: Delivery) -> str:
+    """Stable per request, so a redelivered acquire gets the same lease (the core is
+    idempotent per lease ID); scoped by reply queue, so two clients can never collide."""
+    if not request.correlation_id:
+        return uuid.uuid4().hex
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{request.reply_to}|{request.correlation_id}").hex
 
 
 def _to_wire(entry: LogEntry) -> OrchestrationEvent:

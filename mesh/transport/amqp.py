@@ -118,6 +118,36 @@ class Consumer:
             log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
 
 
+class RawConsumer:
+    """A no-ack consumer registered on aiormq's channel under a robust aio-pika channel."""
+
+    def __init__(
+        self, channel: AbstractRobustChannel, queue: str, callback: Callable[[bytes], None]
+    ) -> None:
+        self.queue_name = queue
+        self.cancelled = False
+        self._channel = channel
+        self._callback = callback
+        self._tag: str | None = None
+
+    async def subscribe(self) -> None:
+        callback = self._callback
+
+        async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
+            callback(message.body)
+
+        underlay = await self._channel.get_underlay_channel()
+        ok = await underlay.basic_consume(self.queue_name, on_message, no_ack=True)
+        self._tag = ok.consumer_tag
+
+    async def cancel(self) -> None:
+        self.cancelled = True
+        try:
+            await self._channel.close()
+        except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
+            log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
+
+
 class AmqpTransport:
     """A named connection to RabbitMQ with a confirming publish channel."""
 
@@ -136,6 +166,8 @@ class AmqpTransport:
         self._exchanges: dict[str, AbstractExchange] = {}
         self._declared: set[ExchangeSpec | QueueSpec | BindingSpec] = set()
         self._queues: dict[str, AbstractRobustQueue] = {}
+        self._raw_consumers: list[RawConsumer] = []
+        self._closing = False
         self._queue_specs: dict[str, QueueSpec] = {}
         self._fast_channel: AbstractRobustChannel | None = None
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
@@ -168,6 +200,15 @@ class AmqpTransport:
     def is_closed(self) -> bool:
         return bool(self._connection.is_closed)
 
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever the connection drops (before reconnection starts)."""
+
+        def closed(*_: Any) -> None:
+            if not self._closing:
+                callback()
+
+        self._connection.close_callbacks.add(closed)
+
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
         """Run ``callback`` after every reconnection (consumers are restored before it)."""
         self._on_reconnect.append(callback)
@@ -176,10 +217,14 @@ class AmqpTransport:
         log.warning("reconnected to the broker", extra={"url": redact(self.url)})
         # aio-pika has restored what it knew; forget our cache so later declares are real.
         self._declared.clear()
+        self._raw_consumers = [c for c in self._raw_consumers if not c.cancelled]
+        for consumer in self._raw_consumers:
+            await consumer.subscribe()
         for callback in self._on_reconnect:
             await callback()
 
     async def close(self) -> None:
+        self._closing = True
         if not self._connection.is_closed:
             await self._connection.close()
 
@@ -289,11 +334,14 @@ class AmqpTransport:
 
     async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None:
         """Fire-and-forget on a channel without confirms: for superseded messages (heartbeats)."""
-        if self._fast_channel is None:
-            self._fast_channel = await self._connection.channel(publisher_confirms=False)
-        target = await self._fast_channel.get_exchange(exchange, ensure=False)
-        msg = aio_pika.Message(body, content_type=c.CONTENT_TYPE)
-        await target.publish(msg, routing_key, mandatory=False)
+        try:
+            if self._fast_channel is None:
+                self._fast_channel = await self._connection.channel(publisher_confirms=False)
+            target = await self._fast_channel.get_exchange(exchange, ensure=False)
+            msg = aio_pika.Message(body, content_type=c.CONTENT_TYPE)
+            await target.publish(msg, routing_key, mandatory=False)
+        except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
+            raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
 
     async def _exchange(self, name: str) -> AbstractExchange:
         if name == DEFAULT_EXCHANGE:
@@ -319,18 +367,16 @@ class AmqpTransport:
         tag = await q.consume(on_message, no_ack=no_ack)
         return Consumer(q, tag, channel)
 
-    async def consume_raw(
-        self, queue: str, callback: Callable[[bytes], None], *, no_ack: bool = True
-    ) -> Consumer:
-        """The cheapest path: hand only the body to a synchronous callback (heartbeats)."""
+    async def consume_raw(self, queue: str, callback: Callable[[bytes], None]) -> RawConsumer:
+        """The cheapest path, for superseded messages (heartbeats): no acks, and only the body
+        handed to a synchronous callback, straight from aiormq without aio-pika's per-message
+        wrapper. Re-subscribed by the transport after every reconnect."""
         channel = await self._connection.channel()
-        q = await self._queue_on(channel, queue)
-
-        async def on_message(msg: AbstractIncomingMessage) -> None:
-            callback(msg.body)
-
-        tag = await q.consume(on_message, no_ack=no_ack)
-        return Consumer(q, tag, channel)
+        await self._queue_on(channel, queue)
+        consumer = RawConsumer(channel, queue, callback)
+        await consumer.subscribe()
+        self._raw_consumers.append(consumer)
+        return consumer
 
     async def dead_letter(
         self,

@@ -59,10 +59,14 @@ CostClass = Literal["A", "B", "C"]
 
 
 def _check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    if "$schema" in schema and not isinstance(schema["$schema"], str):
+        raise ValueError("not a valid JSON Schema: '$schema' must be a string")
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:
         raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+    except Exception as exc:  # jsonschema raises odd types for odd input; all mean "invalid"
+        raise ValueError(f"not a valid JSON Schema: {type(exc).__name__}: {exc}") from None
     return schema
 
 

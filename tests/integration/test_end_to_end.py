@@ -137,7 +137,7 @@ async def test_an_agent_whose_connection_is_cut_reconnects_and_keeps_serving(
     await start_agent("calc", "calc-cut")
     assert (await client.run_task("math.evaluate", {"expression": "1+2"})).output["value"] == 3
 
-    assert management_api.close_connections("agent:calc-cut") >= 1
+    assert await asyncio.to_thread(management_api.close_connections, "agent:calc-cut") >= 1
 
     async def serves() -> bool:
         try:

@@ -240,3 +240,24 @@ async def test_a_restarted_manager_asks_unknown_agents_to_register_again(
     finally:
         await agent.stop_heartbeats()
         await second.stop()
+
+
+async def test_a_manager_whose_connection_is_cut_keeps_ingesting_heartbeats_and_requests(
+    manager: ManagerService, client: MeshClient, raw_agent: Any, management_api: Any
+) -> None:
+    agent = await raw_agent("steady-through-cut", interval_s=0.5)
+    await agent.register()
+    agent.start_heartbeats()
+    await eventually(lambda: manager.counters["heartbeats"] >= 2, what="heartbeats")
+
+    # In a thread: the management API call blocks, and this manager shares the test's loop.
+    prefix = f"manager:{manager.settings.manager_id}"
+    assert await asyncio.to_thread(management_api.close_connections, prefix) >= 1
+    await eventually(lambda: manager.counters["reconnects"] >= 1, timeout_s=20, what="reconnect")
+    seen = manager.counters["heartbeats"]
+
+    await eventually(lambda: manager.counters["heartbeats"] >= seen + 3, what="heartbeats again")
+    # Nobody was evicted for the silence the manager itself caused.
+    assert states(await client.status()) == {"steady-through-cut": "Ready"}
+    assert manager.core.counters["lost"] == 0
+    await agent.stop_heartbeats()

@@ -1,0 +1,1 @@
+"""Pure, fast unit tests: no broker, no network."""

@@ -1,0 +1,191 @@
+"""One valid sample of every wire message, for the codec, schema and integration tests.
+
+``SAMPLES`` maps each class in :data:`mesh.wire.MESSAGE_TYPES` to an instance whose optional
+fields are filled in where that makes the sample say more (nested models, enums, nulls).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mesh.wire import (
+    AcquireRequest,
+    AgentRegistration,
+    AgentStatus,
+    AgentSummary,
+    Capability,
+    CapabilityStatus,
+    Deregistration,
+    DrainAccepted,
+    DrainComplete,
+    DrainNotice,
+    DrainRequest,
+    ErrorInfo,
+    FindReply,
+    FindRequest,
+    Heartbeat,
+    Lease,
+    LeaseGranted,
+    Message,
+    OrchestrationEvent,
+    Reason,
+    Refusal,
+    RegistrationAccepted,
+    RegistrationRefused,
+    Released,
+    ReleaseRequest,
+    ReRegisterRequest,
+    StatusReply,
+    StatusRequest,
+    Task,
+    TaskResult,
+)
+
+T0 = 1_700_000_000.0
+
+ADD_INPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+ADD_OUTPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"sum": {"type": "number"}},
+    "required": ["sum"],
+}
+
+CALC_ADD = Capability(
+    name="calc.add",
+    version="1.2.0",
+    input_schema=ADD_INPUT_SCHEMA,
+    output_schema=ADD_OUTPUT_SCHEMA,
+    max_concurrency=4,
+    cost_class="A",
+    description="Adds two numbers.",
+)
+TEXT_STATS = Capability(
+    name="text.stats",
+    version="0.3.1",
+    input_schema={"type": "object", "properties": {"text": {"type": "string"}}},
+    output_schema={"type": "object"},
+    max_concurrency=2,
+    cost_class="B",
+)
+
+CAPABILITY_STATUS = CapabilityStatus(
+    name="calc.add", version="1.2.0", cost_class="A", in_flight=1, max_concurrency=4
+)
+
+_samples: list[Message] = [
+    AgentRegistration(
+        agent_id="calc-7f9c",
+        incarnation="inc-0001",
+        deployment="calc",
+        endpoint="http://10.0.0.7:8080",
+        capabilities=[CALC_ADD, TEXT_STATS],
+        heartbeat_interval_s=10.0,
+        metadata={"zone": "eu-west-1a"},
+    ),
+    Deregistration(agent_id="calc-7f9c", incarnation="inc-0001", reason="drained"),
+    Heartbeat(
+        agent_id="calc-7f9c",
+        incarnation="inc-0001",
+        seq=42,
+        in_flight={"calc.add": 1, "text.stats": 0},
+        draining=False,
+        sent_at=T0,
+    ),
+    DrainRequest(agent_id="calc-7f9c", reason="rolling deploy"),
+    RegistrationAccepted(agent_id="calc-7f9c", incarnation="inc-0001"),
+    RegistrationRefused(
+        agent_id="calc-7f9c",
+        incarnation="inc-0001",
+        reason=Reason.HEARTBEAT_INTERVAL_TOO_SHORT,
+        detail="heartbeat_interval_s=1 is below the minimum of 5 s",
+    ),
+    ReRegisterRequest(agent_id="calc-7f9c", reason="unknown agent"),
+    DrainNotice(agent_id="calc-7f9c", reason="rolling deploy"),
+    DrainComplete(agent_id="calc-7f9c"),
+    OrchestrationEvent(
+        seq=7,
+        at=T0,
+        kind="acquired",
+        agent_id="calc-7f9c",
+        from_state="Ready",
+        to_state="Busy",
+        capability="calc.add",
+        reason="slot leased",
+        detail={"lease_id": "lease-1"},
+    ),
+    Task(
+        task_id="task-1",
+        capability="calc.add",
+        lease_id="lease-1",
+        payload={"a": 1, "b": 2},
+        deadline=T0 + 30,
+        submitted_at=T0,
+    ),
+    TaskResult(
+        task_id="task-1",
+        agent_id="calc-7f9c",
+        capability="calc.add",
+        status="error",
+        output=None,
+        error=ErrorInfo(code=Reason.INPUT_SCHEMA_VIOLATION, message="'b' is a required property"),
+        started_at=T0,
+        finished_at=T0 + 0.01,
+    ),
+    FindRequest(capability="calc.add", version_spec=">=1,<2", limit=3),
+    AcquireRequest(capability="calc.add", version_spec=">=1.2", agent_id="calc-7f9c", ttl_s=60),
+    ReleaseRequest(lease_id="lease-1"),
+    StatusRequest(),
+    FindReply(
+        agents=[
+            AgentSummary(
+                agent_id="calc-7f9c",
+                capability="calc.add",
+                version="1.2.0",
+                cost_class="A",
+                in_flight=1,
+                max_concurrency=4,
+            )
+        ]
+    ),
+    LeaseGranted(
+        lease=Lease(
+            lease_id="lease-1",
+            agent_id="calc-7f9c",
+            capability="calc.add",
+            version="1.2.0",
+            cost_class="A",
+            expires_in_s=300.0,
+        )
+    ),
+    Released(lease_id="lease-1"),
+    DrainAccepted(agent_id="calc-7f9c", in_flight=2),
+    Refusal(reason=Reason.NO_AGENT_AVAILABLE, detail="every agent is full", retry_after_ms=250),
+    StatusReply(
+        manager_id="manager-1",
+        uptime_s=12.5,
+        agents=[
+            AgentStatus(
+                agent_id="calc-7f9c",
+                deployment="calc",
+                state="Busy",
+                capabilities=[CAPABILITY_STATUS],
+                in_flight=1,
+                last_heartbeat_age_s=None,
+                registered_age_s=12.0,
+            )
+        ],
+        counters={"registered": 1},
+    ),
+]
+
+SAMPLES: dict[type[Message], Message] = {type(m): m for m in _samples}
+
+
+def sample_json(cls: type[Message]) -> dict[str, Any]:
+    """The sample of ``cls`` as the JSON object a non-Python peer would put on the wire."""
+    return SAMPLES[cls].model_dump(mode="json")

@@ -1,0 +1,259 @@
+"""Topology as data: readable names, and the x-arguments that keep queues bounded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mesh.topology import (
+    BindingSpec,
+    Declarations,
+    ExchangeSpec,
+    QueueArguments,
+    QueueSpec,
+    Topology,
+    names,
+)
+
+topology = Topology()
+
+
+def queue(declarations: Declarations, name: str) -> QueueSpec:
+    [spec] = [q for q in declarations.queues if q.name == name]
+    return spec
+
+
+# ---- names -----------------------------------------------------------------------------------
+
+
+def test_queue_names_say_what_they_hold() -> None:
+    assert topology.announce_queue == "mesh.manager.announce"
+    assert topology.heartbeat_queue == "mesh.manager.heartbeats"
+    assert topology.rpc_queue == "mesh.manager.rpc"
+    assert topology.dead_letter_queue == "mesh.dead-letter"
+    assert topology.agent_control_queue("calc-1") == "mesh.agent.calc-1.control"
+    assert topology.agent_task_queue("calc-1") == "mesh.agent.calc-1.tasks"
+    assert names.reply_queue("mesh", "cli", "ab12") == "mesh.reply.cli.ab12"
+
+
+def test_exchange_names_are_namespaced() -> None:
+    assert topology.announce_exchange == "mesh.announce"
+    assert topology.heartbeat_exchange == "mesh.heartbeat"
+    assert topology.events_exchange == "mesh.events"
+    assert topology.control_exchange == "mesh.control"
+    assert topology.agents_exchange == "mesh.agents"
+    assert topology.tasks_exchange == "mesh.tasks"
+    assert topology.dead_letter_exchange == "mesh.dead-letter"
+
+
+def test_a_test_namespace_renames_every_exchange_and_queue() -> None:
+    isolated = Topology(namespace="t-1a2b")
+
+    everything = isolated.manager() + isolated.agent("calc-1", task_queue_bound=10)
+
+    assert everything.exchanges and everything.queues and everything.bindings
+    assert all(e.name.startswith("t-1a2b.") for e in everything.exchanges)
+    assert all(q.name.startswith("t-1a2b.") for q in everything.queues)
+    assert all(b.exchange.startswith("t-1a2b.") for b in everything.bindings)
+    assert all(b.queue.startswith("t-1a2b.") for b in everything.bindings)
+
+
+def test_routing_keys_let_anyone_follow_one_agent_or_one_capability() -> None:
+    assert names.agent_announce_key("calc-1", "register") == "agent.calc-1.register"
+    assert names.heartbeat_key("calc-1") == "hb.calc-1"
+    assert names.capability_key("rag.search", "calc-1") == "capability.rag.search.calc-1"
+    assert names.log_key("calc-1", "lost") == "log.calc-1.lost"
+    assert names.log_key("", "version_drift") == "log.-.version_drift"
+    assert names.rpc_key("acquire") == "rpc.acquire"
+
+
+@pytest.mark.parametrize(
+    ("key", "pattern", "matches"),
+    [
+        ("capability.rag.search.calc-1", "capability.rag.search.*", True),
+        ("capability.rag.search-v2.calc-1", "capability.rag.search.*", False),
+        ("capability.rag.search.calc-1", "capability.#.calc-1", True),
+        ("capability.calc.add.calc-1", "capability.#.calc-1", True),
+        ("capability.calc.add.calc-2", "capability.#.calc-1", False),
+        ("agent.calc-1.register", "agent.*.*", True),
+        ("hb.calc-1", "hb.*", True),
+    ],
+)
+def test_capability_routing_keys_work_with_topic_wildcards(
+    key: str, pattern: str, matches: bool
+) -> None:
+    assert topic_matches(pattern, key) is matches
+
+
+def topic_matches(pattern: str, key: str) -> bool:
+    """AMQP topic matching: ``*`` is one word, ``#`` is zero or more words."""
+
+    def match(p: list[str], k: list[str]) -> bool:
+        if not p:
+            return not k
+        if p[0] == "#":
+            return any(match(p[1:], k[i:]) for i in range(len(k) + 1))
+        return bool(k) and p[0] in ("*", k[0]) and match(p[1:], k[1:])
+
+    return match(pattern.split("."), key.split("."))
+
+
+def test_the_manager_binds_its_queues_to_the_keys_agents_publish_on() -> None:
+    bindings = {(b.queue, b.exchange): b.routing_key for b in topology.manager().bindings}
+
+    announce = bindings[topology.announce_queue, topology.announce_exchange]
+    heartbeats = bindings[topology.heartbeat_queue, topology.heartbeat_exchange]
+    assert topic_matches(announce, names.agent_announce_key("calc-1", "register"))
+    assert topic_matches(announce, names.agent_announce_key("calc-1", "drain"))
+    assert topic_matches(heartbeats, names.heartbeat_key("calc-1"))
+    assert topic_matches(bindings[topology.rpc_queue, topology.control_exchange], "rpc.find")
+
+
+# ---- queue arguments -------------------------------------------------------------------------
+
+
+def test_the_heartbeat_queue_never_backlogs() -> None:
+    spec = queue(topology.manager(), topology.heartbeat_queue)
+    args = spec.arguments.to_amqp()
+
+    assert args["x-overflow"] == "drop-head"
+    assert args["x-message-ttl"] == topology.heartbeat_ttl_ms
+    assert 0 < args["x-message-ttl"] <= 10_000
+    assert args["x-max-length"] == topology.heartbeat_queue_max_length
+    assert args["x-queue-type"] == "classic"
+
+
+def test_an_agent_task_queue_is_bounded_rejects_publishes_and_dead_letters() -> None:
+    spec = queue(topology.agent("calc-1", task_queue_bound=8), topology.agent_task_queue("calc-1"))
+    args = spec.arguments.to_amqp()
+
+    assert spec.durable
+    assert args["x-max-length"] == 8
+    assert args["x-overflow"] == "reject-publish"
+    assert args["x-dead-letter-exchange"] == topology.dead_letter_exchange
+
+
+def test_the_announce_queue_is_a_quorum_queue_with_a_dead_letter_exchange() -> None:
+    spec = queue(topology.manager(), topology.announce_queue)
+    args = spec.arguments.to_amqp()
+
+    assert spec.durable
+    assert args["x-queue-type"] == "quorum"
+    assert args["x-dead-letter-exchange"] == topology.dead_letter_exchange
+    assert args["x-delivery-limit"] >= 1
+
+
+def test_the_rpc_queue_is_bounded_and_dead_letters() -> None:
+    args = queue(topology.manager(), topology.rpc_queue).arguments.to_amqp()
+
+    assert args["x-overflow"] == "reject-publish"
+    assert args["x-max-length"] == topology.rpc_max_length
+    assert args["x-dead-letter-exchange"] == topology.dead_letter_exchange
+
+
+def test_the_dead_letter_queue_is_bounded_and_catches_every_reason() -> None:
+    shared = topology.shared()
+    args = queue(shared, topology.dead_letter_queue).arguments.to_amqp()
+
+    assert args["x-max-length"] == topology.dead_letter_max_length
+    assert args["x-overflow"] == "drop-head"
+    assert BindingSpec(topology.dead_letter_queue, topology.dead_letter_exchange, "#") in (
+        shared.bindings
+    )
+
+
+def test_every_queue_the_manager_or_an_agent_declares_is_bounded_or_ephemeral() -> None:
+    everything = topology.manager() + topology.agent("calc-1", task_queue_bound=4)
+
+    for spec in everything.queues:
+        args = spec.arguments.to_amqp()
+        bounded = "x-max-length" in args or args.get("x-queue-type") == "quorum"
+        assert bounded or spec.auto_delete, spec.name
+
+
+def test_queue_arguments_leave_out_what_is_not_set() -> None:
+    assert QueueArguments().to_amqp() == {"x-queue-type": "classic"}
+    assert QueueArguments(max_length=5, overflow="reject-publish").to_amqp() == {
+        "x-queue-type": "classic",
+        "x-max-length": 5,
+        "x-overflow": "reject-publish",
+    }
+    assert None not in QueueArguments(message_ttl_ms=0).to_amqp().values()
+    assert QueueArguments(message_ttl_ms=0).to_amqp()["x-message-ttl"] == 0
+
+
+def test_every_queue_argument_has_its_amqp_name() -> None:
+    everything_set = QueueArguments(
+        queue_type="quorum",
+        max_length=1,
+        overflow="drop-head",
+        message_ttl_ms=2,
+        expires_ms=3,
+        dead_letter_exchange="dlx",
+        dead_letter_routing_key="dlk",
+        delivery_limit=4,
+    )
+
+    assert everything_set.to_amqp() == {
+        "x-queue-type": "quorum",
+        "x-max-length": 1,
+        "x-overflow": "drop-head",
+        "x-message-ttl": 2,
+        "x-expires": 3,
+        "x-dead-letter-exchange": "dlx",
+        "x-dead-letter-routing-key": "dlk",
+        "x-delivery-limit": 4,
+    }
+    assert len(everything_set.to_amqp()) == len(dataclasses.fields(QueueArguments))
+
+
+# ---- value objects ---------------------------------------------------------------------------
+
+
+def test_declarations_add_up_in_order() -> None:
+    first = Declarations(
+        exchanges=(ExchangeSpec("a"),),
+        queues=(QueueSpec("q1"),),
+        bindings=(BindingSpec("q1", "a", "k"),),
+    )
+    second = Declarations(exchanges=(ExchangeSpec("b", type="direct"),), queues=(QueueSpec("q2"),))
+
+    total = first + second
+
+    assert total.exchanges == (ExchangeSpec("a"), ExchangeSpec("b", type="direct"))
+    assert total.queues == (QueueSpec("q1"), QueueSpec("q2"))
+    assert total.bindings == (BindingSpec("q1", "a", "k"),)
+    assert first + Declarations() == first
+
+
+def test_specs_are_frozen_and_hashable_so_declarations_can_be_cached() -> None:
+    spec = queue(topology.manager(), topology.heartbeat_queue)
+
+    assert {spec, queue(topology.manager(), topology.heartbeat_queue)} == {spec}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "other"  # type: ignore[misc]
+
+
+def test_the_same_topology_declares_the_same_specs_every_time() -> None:
+    assert Topology().manager() == topology.manager()
+    assert Topology().agent("calc-1", 4) == topology.agent("calc-1", 4)
+
+
+def test_every_role_declares_exchanges_before_binding_to_them() -> None:
+    for declarations in (topology.manager(), topology.agent("calc-1", task_queue_bound=4)):
+        exchanges = {e.name for e in declarations.exchanges}
+        queues = {q.name for q in declarations.queues}
+        for binding in declarations.bindings:
+            assert binding.exchange in exchanges
+            assert binding.queue in queues
+
+
+def test_the_tasks_exchange_is_direct_and_routes_by_agent_id() -> None:
+    agent = topology.agent("calc-1", task_queue_bound=4)
+    [tasks_exchange] = [e for e in agent.exchanges if e.name == topology.tasks_exchange]
+
+    assert tasks_exchange.type == "direct"
+    assert BindingSpec(topology.agent_task_queue("calc-1"), topology.tasks_exchange, "calc-1") in (
+        agent.bindings
+    )
