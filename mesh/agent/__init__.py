@@ -21,13 +21,8 @@ its own, for tests without a broker.
 from mesh.agent.base import Agent, BoundCapability, CapabilitySpec, capability
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
 from mesh.agent.processing import process_task
-from mesh.agent.runtime import (
-    AgentRuntime,
-    AgentSettings,
-    AgentTransport,
-    backoff_delay,
-    run_agent,
-)
+from mesh.agent.runtime import AgentRuntime, AgentSettings, backoff_delay, run_agent
+from mesh.transport.ports import Transport as AgentTransport
 
 __all__ = [
     "Agent",

@@ -51,9 +51,9 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from mesh import constants as c
 from mesh.agent.base import Agent
@@ -67,8 +67,10 @@ from mesh.errors import (
     PublishUnroutable,
     TransportError,
 )
-from mesh.topology import Declarations, Topology, names
-from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery, Handler
+from mesh.topology import Topology, names
+from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery
+from mesh.transport.ports import Subscription
+from mesh.transport.ports import Transport as AgentTransport
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.models import (
     Deregistration,
@@ -127,56 +129,6 @@ class AgentSettings:
     result_publish_attempts: int = 3
     """Attempts to publish a result whose outcome was unknown before the task is requeued."""
     connect_timeout_s: float = 10.0
-
-
-class Subscription(Protocol):
-    """A running consumer."""
-
-    async def cancel(self) -> None: ...
-
-
-class AgentTransport(Protocol):
-    """What the runtime needs from a transport; :class:`mesh.transport.AmqpTransport` fits."""
-
-    async def declare(self, declarations: Declarations) -> None: ...
-
-    async def consume(
-        self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False
-    ) -> Subscription: ...
-
-    async def publish(
-        self,
-        exchange: str,
-        routing_key: str,
-        message: Message | bytes,
-        *,
-        reply_to: str | None = None,
-        correlation_id: str | None = None,
-        headers: Mapping[str, Any] | None = None,
-        persistent: bool = False,
-        mandatory: bool = True,
-        timeout_s: float | None = None,
-    ) -> None: ...
-
-    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None: ...
-
-    async def dead_letter(
-        self,
-        delivery: Delivery,
-        *,
-        dead_letter_exchange: str,
-        source_queue: str,
-        reason: str,
-        detail: str,
-    ) -> None: ...
-
-    async def delete_queue(self, name: str, *, if_empty: bool = False) -> None: ...
-
-    async def queue_depth(self, queue: str) -> int: ...
-
-    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 def backoff_delay(

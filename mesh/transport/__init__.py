@@ -9,6 +9,7 @@ from mesh.transport.amqp import (
     RawConsumer,
     redact,
 )
+from mesh.transport.ports import Subscription, Transport
 
 __all__ = [
     "DEFAULT_EXCHANGE",
@@ -17,5 +18,7 @@ __all__ = [
     "Delivery",
     "Handler",
     "RawConsumer",
+    "Subscription",
+    "Transport",
     "redact",
 ]

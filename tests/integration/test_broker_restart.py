@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +18,7 @@ from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 
-from .harness import eventually, manager_settings, start_manager
+from .harness import eventually
 
 RABBITMQCTL = shutil.which("rabbitmqctl")
 
@@ -32,15 +30,6 @@ pytestmark = pytest.mark.skipif(
 def rabbitmqctl(*args: str) -> None:
     assert RABBITMQCTL is not None
     subprocess.run([RABBITMQCTL, *args], check=True, capture_output=True, timeout=120)
-
-
-@pytest.fixture
-async def manager(amqp_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[ManagerService]:
-    service = await start_manager(
-        manager_settings(namespace, tmp_path / "j.sqlite3", amqp_url=amqp_url)
-    )
-    yield service
-    await service.stop()
 
 
 async def test_after_a_broker_restart_consumers_are_restored_and_tasks_run_again(

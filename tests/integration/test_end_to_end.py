@@ -21,24 +21,6 @@ RuntimeFactory = Callable[..., Awaitable[AgentRuntime]]
 
 
 @pytest.fixture
-async def manager(amqp_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[ManagerService]:
-    service = await start_manager(
-        manager_settings(namespace, tmp_path / "j.sqlite3", amqp_url=amqp_url)
-    )
-    yield service
-    await service.stop()
-
-
-@pytest.fixture
-async def client(
-    amqp_url: str, namespace: str, manager: ManagerService
-) -> AsyncIterator[MeshClient]:
-    mesh_client = await MeshClient.connect(amqp_url, namespace=namespace, name="e2e-client")
-    yield mesh_client
-    await mesh_client.close()
-
-
-@pytest.fixture
 async def start_agent(amqp_url: str, namespace: str) -> AsyncIterator[RuntimeFactory]:
     runtimes: list[AgentRuntime] = []
 
@@ -112,7 +94,7 @@ async def test_draining_an_agent_with_tasks_in_flight_loses_none_of_them(
 async def test_after_a_manager_restart_agents_register_again_and_work_resumes(
     amqp_url: str, namespace: str, tmp_path: Path, start_agent: RuntimeFactory
 ) -> None:
-    journal = tmp_path / "j.sqlite3"
+    journal = tmp_path / "journal.sqlite3"
     first = await start_manager(manager_settings(namespace, journal, amqp_url=amqp_url))
     await start_agent("calc", "calc-survivor")
     await first.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,24 +30,6 @@ from mesh.wire import (
 )
 
 from .harness import RawAgent, echo_capability, eventually, manager_settings, start_manager
-
-
-@pytest.fixture
-async def manager(amqp_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[ManagerService]:
-    service = await start_manager(
-        manager_settings(namespace, tmp_path / "journal.sqlite3", amqp_url=amqp_url)
-    )
-    yield service
-    await service.stop()
-
-
-@pytest.fixture
-async def client(
-    amqp_url: str, namespace: str, manager: ManagerService
-) -> AsyncIterator[MeshClient]:
-    mesh_client = await MeshClient.connect(amqp_url, namespace=namespace, name="test-client")
-    yield mesh_client
-    await mesh_client.close()
 
 
 @pytest.fixture

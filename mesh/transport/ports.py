@@ -1,0 +1,61 @@
+"""Ports: the transport as the SDKs see it, a ``typing.Protocol`` any implementation can meet."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+from mesh.topology.specs import Declarations
+from mesh.transport.amqp import Delivery, Handler
+from mesh.wire.models import Message
+
+
+class Subscription(Protocol):
+    """A running consumer."""
+
+    async def cancel(self) -> None: ...
+
+
+class Transport(Protocol):
+    """What the SDKs need from a transport. :class:`~mesh.transport.AmqpTransport` is the real
+    one; tests and users can pass their own (an in-memory one, a recording fake)."""
+
+    async def declare(self, declarations: Declarations) -> None: ...
+
+    async def consume(
+        self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False
+    ) -> Subscription: ...
+
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: Message | bytes,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        persistent: bool = False,
+        mandatory: bool = True,
+        timeout_s: float | None = None,
+    ) -> None: ...
+
+    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None: ...
+
+    async def dead_letter(
+        self,
+        delivery: Delivery,
+        *,
+        dead_letter_exchange: str,
+        source_queue: str,
+        reason: str,
+        detail: str,
+    ) -> None: ...
+
+    async def delete_queue(self, name: str, *, if_empty: bool = False) -> None: ...
+
+    async def queue_depth(self, queue: str) -> int: ...
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None: ...
+
+    async def close(self) -> None: ...
