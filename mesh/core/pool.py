@@ -282,8 +282,13 @@ class PoolCore:
     def _on_heartbeat(self, event: HeartbeatReceived, now: Instant) -> list[Command]:
         hb = event.heartbeat
         agent = self.agents.get(hb.agent_id)
-        if agent is None or agent.incarnation != hb.incarnation:
+        if agent is None:
             return self._ask_to_reregister(hb.agent_id, now)
+        if agent.incarnation != hb.incarnation:
+            # An older process still beating (a zombie), or a newer one whose registration is
+            # on its way. Either way it must not displace the registered one: ignore it.
+            self.counters["heartbeat_other_incarnation"] += 1
+            return []
         if hb.seq <= agent.last_heartbeat_seq:
             self.counters["heartbeat_stale"] += 1
             return []
@@ -453,7 +458,14 @@ class PoolCore:
         out += self._expire_leases(now)
         if self._deaf_since is None:
             out += self._evict_silent(now)
+        self._forget_old_reregister_asks(now)
         return out
+
+    def _forget_old_reregister_asks(self, now: Instant) -> None:
+        horizon = now.mono - self.settings.reregister_backoff_s
+        stale = [aid for aid, asked in self._reregister_asked.items() if asked < horizon]
+        for agent_id in stale:
+            del self._reregister_asked[agent_id]
 
     def _on_connection_lost(self, event: ConnectionLost, now: Instant) -> list[Command]:
         self._deaf_since = now.mono
