@@ -19,7 +19,7 @@ from typing import Any
 
 from mesh import constants as c
 from mesh import logs
-from mesh.errors import BrokerUnavailable, MeshError, RequestTimeout, StoreError
+from mesh.errors import BrokerUnavailable, MeshError, RequestTimeout
 from mesh.wire.models import OrchestrationEvent, Refusal, StatusReply
 
 SCHEMAS_DIR = Path("schemas")
@@ -49,7 +49,7 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
     except RequestTimeout as exc:
         print(f"mesh: {exc}", file=sys.stderr)
         return 3
-    except (MeshError, StoreError) as exc:
+    except MeshError as exc:
         print(f"mesh: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -96,12 +96,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from mesh.agent import AgentSettings, run_agent
     from mesh.samples import SAMPLES
 
-    agent = SAMPLES[args.sample](args.agent_id, heartbeat_interval_s=args.heartbeat_interval)
     settings = AgentSettings(
         amqp_url=args.amqp_url, namespace=args.namespace, drain_timeout_s=args.drain_timeout
     )
 
     async def run() -> int:
+        agent = SAMPLES[args.sample](args.agent_id, heartbeat_interval_s=args.heartbeat_interval)
         stop = asyncio.Event()
         _stop_on_signals(stop)  # SIGTERM drains: no new work, in-flight finishes, then exit
         await run_agent(agent, settings, stop)
@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-interval",
         type=float,
-        default=float(_env("HEARTBEAT_INTERVAL_S", str(c.DEFAULT_HEARTBEAT_INTERVAL_S))),
+        default=_env("HEARTBEAT_INTERVAL_S", str(c.DEFAULT_HEARTBEAT_INTERVAL_S)),
+        help="seconds between heartbeats, at least 5 (env HEARTBEAT_INTERVAL_S)",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0)
     p.set_defaults(func=cmd_agent)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from mesh import constants as c
-from mesh.errors import RequestTimeout, TaskFailed, TaskRefused
+from mesh.errors import MeshError, RequestTimeout, TaskFailed, TaskRefused
 from mesh.producer import MeshClient
 from mesh.topology.specs import BindingSpec, Declarations
 from mesh.transport import Delivery
@@ -278,6 +278,11 @@ async def _produce(
                 tally.errors[exc.code] += 1
                 note = " (sent on purpose)" if bad else ""
                 say(f"  error    {capability:<14} {exc.code}{note}: {exc.message[:90]}")
+                continue
+            except MeshError as exc:  # no manager answer, broker trouble: count it, go on
+                tally.errors[type(exc).__name__] += 1
+                say(f"  error    {capability:<14} {type(exc).__name__}: {str(exc)[:90]}")
+                await asyncio.sleep(0.5)
                 continue
             ms = (time.perf_counter() - started) * 1000
             tally.succeeded += 1

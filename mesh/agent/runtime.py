@@ -78,6 +78,7 @@ from mesh.wire.models import (
     DrainComplete,
     DrainNotice,
     DrainRequest,
+    ErrorInfo,
     Heartbeat,
     Message,
     Refusal,
@@ -173,6 +174,7 @@ class AgentRuntime:
         self._active: set[asyncio.Task[Any]] = set()
         self._in_flight: dict[str, int] = dict.fromkeys(self._capabilities, 0)
         self._draining = False
+        self._refusing = False  # past the drain deadline: answer queued tasks, do not run them
         self._heartbeat_seq = 0
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._control_consumer: Subscription | None = None
@@ -473,13 +475,22 @@ class AgentRuntime:
             await self._dead_letter(delivery, self._task_queue, exc)
             return
         extra = self._extra(task_id=task.task_id, capability=task.capability)
+        if self._refusing:
+            await self._give_up_task(delivery, task, "the agent is leaving (drain deadline)")
+            return
         if delivery.redelivered:
             log.info("task redelivered; running it again", extra=extra)
         counted = task.capability in self._in_flight
         if counted:
             self._in_flight[task.capability] += 1
         try:
-            result = await process_task(task, self._capabilities, agent_id=self.agent_id)
+            try:
+                result = await process_task(task, self._capabilities, agent_id=self.agent_id)
+            except asyncio.CancelledError:
+                if self._phase == "stopping":
+                    # Cancelled at the end of the shutdown grace: answer and keep the task.
+                    await self._give_up_task(delivery, task, "cancelled at the shutdown deadline")
+                raise
             self.counters[f"tasks_{result.status}"] += 1
             if result.error is not None:
                 log.info("task failed", extra={**extra, "code": result.error.code.value})
@@ -490,6 +501,26 @@ class AgentRuntime:
         finally:
             if counted:
                 self._in_flight[task.capability] -= 1
+
+    async def _give_up_task(self, delivery: Delivery, task: Task, why: str) -> None:
+        """A task this agent will not finish: the producer gets an AGENT_SHUTDOWN result now
+        (not a timeout later) and the task is dead-lettered with that reason, then acked."""
+        self.counters["tasks_given_up"] += 1
+        extra = self._extra(task_id=task.task_id, capability=task.capability, why=why)
+        log.warning("giving up a task", extra=extra)
+        now = time.time()
+        result = TaskResult(
+            task_id=task.task_id,
+            agent_id=self.agent_id,
+            capability=task.capability,
+            status="error",
+            error=ErrorInfo(code=Reason.AGENT_SHUTDOWN, message=f"{self.agent_id}: {why}"),
+            started_at=now,
+            finished_at=now,
+        )
+        await self._send_result(delivery, result, extra)
+        exc = MessageRejected(Reason.AGENT_SHUTDOWN, f"{self.agent_id}: {why}")
+        await self._dead_letter(delivery, self._task_queue, exc)
 
     async def _send_result(
         self, delivery: Delivery, result: TaskResult, extra: dict[str, Any]
@@ -647,10 +678,25 @@ class AgentRuntime:
                 return
             if loop.time() >= deadline:
                 log.warning(
-                    "task queue not empty at the drain deadline", extra=self._extra(depth=depth)
+                    "task queue not empty at the drain deadline; giving up what is left",
+                    extra=self._extra(depth=depth),
                 )
+                await self._give_up_queued(loop.time() + self.settings.publish_timeout_s)
                 return
             await asyncio.sleep(min(_SETTLE_POLL_S, max(0.0, deadline - loop.time())))
+
+    async def _give_up_queued(self, deadline: float) -> None:
+        """Answer every task still queued with AGENT_SHUTDOWN, through the running consumer."""
+        self._refusing = True
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            try:
+                if await self.transport.queue_depth(self._task_queue) == 0:
+                    return
+            except Exception as exc:
+                log.debug("queue depth unavailable", extra=self._extra(error=str(exc)))
+                return
+            await asyncio.sleep(_SETTLE_POLL_S)
 
     async def _shutdown(self, reason: str, *, deregister: bool) -> None:
         if self._phase in ("stopping", "stopped"):
@@ -676,13 +722,15 @@ class AgentRuntime:
         if await _wait_until(self._idle, asyncio.get_running_loop().time() + grace):
             return
         log.error(
-            "in-flight tasks did not finish in time; cancelling them (they will be redelivered)",
+            "in-flight tasks did not finish in time; cancelling them (answered AGENT_SHUTDOWN, "
+            "dead-lettered)",
             extra=self._extra(in_flight=self.in_flight, grace_s=grace),
         )
         for task in list(self._active):
             task.cancel()
         if self._active:
-            await asyncio.wait(list(self._active), timeout=1.0)
+            # Each cancelled task answers its producer and dead-letters itself first.
+            await asyncio.wait(list(self._active), timeout=2 * self.settings.publish_timeout_s)
 
     async def _deregister(self, reason: str) -> None:
         try:
@@ -699,6 +747,11 @@ class AgentRuntime:
             log.warning("deregistration not delivered", extra=self._extra(error=str(exc)))
 
     async def _delete_task_queue_if_empty(self) -> None:
+        # A passive count and an if_empty delete both ignore unacked messages: never delete
+        # while a handler may still hold one.
+        if self._active:
+            log.info("task queue kept: tasks still held", extra=self._extra())
+            return
         try:
             if await self.transport.queue_depth(self._task_queue) == 0:
                 await self.transport.delete_queue(self._task_queue, if_empty=True)

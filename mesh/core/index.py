@@ -37,6 +37,7 @@ from packaging.version import Version
 from mesh.errors import LocalProtocolError
 
 COST_CLASSES = ("A", "B", "C")
+_SPEC_CACHE_MAX = 1024
 
 
 class InvalidVersionSpec(LocalProtocolError):
@@ -136,6 +137,8 @@ class CapabilityEntry:
             cached = tuple(
                 g for g in self.groups.values() if spec.contains(g.version, prereleases=True)
             )
+            if len(self.spec_cache) >= _SPEC_CACHE_MAX:  # clients choose the spec strings
+                self.spec_cache.clear()
             self.spec_cache[spec_text] = cached
         return cached
 
@@ -152,6 +155,10 @@ class CapabilityIndex:
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def has_version_matching(self, name: str, spec_text: str) -> bool:
+        entry = self._entries.get(name)
+        return entry is not None and bool(entry.matching(spec_text))
 
     def versions(self, name: str) -> list[str]:
         entry = self._entries.get(name)

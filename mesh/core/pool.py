@@ -94,6 +94,7 @@ from mesh.wire.reasons import Reason
 log = logging.getLogger(__name__)
 
 _RECENTLY_TERMINATED_MAX = 10_000
+_FINISHED_LEASES_MAX = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,7 @@ class PoolCore:
         self.counters: Counter[str] = Counter()
         self._expiry_heap: list[tuple[float, str]] = []
         self._recently_terminated: OrderedDict[str, str] = OrderedDict()  # id -> incarnation
+        self._finished_leases: OrderedDict[str, None] = OrderedDict()
         self._reregister_asked: dict[str, float] = {}
         self._last_tick: float | None = None
         self._handlers: dict[type[Any], Callable[[Any, Instant], list[Command]]] = {
@@ -212,9 +214,6 @@ class PoolCore:
                 self.counters["registration_duplicate"] += 1
                 return [SendToAgent(reg.agent_id, _accepted(reg))]
             out += self._remove(existing, Trigger.DEREGISTER, now, "replaced by a new incarnation")
-        if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
-            return out + self._refuse_registration(reg, now)
-
         agent = AgentRecord(
             agent_id=reg.agent_id,
             incarnation=reg.incarnation,
@@ -223,10 +222,12 @@ class PoolCore:
             registered_at=now.mono,
             last_seen=now.mono,
         )
+        out += self._transition(agent, Trigger.REGISTER, now, "registration received")
+        if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
+            return out + self._refuse_registration(agent, reg, now)
         self.agents[agent.agent_id] = agent
         self._recently_terminated.pop(agent.agent_id, None)
         self._reregister_asked.pop(agent.agent_id, None)
-        out += self._transition(agent, Trigger.REGISTER, now, "registration received")
         for cap in reg.capabilities:
             slot = Slot(agent.agent_id, cap.name, cap.version, cap.cost_class, cap.max_concurrency)
             agent.slots[cap.name] = slot
@@ -247,7 +248,10 @@ class PoolCore:
             out.append(Announce(cap.name, agent.agent_id, entry))
         return out
 
-    def _refuse_registration(self, reg: AgentRegistration, now: Instant) -> list[Command]:
+    def _refuse_registration(
+        self, agent: AgentRecord, reg: AgentRegistration, now: Instant
+    ) -> list[Command]:
+        """Registering -> Terminated through the table; the record is never kept."""
         minimum = self.settings.min_heartbeat_interval_s
         detail = (
             f"heartbeat_interval_s={reg.heartbeat_interval_s:g} is below the minimum of "
@@ -255,12 +259,8 @@ class PoolCore:
             "such a short interval evicts healthy agents during GC pauses"
         )
         self.counters["registration_refused"] += 1
-        entry = LogEntry(
-            at=now.wall,
-            kind="refused",
-            agent_id=reg.agent_id,
-            reason=Reason.HEARTBEAT_INTERVAL_TOO_SHORT.value,
-            detail={"detail": detail},
+        out = self._transition(
+            agent, Trigger.REFUSE, now, Reason.HEARTBEAT_INTERVAL_TOO_SHORT.value, detail=detail
         )
         refusal = RegistrationRefused(
             agent_id=reg.agent_id,
@@ -268,7 +268,7 @@ class PoolCore:
             reason=Reason.HEARTBEAT_INTERVAL_TOO_SHORT,
             detail=detail,
         )
-        return [AppendLog(entry), SendToAgent(reg.agent_id, refusal)]
+        return [*out, SendToAgent(reg.agent_id, refusal)]
 
     def _on_deregistration(self, event: DeregistrationReceived, now: Instant) -> list[Command]:
         msg = event.deregistration
@@ -327,6 +327,11 @@ class PoolCore:
             self.counters["acquire_duplicate"] += 1
             slot = self.agents[held.agent_id].slots[held.capability]
             return _lease(held, slot, now), []
+        if lease_id in self._finished_leases:
+            # A redelivered request whose lease is already over must not take a new slot.
+            self.counters["acquire_duplicate"] += 1
+            detail = f"lease {lease_id!r} was already granted and has ended"
+            return Refusal(reason=Reason.UNKNOWN_LEASE, detail=detail), []
         slot_or_refusal = self._choose_slot(request)
         if isinstance(slot_or_refusal, Refusal):
             self.counters[f"acquire_refused.{slot_or_refusal.reason.value}"] += 1
@@ -351,6 +356,7 @@ class PoolCore:
         if lease is None:
             self.counters["release_unknown_lease"] += 1
             return [Reply(Refusal(reason=Reason.UNKNOWN_LEASE, detail=f"no lease {lease_id!r}"))]
+        self._remember_finished(lease_id)
         agent = self.agents[lease.agent_id]
         agent.leases.discard(lease_id)
         self._change_load(agent, agent.slots[lease.capability], -1)
@@ -412,6 +418,13 @@ class PoolCore:
         if req.capability not in self.index:
             return Refusal(
                 reason=Reason.UNKNOWN_CAPABILITY, detail=f"no agent offers {req.capability}"
+            )
+        if not self.index.has_version_matching(req.capability, req.version_spec):
+            versions = ", ".join(self.index.versions(req.capability))
+            return Refusal(
+                reason=Reason.CAPABILITY_NOT_OFFERED,
+                detail=f"no agent offers {req.capability} {req.version_spec} "
+                f"(offered versions: {versions})",
             )
         return Refusal(
             reason=Reason.NO_AGENT_AVAILABLE,
@@ -521,6 +534,7 @@ class PoolCore:
         *,
         capability: str | None = None,
         lease: str | None = None,
+        detail: str | None = None,
     ) -> list[Command]:
         target = next_state(agent.state, trigger)
         if target is None:
@@ -549,7 +563,10 @@ class PoolCore:
             to_state=target.value,
             capability=capability,
             reason=reason,
-            detail={"lease_id": lease} if lease else {},
+            detail={
+                **({"lease_id": lease} if lease else {}),
+                **({"detail": detail} if detail else {}),
+            },
         )
         return [AppendLog(entry)]
 
@@ -585,12 +602,18 @@ class PoolCore:
             out.append(Announce(slot.capability, agent.agent_id, entry))
         for lease_id in agent.leases:
             self.leases.pop(lease_id, None)
+            self._remember_finished(lease_id)
         del self.agents[agent.agent_id]
         self._recently_terminated[agent.agent_id] = agent.incarnation
         if len(self._recently_terminated) > _RECENTLY_TERMINATED_MAX:
             self._recently_terminated.popitem(last=False)
         self.counters["terminated"] += 1
         return out
+
+    def _remember_finished(self, lease_id: str) -> None:
+        self._finished_leases[lease_id] = None
+        if len(self._finished_leases) > _FINISHED_LEASES_MAX:
+            self._finished_leases.popitem(last=False)
 
     def _version_drift(self, name: str, now: Instant) -> list[Command]:
         versions = self.index.versions(name)

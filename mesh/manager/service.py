@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -52,7 +51,14 @@ from mesh.core.events import (
     Tick,
 )
 from mesh.core.pool import PoolCore
-from mesh.errors import MessageRejected, PublishUnroutable, TransportError
+from mesh.errors import (
+    LocalProtocolError,
+    MessageRejected,
+    PublishNacked,
+    PublishTimeout,
+    PublishUnroutable,
+    TransportError,
+)
 from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
 from mesh.manager.journal import Journal, SqliteJournal
@@ -67,6 +73,7 @@ from mesh.wire.models import (
     Deregistration,
     DrainRequest,
     FindRequest,
+    LeaseGranted,
     Message,
     OrchestrationEvent,
     Refusal,
@@ -106,13 +113,13 @@ class ManagerService:
         self._consumers: list[Consumer | RawConsumer] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._started_at = time.monotonic()
+        self._started_at = self.clock.now().mono
         self.heartbeats = HeartbeatSink(self.core, self.clock, self._spawn, self.counters)
 
     @property
     def transport(self) -> AmqpTransport:
         if self._transport is None:
-            raise RuntimeError("the manager is not started")
+            raise LocalProtocolError("the manager is not started")
         return self._transport
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -126,7 +133,11 @@ class ManagerService:
             self._journal = SqliteJournal(s.journal_path)
         await self.transport.declare(self.topology.manager())
         await self._execute(
-            [AppendLog(LogEntry(at=time.time(), kind="manager_started", reason=s.manager_id))]
+            [
+                AppendLog(
+                    LogEntry(at=self.clock.now().wall, kind="manager_started", reason=s.manager_id)
+                )
+            ]
         )
         t = self.topology
         self._consumers = [
@@ -169,8 +180,10 @@ class ManagerService:
 
     async def _after_reconnect(self) -> None:
         self.counters["reconnects"] += 1
-        await self.transport.declare(self.topology.manager())
-        await self._feed(ConnectionRestored())
+        try:
+            await self._feed(ConnectionRestored())
+        finally:
+            await self.transport.declare(self.topology.manager())
 
     async def _tick_forever(self) -> None:
         while True:
@@ -233,8 +246,12 @@ class ManagerService:
         except MessageRejected as exc:
             await self._dead_letter(delivery, queue, exc)
         except TransportError as exc:
-            # The broker is going away: leave the message unacked so it comes back.
+            # Replies and agent messages are best-effort (counted where they fail), so this is
+            # the channel or broker going away: hand the message back to be redelivered (the
+            # core's handling is idempotent); if even that fails the broker requeues it anyway.
             log.warning("could not finish a delivery", extra={"queue": queue, "error": str(exc)})
+            with contextlib.suppress(Exception):
+                await delivery.reject(requeue=True)
             return
         except Exception:
             self.counters["handler_errors"] += 1
@@ -267,7 +284,7 @@ class ManagerService:
         counters.update(self.counters)
         return StatusReply(
             manager_id=self.settings.manager_id,
-            uptime_s=time.monotonic() - self._started_at,
+            uptime_s=now.mono - self._started_at,
             agents=self.core.status(now),
             counters=dict(sorted(counters.items())),
         )
@@ -292,13 +309,16 @@ class ManagerService:
                 await self._send_to_agent(cmd.agent_id, cmd.message)
             elif isinstance(cmd, Reply):
                 if request is not None:
-                    await self._reply(request, cmd.message)
+                    delivered = await self._reply(request, cmd.message)
+                    if not delivered and isinstance(cmd.message, LeaseGranted):
+                        await self._release_unclaimed(cmd.message.lease.lease_id)
             elif isinstance(cmd, Announce):
                 key = names.capability_key(cmd.capability, cmd.agent_id)
                 await self._publish_event(key, _to_wire(cmd.entry))
 
     def _append(self, entries: list[LogEntry]) -> list[OrchestrationEvent]:
-        assert self._journal is not None
+        if self._journal is None:
+            raise LocalProtocolError("the manager is not started")
         stored = self._journal.append_many(_to_wire(e) for e in entries)
         for event in stored:
             log.info(
@@ -319,18 +339,31 @@ class ManagerService:
         except TransportError:
             self.counters["events_unpublished"] += 1
 
+    async def _release_unclaimed(self, lease_id: str) -> None:
+        """A lease whose grant never reached its requester would pin a slot until its TTL."""
+        self.counters["leases_released_unclaimed"] += 1
+        commands = self.core.release(lease_id, self.clock.now(), "requester gone")
+        await self._execute([cmd for cmd in commands if not isinstance(cmd, Reply)])
+
     async def _send_to_agent(self, agent_id: str, message: Message) -> None:
         try:
             await self.transport.publish(self.topology.agents_exchange, agent_id, message)
+        except (PublishNacked, PublishTimeout) as exc:
+            self.counters["agent_message_failed"] += 1
+            log.warning(
+                "message to agent not confirmed",
+                extra={"agent_id": agent_id, "message_type": message.type, "error": str(exc)},
+            )
         except PublishUnroutable:
             self.counters["agent_unreachable"] += 1
             log.info(
                 "agent has no control queue", extra={"agent_id": agent_id, "msg": message.type}
             )
 
-    async def _reply(self, request: Delivery, message: Message) -> None:
+    async def _reply(self, request: Delivery, message: Message) -> bool:
+        """Best-effort: a reply that cannot be delivered is counted, never retried forever."""
         if not request.reply_to:
-            return
+            return False
         try:
             await self.transport.publish(
                 DEFAULT_EXCHANGE,
@@ -340,6 +373,11 @@ class ManagerService:
             )
         except PublishUnroutable:
             self.counters["requester_gone"] += 1
+            return False
+        except (PublishNacked, PublishTimeout):
+            self.counters["reply_failed"] += 1
+            return False
+        return True
 
 
 def _lease_id(request: Delivery) -> str:

@@ -59,6 +59,8 @@ from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
 
+REPLY_MAX_BYTES = 64 * 1024 * 1024
+
 _METHODS: dict[type[Message], str] = {
     FindRequest: "find",
     AcquireRequest: "acquire",
@@ -88,6 +90,7 @@ class MeshClient:
         self._pending: dict[str, asyncio.Future[Message]] = {}
         self._consumer: Consumer | None = None
         self._owns_transport = False
+        self._background: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(
@@ -111,6 +114,8 @@ class MeshClient:
         return client
 
     async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         if self._consumer is not None:
             await self._consumer.cancel()
         for fut in self._pending.values():
@@ -129,11 +134,26 @@ class MeshClient:
         fut = self._pending.pop(delivery.correlation_id or "", None)
         if fut is None or fut.done():
             self.counters["late_replies"] += 1
+            await self._release_late_grant(delivery)
             return
         try:
-            fut.set_result(decode(delivery.body))
+            # Replies come from the manager and agents, not strangers: a status of thousands
+            # of agents is legitimately larger than the inbound limit for untrusted input.
+            fut.set_result(decode(delivery.body, max_bytes=REPLY_MAX_BYTES))
         except Exception as exc:  # a bad reply fails its caller, not the consumer
             fut.set_exception(exc)
+
+    async def _release_late_grant(self, delivery: Delivery) -> None:
+        """A grant that arrives after its caller gave up would pin a slot until its TTL."""
+        try:
+            reply = decode(delivery.body)
+        except Exception:
+            return
+        if isinstance(reply, LeaseGranted):
+            self.counters["late_grants_released"] += 1
+            task = asyncio.create_task(self._release_quietly(reply.lease.lease_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def request(self, message: Message, *, timeout_s: float = 10.0) -> Message:
         """Send one request to the manager and wait for its reply."""

@@ -18,6 +18,7 @@ outcome. Business IDs travel in headers or ``correlation_id``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -51,6 +52,7 @@ from mesh.wire.models import Message
 log = logging.getLogger(__name__)
 
 DEFAULT_EXCHANGE = ""
+_CONTROL_TIMEOUT_S = 5.0  # bound on channel operations that are not publishes
 
 
 def redact(url: str) -> str:
@@ -112,10 +114,13 @@ class Consumer:
         self._channel = channel
 
     async def cancel(self) -> None:
+        """Stop deliveries. Bounded: with the broker unreachable it gives up after a while
+        (the broker forgets the consumer with the connection anyway)."""
         try:
-            await self._queue.cancel(self._tag)
-        except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
-            log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
+            async with asyncio.timeout(_CONTROL_TIMEOUT_S):
+                await self._queue.cancel(self._tag)
+        except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
+            log.debug("consumer cancel incomplete", extra={"queue": self.queue_name, "err": exc})
 
 
 class RawConsumer:
@@ -143,8 +148,9 @@ class RawConsumer:
     async def cancel(self) -> None:
         self.cancelled = True
         try:
-            await self._channel.close()
-        except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
+            async with asyncio.timeout(_CONTROL_TIMEOUT_S):
+                await self._channel.close()
+        except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
             log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
 
 
@@ -214,14 +220,21 @@ class AmqpTransport:
         self._on_reconnect.append(callback)
 
     async def _reconnected(self, *_: Any) -> None:
+        # aio-pika swallows exceptions from reconnect callbacks: log every failure here.
         log.warning("reconnected to the broker", extra={"url": redact(self.url)})
         # aio-pika has restored what it knew; forget our cache so later declares are real.
         self._declared.clear()
         self._raw_consumers = [c for c in self._raw_consumers if not c.cancelled]
         for consumer in self._raw_consumers:
-            await consumer.subscribe()
+            try:
+                await consumer.subscribe()
+            except Exception:
+                log.exception("raw consumer not restored", extra={"queue": consumer.queue_name})
         for callback in self._on_reconnect:
-            await callback()
+            try:
+                await callback()
+            except Exception:
+                log.exception("reconnect callback failed")
 
     async def close(self) -> None:
         self._closing = True
@@ -275,7 +288,8 @@ class AmqpTransport:
         return await channel.declare_queue(name, passive=True)
 
     async def delete_queue(self, name: str, *, if_empty: bool = False) -> None:
-        await self._publish_channel.queue_delete(name, if_empty=if_empty)
+        async with asyncio.timeout(_CONTROL_TIMEOUT_S):
+            await self._publish_channel.queue_delete(name, if_empty=if_empty)
         self._queues.pop(name, None)
         self._queue_specs.pop(name, None)
         self._declared = {s for s in self._declared if getattr(s, "name", None) != name}
@@ -410,19 +424,21 @@ class AmqpTransport:
 
     async def get_one(self, queue: str, *, timeout_s: float = 5.0) -> Delivery | None:
         """Fetch one message with basic.get (for tools and tests); ``None`` if empty."""
-        channel = await self._connection.channel()
-        try:
-            q = await channel.get_queue(queue, ensure=False)
-            msg = await q.get(no_ack=True, fail=False, timeout=timeout_s)
-            return None if msg is None else _delivery(msg)
-        finally:
-            await channel.close()
+        async with asyncio.timeout(timeout_s + _CONTROL_TIMEOUT_S):
+            channel = await self._connection.channel()
+            try:
+                q = await channel.get_queue(queue, ensure=False)
+                msg = await q.get(no_ack=True, fail=False, timeout=timeout_s)
+                return None if msg is None else _delivery(msg)
+            finally:
+                await channel.close()
 
     async def queue_depth(self, queue: str) -> int:
         """Messages ready in ``queue`` (passive declare)."""
-        channel = await self._connection.channel()
-        try:
-            q = await channel.declare_queue(queue, passive=True)
-            return int(q.declaration_result.message_count or 0)
-        finally:
-            await channel.close()
+        async with asyncio.timeout(_CONTROL_TIMEOUT_S):
+            channel = await self._connection.channel()
+            try:
+                q = await channel.declare_queue(queue, passive=True, robust=False)
+                return int(q.declaration_result.message_count or 0)
+            finally:
+                await channel.close()

@@ -34,6 +34,7 @@ class Reason(StrEnum):
     CAPABILITY_NOT_HANDLED = "CAPABILITY_NOT_HANDLED"
     HANDLER_ERROR = "HANDLER_ERROR"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    AGENT_SHUTDOWN = "AGENT_SHUTDOWN"  # the agent left (drain deadline) before running it
     # Transport outcomes surfaced to callers.
     QUEUE_FULL = "QUEUE_FULL"
     UNROUTABLE = "UNROUTABLE"

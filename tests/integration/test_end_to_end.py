@@ -129,3 +129,37 @@ async def test_an_agent_whose_connection_is_cut_reconnects_and_keeps_serving(
         return outcome.output["value"] == 7
 
     await eventually(serves, timeout_s=30, what="the agent to serve again after reconnecting")
+
+
+async def test_a_drain_that_outlasts_its_deadlines_answers_and_dead_letters_what_it_cannot_finish(
+    manager: ManagerService,
+    client: MeshClient,
+    start_agent: RuntimeFactory,
+    topology: Any,
+) -> None:
+    runtime = await start_agent(
+        "echo", "echo-slow", drain_timeout_s=1.0, shutdown_grace_s=1.0, stop_timeout_s=1.0
+    )
+    tasks = [
+        asyncio.create_task(
+            client.run_task("test.echo", {"message": f"slow {i}", "sleep_ms": 8000}, timeout_s=30)
+        )
+        for i in range(3)
+    ]
+    await eventually(
+        lambda: manager.core.agents["echo-slow"].in_flight == 3, what="three leases held"
+    )
+
+    await runtime.drain("test: deadlines shorter than the work")
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+
+    # Nothing hangs until the producer's timeout and nothing vanishes: each task is answered
+    # with AGENT_SHUTDOWN at once and kept in the dead-letter queue with that reason.
+    assert [getattr(o, "code", o) for o in outcomes] == ["AGENT_SHUTDOWN"] * 3
+    assert runtime.counters["tasks_given_up"] == 3
+    reasons = []
+    for _ in range(3):
+        letter = await client.transport.get_one(topology.dead_letter_queue)
+        assert letter is not None
+        reasons.append(letter.headers["x-mesh-reason"])
+    assert reasons == ["AGENT_SHUTDOWN"] * 3

@@ -16,8 +16,9 @@ from mesh.core.pool import PoolSettings
 from mesh.manager.journal import SqliteJournal
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
-from mesh.topology import Topology
+from mesh.topology import Declarations, QueueArguments, QueueSpec, Topology
 from mesh.wire import (
+    AcquireRequest,
     DrainComplete,
     DrainNotice,
     DrainRequest,
@@ -26,6 +27,7 @@ from mesh.wire import (
     RegistrationAccepted,
     RegistrationRefused,
     ReRegisterRequest,
+    StatusRequest,
     encode,
 )
 
@@ -243,3 +245,55 @@ async def test_a_manager_whose_connection_is_cut_keeps_ingesting_heartbeats_and_
     assert states(await client.status()) == {"steady-through-cut": "Ready"}
     assert manager.core.counters["lost"] == 0
     await agent.stop_heartbeats()
+
+
+async def test_replies_that_cannot_be_delivered_never_stall_the_manager(
+    manager: ManagerService, client: MeshClient, topology: Topology
+) -> None:
+    # A requester whose reply queue refuses everything (bounded at 0, reject-publish).
+    full = f"{topology.namespace}.reply.full"
+    await client.transport.declare(
+        Declarations(
+            queues=(
+                QueueSpec(full, arguments=QueueArguments(max_length=0, overflow="reject-publish")),
+            )
+        )
+    )
+    for _ in range(manager.settings.prefetch + 10):  # more than the consumer's prefetch
+        await client.transport.publish(
+            topology.control_exchange,
+            "rpc.status",
+            StatusRequest(),
+            reply_to=full,
+            correlation_id=uuid.uuid4().hex,
+        )
+
+    await eventually(
+        lambda: manager.counters["reply_failed"] == manager.settings.prefetch + 10,
+        what="every failed reply counted",
+    )
+    status = await client.status(timeout_s=5)  # the consumer still serves
+    assert status.counters["reply_failed"] == manager.settings.prefetch + 10
+
+
+async def test_a_grant_that_cannot_reach_its_requester_is_released_at_once(
+    manager: ManagerService, client: MeshClient, raw_agent: Any, topology: Topology
+) -> None:
+    agent = await raw_agent("only-one", capabilities=[echo_capability(max_concurrency=1)])
+    await agent.register()
+    await eventually(lambda: "only-one" in manager.core.agents, what="registration")
+
+    await client.transport.publish(
+        topology.control_exchange,
+        "rpc.acquire",
+        AcquireRequest(capability="test.echo"),
+        reply_to=f"{topology.namespace}.reply.nobody-home",  # no such queue
+        correlation_id=uuid.uuid4().hex,
+    )
+
+    await eventually(
+        lambda: manager.counters["leases_released_unclaimed"] == 1, what="the unclaimed release"
+    )
+    assert manager.core.agents["only-one"].in_flight == 0
+    lease = await client.acquire("test.echo")  # the single slot is free again
+    assert not isinstance(lease, Refusal)

@@ -112,8 +112,13 @@ def test_a_heartbeat_interval_below_five_seconds_is_refused_with_the_reason(
     assert "minimum of 5 s" in refused.detail
     assert "evicts healthy agents" in refused.detail
     assert not sent(out, RegistrationAccepted)
-    [entry] = log_entries(out)
-    assert (entry.kind, entry.reason) == ("refused", "HEARTBEAT_INTERVAL_TOO_SHORT")
+    # Through the lifecycle table: Spawning -> Registering -> Terminated, nothing kept.
+    moves = [(e.kind, e.from_state, e.to_state) for e in log_entries(out)]
+    assert moves == [
+        ("registered", "Spawning", "Registering"),
+        ("refused", "Registering", "Terminated"),
+    ]
+    assert log_entries(out)[-1].reason == "HEARTBEAT_INTERVAL_TOO_SHORT"
     assert "calc-1" not in pool.core.agents
     assert "calc.add" not in pool.core.index
     assert pool.found() == []
@@ -974,3 +979,25 @@ def test_status_lists_every_agent_with_its_state_and_load() -> None:
         ("calc.add", 1, 3)
     ]
     assert (status["text-1"].state, status["text-1"].last_heartbeat_age_s) == ("Ready", 1)
+
+
+def test_a_redelivered_acquire_after_its_lease_ended_does_not_take_a_new_slot(pool: Pool) -> None:
+    pool.register("calc-1", capability(max_concurrency=2))
+    lease = pool.acquire(lease_id="req-1")
+    assert isinstance(lease, Lease)
+    pool.release("req-1")
+
+    again = pool.acquire(lease_id="req-1")  # the same request, delivered a second time
+
+    assert isinstance(again, Refusal) and again.reason is Reason.UNKNOWN_LEASE
+    assert pool.core.agents["calc-1"].in_flight == 0
+
+
+def test_a_capability_offered_only_in_other_versions_is_not_offered_not_busy(pool: Pool) -> None:
+    pool.register("calc-1", capability(version="1.4.0"))
+
+    refusal = pool.acquire(version_spec=">=2")
+
+    # Retrying cannot help here, unlike NO_AGENT_AVAILABLE.
+    assert isinstance(refusal, Refusal) and refusal.reason is Reason.CAPABILITY_NOT_OFFERED
+    assert "1.4.0" in refusal.detail
