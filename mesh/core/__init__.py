@@ -7,6 +7,7 @@ from mesh.core.events import (
     Command,
     ConnectionLost,
     ConnectionRestored,
+    DeletePod,
     DeregistrationReceived,
     DrainRequested,
     Event,
@@ -17,12 +18,15 @@ from mesh.core.events import (
     RegistrationReceived,
     ReleaseRequested,
     Reply,
+    ScaleObserved,
+    ScaleTo,
     SendToAgent,
     Tick,
 )
 from mesh.core.index import Candidate, CapabilityIndex, InvalidVersionSpec
 from mesh.core.lifecycle import TRANSITIONS, AgentState, Trigger, next_state, render_mermaid
 from mesh.core.pool import PoolCore, PoolSettings
+from mesh.core.scaling import ScaleDecision, ScalePlanner, ScalingPolicy
 
 __all__ = [
     "TRANSITIONS",
@@ -35,6 +39,7 @@ __all__ = [
     "Command",
     "ConnectionLost",
     "ConnectionRestored",
+    "DeletePod",
     "DeregistrationReceived",
     "DrainRequested",
     "Event",
@@ -48,6 +53,11 @@ __all__ = [
     "RegistrationReceived",
     "ReleaseRequested",
     "Reply",
+    "ScaleDecision",
+    "ScaleObserved",
+    "ScalePlanner",
+    "ScaleTo",
+    "ScalingPolicy",
     "SendToAgent",
     "Tick",
     "Trigger",

@@ -76,6 +76,14 @@ class Tick:
 
 
 @dataclass(frozen=True, slots=True)
+class ScaleObserved:
+    """The scaler reports a deployment's desired replicas (``None``: it does not exist)."""
+
+    deployment: str
+    replicas: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectionLost:
     """The manager lost the broker: it hears nobody, so silence proves nothing."""
 
@@ -96,6 +104,7 @@ Event = (
     | Tick
     | ConnectionLost
     | ConnectionRestored
+    | ScaleObserved
 )
 
 # ---- commands -----------------------------------------------------------------------------
@@ -146,4 +155,23 @@ class Reply:
     message: Message
 
 
-Command = AppendLog | Announce | SendToAgent | Reply
+@dataclass(frozen=True, slots=True)
+class ScaleTo:
+    """Set a deployment's replicas; when shrinking, ``remove_first`` (idle, drained) goes."""
+
+    deployment: str
+    replicas: int
+    reason: str
+    remove_first: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeletePod:
+    """Delete the pod of an agent that was declared lost; its controller replaces it."""
+
+    deployment: str
+    pod: str
+    reason: str
+
+
+Command = AppendLog | Announce | SendToAgent | Reply | ScaleTo | DeletePod

@@ -49,6 +49,7 @@ from mesh.core.events import (
     Command,
     ConnectionLost,
     ConnectionRestored,
+    DeletePod,
     DeregistrationReceived,
     DrainRequested,
     Event,
@@ -59,6 +60,8 @@ from mesh.core.events import (
     RegistrationReceived,
     ReleaseRequested,
     Reply,
+    ScaleObserved,
+    ScaleTo,
     SendToAgent,
     Tick,
 )
@@ -71,6 +74,7 @@ from mesh.core.index import (
     parse_version,
 )
 from mesh.core.lifecycle import ACQUIRABLE, AgentState, Trigger, next_state
+from mesh.core.scaling import IdleAgent, ScalePlanner, ScalingPolicy
 from mesh.wire.models import (
     AcquireRequest,
     AgentRegistration,
@@ -94,6 +98,7 @@ from mesh.wire.reasons import Reason
 log = logging.getLogger(__name__)
 
 _RECENTLY_TERMINATED_MAX = 10_000
+_CAPACITY_MISSES = frozenset({Reason.NO_AGENT_AVAILABLE, Reason.UNKNOWN_CAPABILITY})
 _FINISHED_LEASES_MAX = 100_000
 
 
@@ -106,6 +111,7 @@ class PoolSettings:
     default_lease_ttl_s: float = c.DEFAULT_LEASE_TTL_S
     stall_threshold_s: float = 3.0  # a gap between ticks longer than this is a manager stall
     reregister_backoff_s: float = 5.0  # ask an unknown agent to re-register at most this often
+    scaling: tuple[ScalingPolicy, ...] = ()  # deployments the manager may scale
 
 
 @dataclass(slots=True)
@@ -123,6 +129,7 @@ class AgentRecord:
     last_heartbeat_seq: int = -1
     last_heartbeat_at: float | None = None
     reported_in_flight: dict[str, int] = field(default_factory=dict)
+    idle_since: float = 0.0  # monotonic time its last leased slot was released
 
 
 @dataclass(slots=True)
@@ -142,6 +149,8 @@ class PoolCore:
         self.agents: dict[str, AgentRecord] = {}
         self.leases: dict[str, LeaseRecord] = {}
         self.counters: Counter[str] = Counter()
+        self.scaling = ScalePlanner(self.settings.scaling)
+        self._deployments_by_capability: dict[str, Counter[str]] = {}
         self._expiry_heap: list[tuple[float, str]] = []
         self._recently_terminated: OrderedDict[str, str] = OrderedDict()  # id -> incarnation
         self._finished_leases: OrderedDict[str, None] = OrderedDict()
@@ -158,6 +167,7 @@ class PoolCore:
             Tick: self._on_tick,
             ConnectionLost: self._on_connection_lost,
             ConnectionRestored: self._on_connection_restored,
+            ScaleObserved: self._on_scale_observed,
         }
         self._deaf_since: float | None = None
 
@@ -221,6 +231,7 @@ class PoolCore:
             heartbeat_interval_s=reg.heartbeat_interval_s,
             registered_at=now.mono,
             last_seen=now.mono,
+            idle_since=now.mono,
         )
         out += self._transition(agent, Trigger.REGISTER, now, "registration received")
         if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
@@ -231,6 +242,7 @@ class PoolCore:
         for cap in reg.capabilities:
             slot = Slot(agent.agent_id, cap.name, cap.version, cap.cost_class, cap.max_concurrency)
             agent.slots[cap.name] = slot
+            self._deployments_by_capability.setdefault(cap.name, Counter())[agent.deployment] += 1
             if self.index.add(slot):
                 out += self._version_drift(cap.name, now)
         out += self._transition(agent, Trigger.ACCEPT, now, "registration accepted")
@@ -335,6 +347,9 @@ class PoolCore:
         slot_or_refusal = self._choose_slot(request)
         if isinstance(slot_or_refusal, Refusal):
             self.counters[f"acquire_refused.{slot_or_refusal.reason.value}"] += 1
+            if request.agent_id is None and slot_or_refusal.reason in _CAPACITY_MISSES:
+                offering = self._deployments_by_capability.get(request.capability, Counter())
+                self.scaling.record_miss(request.capability, offering, now.mono)
             return slot_or_refusal, []
         slot = slot_or_refusal
         agent = self.agents[slot.agent_id]
@@ -364,6 +379,8 @@ class PoolCore:
         out: list[Command] = [Reply(Released(lease_id=lease_id))]
         draining = agent.state is AgentState.DRAINING
         trigger = Trigger.RELEASE if agent.in_flight > 0 or draining else Trigger.IDLE
+        if agent.in_flight == 0:
+            agent.idle_since = now.mono
         out += self._transition(
             agent, trigger, now, reason, capability=lease.capability, lease=lease_id
         )
@@ -444,14 +461,17 @@ class PoolCore:
         reply = Reply(DrainAccepted(agent_id=agent.agent_id, in_flight=agent.in_flight))
         if agent.state is AgentState.DRAINING:
             return [reply]
-        out = self._transition(agent, Trigger.DRAIN, now, event.reason or "drain requested")
+        return [*self._drain(agent, event.reason or "drain requested", now), reply]
+
+    def _drain(self, agent: AgentRecord, reason: str, now: Instant) -> list[Command]:
+        """Draining at once (out of the index); Terminated as soon as nothing is leased."""
+        out = self._transition(agent, Trigger.DRAIN, now, reason)
         self._refresh_availability(agent, agent.in_flight, agent.in_flight)
         self.counters["drained"] += 1
-        notice = DrainNotice(agent_id=agent.agent_id, reason=event.reason or "drain requested")
-        out.append(SendToAgent(agent.agent_id, notice))
+        out.append(SendToAgent(agent.agent_id, DrainNotice(agent_id=agent.agent_id, reason=reason)))
         if agent.in_flight == 0:
             out += self._finish_drain(agent, now)
-        return [*out, reply]
+        return out
 
     def _finish_drain(self, agent: AgentRecord, now: Instant) -> list[Command]:
         """Draining and nothing leased: Terminated, removed, and told it may exit."""
@@ -472,6 +492,46 @@ class PoolCore:
         if self._deaf_since is None:
             out += self._evict_silent(now)
         self._forget_old_reregister_asks(now)
+        if self.scaling.deployments:
+            out += self._scale(now)
+        return out
+
+    # ---- scaling -----------------------------------------------------------------------------
+    def _on_scale_observed(self, event: ScaleObserved, now: Instant) -> list[Command]:
+        self.scaling.observed(event.deployment, event.replicas)
+        return []
+
+    def _scale(self, now: Instant) -> list[Command]:
+        live: Counter[str] = Counter()
+        idle: dict[str, list[IdleAgent]] = {}
+        for agent in self.agents.values():
+            if not self.scaling.manages(agent.deployment):
+                continue
+            if agent.state is not AgentState.DRAINING:
+                live[agent.deployment] += 1
+            if agent.state is AgentState.READY and agent.in_flight == 0:
+                idle.setdefault(agent.deployment, []).append(
+                    IdleAgent(agent.agent_id, agent.idle_since)
+                )
+        out: list[Command] = []
+        for decision in self.scaling.plan(now.mono, live, idle):
+            self.counters["scale_decisions"] += 1
+            entry = LogEntry(
+                at=now.wall,
+                kind="scale",
+                agent_id=decision.remove_first or "",
+                reason=decision.reason,
+                detail={"deployment": decision.deployment, "replicas": decision.replicas},
+            )
+            out += [
+                AppendLog(entry),
+                ScaleTo(
+                    decision.deployment, decision.replicas, decision.reason, decision.remove_first
+                ),
+            ]
+            victim = self.agents.get(decision.remove_first or "")
+            if victim is not None:
+                out += self._drain(victim, f"scale-down: {decision.reason}", now)
         return out
 
     def _forget_old_reregister_asks(self, now: Instant) -> None:
@@ -521,7 +581,10 @@ class PoolCore:
         for agent in lost:
             silence = now.mono - agent.last_seen
             self.counters["lost"] += 1
-            out += self._remove(agent, Trigger.LOSE, now, f"no heartbeat for {silence:.1f} s")
+            reason = f"no heartbeat for {silence:.1f} s"
+            out += self._remove(agent, Trigger.LOSE, now, reason)
+            if self.scaling.manages(agent.deployment):
+                out.append(DeletePod(agent.deployment, agent.agent_id, reason))
         return out
 
     # ---- shared mechanics --------------------------------------------------------------------
@@ -591,6 +654,10 @@ class PoolCore:
         out = self._transition(agent, trigger, now, reason)
         for slot in agent.slots.values():
             self.index.remove(slot, agent.in_flight)
+            by_deployment = self._deployments_by_capability[slot.capability]
+            by_deployment[agent.deployment] -= 1
+            if by_deployment[agent.deployment] <= 0:
+                del by_deployment[agent.deployment]
             entry = LogEntry(
                 at=now.wall,
                 kind="capability_withdrawn",

@@ -39,6 +39,7 @@ from mesh.core.events import (
     Command,
     ConnectionLost,
     ConnectionRestored,
+    DeletePod,
     DeregistrationReceived,
     DrainRequested,
     Event,
@@ -47,6 +48,8 @@ from mesh.core.events import (
     RegistrationReceived,
     ReleaseRequested,
     Reply,
+    ScaleObserved,
+    ScaleTo,
     SendToAgent,
     Tick,
 )
@@ -63,6 +66,7 @@ from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
 from mesh.manager.journal import Journal, SqliteJournal
 from mesh.manager.settings import ManagerSettings
+from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
 from mesh.topology.specs import Topology
 from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Consumer, Delivery, RawConsumer
@@ -100,6 +104,7 @@ class ManagerService:
         journal: Journal | None = None,
         clock: Clock | None = None,
         on_log: Callable[[OrchestrationEvent], None] | None = None,
+        scaler: Scaler | None = None,
     ) -> None:
         self.settings = settings
         self.topology = Topology(namespace=settings.namespace)
@@ -110,6 +115,7 @@ class ManagerService:
         self._owns_transport = transport is None
         self._journal = journal
         self._on_log = on_log
+        self.scaler = scaler
         self._consumers: list[Consumer | RawConsumer] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -139,6 +145,7 @@ class ManagerService:
                 )
             ]
         )
+        await self._observe_deployments()
         t = self.topology
         self._consumers = [
             await self.transport.consume(t.announce_queue, self._on_announce, prefetch=s.prefetch),
@@ -161,6 +168,8 @@ class ManagerService:
             self._ticker = None
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.scaler is not None:
+            await self.scaler.close()
         if self._owns_transport and self._transport is not None:
             await self._transport.close()
         if self._journal is not None:
@@ -315,6 +324,8 @@ class ManagerService:
             elif isinstance(cmd, Announce):
                 key = names.capability_key(cmd.capability, cmd.agent_id)
                 await self._publish_event(key, _to_wire(cmd.entry))
+            elif isinstance(cmd, ScaleTo | DeletePod):
+                await self._scale(cmd)
 
     def _append(self, entries: list[LogEntry]) -> list[OrchestrationEvent]:
         if self._journal is None:
@@ -338,6 +349,56 @@ class ManagerService:
             )
         except TransportError:
             self.counters["events_unpublished"] += 1
+
+    # ---- scaling ----------------------------------------------------------------------------
+    async def _observe_deployments(self) -> None:
+        """Tell the core how many replicas each managed deployment has now."""
+        for deployment in self.core.scaling.deployments:
+            await self._observe(deployment)
+
+    async def _observe(self, deployment: str) -> None:
+        if self.scaler is None:
+            log.warning(
+                "scaling policies are set but no scaler is: nothing will be scaled",
+                extra={"deployment": deployment},
+            )
+            return
+        try:
+            replicas = await self.scaler.current_replicas(deployment)
+        except ScalerError as exc:
+            self.counters["scaler_errors"] += 1
+            log.error("cannot read replicas", extra={"deployment": deployment, "error": str(exc)})
+            return
+        if replicas is None:
+            log.error("managed deployment does not exist", extra={"deployment": deployment})
+        self.core.handle(ScaleObserved(deployment, replicas), self.clock.now())
+
+    async def _scale(self, cmd: ScaleTo | DeletePod) -> None:
+        if self.scaler is None:
+            return
+        try:
+            if isinstance(cmd, ScaleTo):
+                log.info(
+                    "scaling",
+                    extra={
+                        "deployment": cmd.deployment,
+                        "replicas": cmd.replicas,
+                        "remove_first": cmd.remove_first,
+                        "reason": cmd.reason,
+                    },
+                )
+                await self.scaler.scale_to(
+                    cmd.deployment, cmd.replicas, remove_first=cmd.remove_first
+                )
+                self.counters["scaled"] += 1
+            else:
+                log.info("deleting lost pod", extra={"deployment": cmd.deployment, "pod": cmd.pod})
+                await self.scaler.delete_pod(cmd.deployment, cmd.pod)
+                self.counters["pods_deleted"] += 1
+        except ScalerError as exc:
+            self.counters["scaler_errors"] += 1
+            log.error("scaler failed", extra={"deployment": cmd.deployment, "error": str(exc)})
+            await self._observe(cmd.deployment)  # resync the core with what really is
 
     async def _release_unclaimed(self, lease_id: str) -> None:
         """A lease whose grant never reached its requester would pin a slot until its TTL."""

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import orjson
 
 from mesh import constants as c
 from mesh.core.pool import PoolSettings
+from mesh.core.scaling import ScalingPolicy
+from mesh.errors import LocalProtocolError
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,3 +24,25 @@ class ManagerSettings:
     publish_timeout_s: float = c.DEFAULT_PUBLISH_TIMEOUT_S
     prefetch: int = 64
     pool: PoolSettings = field(default_factory=PoolSettings)
+
+
+_POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)
+
+
+def load_scaling_policies(path: Path) -> tuple[ScalingPolicy, ...]:
+    """Read a scaling file: ``{"deployments": [{"deployment": "calc", "capabilities": [...],
+    "min_replicas": 1, "max_replicas": 10, "scale_up_step": 1, "window_s": 5,
+    "scale_down_idle_s": 300}, ...]}``. Raises :class:`LocalProtocolError` with the reason."""
+    try:
+        doc: Any = orjson.loads(path.read_bytes())
+        entries = doc["deployments"]
+        policies = []
+        for entry in entries:
+            unknown = set(entry) - _POLICY_FIELDS
+            if unknown:
+                raise ValueError(f"unknown field(s) {sorted(unknown)} in {entry.get('deployment')}")
+            entry = {**entry, "capabilities": tuple(entry.get("capabilities", ()))}
+            policies.append(ScalingPolicy(**entry))
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise LocalProtocolError(f"bad scaling file {path}: {exc}") from None
+    return tuple(policies)

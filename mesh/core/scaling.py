@@ -1,0 +1,185 @@
+"""Scaling decisions: when to ask for more replicas of a deployment, and which idle one to remove.
+
+Theory of operation
+-------------------
+The planner is pure and lives inside the core; a scaler (Kubernetes, local
+processes) only carries its decisions out. Each managed deployment has a
+:class:`ScalingPolicy`; the core tells the planner about three things:
+
+* **capacity misses** — an acquire by capability found no agent with a free
+  slot (``NO_AGENT_AVAILABLE``), or none at all (``UNKNOWN_CAPABILITY``) for a
+  capability the policy lists. The first miss opens a window of ``window_s``;
+  the misses in it are *coalesced*.
+* **observed replicas** — what the scaler reports (at start, and after each
+  change it applied), so the planner knows the desired count.
+* **the registry** — on every tick, how many agents of the deployment are live
+  (registered and not draining) and which of them are idle.
+
+At the end of a window the planner asks for ``scale_up_step`` more replicas, up
+to ``max_replicas``, but only if nothing is *pending*: ``desired - live``
+replicas were requested and have not registered yet (pods starting). A burst of
+a hundred misses therefore becomes one scale patch, and a second burst while
+the new pod boots becomes none — no scale-up storm.
+
+Scale-down removes one replica at a time, never more often than one change per
+window, and only an agent that holds no work and has been idle for
+``scale_down_idle_s`` (the longest idle first): it is drained first, and named
+to the scaler as the one to remove. Below ``min_replicas`` the planner scales
+up without waiting for misses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingPolicy:
+    """How one deployment (agent pool) may scale."""
+
+    deployment: str
+    capabilities: tuple[str, ...] = ()
+    min_replicas: int = 1
+    max_replicas: int = 10
+    scale_up_step: int = 1
+    window_s: float = 5.0
+    scale_down_idle_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"{self.deployment}: need 0 <= min_replicas ({self.min_replicas}) "
+                f"<= max_replicas ({self.max_replicas})"
+            )
+        if self.scale_up_step < 1 or self.window_s <= 0 or self.scale_down_idle_s <= 0:
+            raise ValueError(f"{self.deployment}: step >= 1 and positive durations required")
+
+
+@dataclass(frozen=True, slots=True)
+class IdleAgent:
+    agent_id: str
+    idle_since: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleDecision:
+    """Set ``deployment`` to ``replicas``; when shrinking, ``remove_first`` is the one to go."""
+
+    deployment: str
+    replicas: int
+    reason: str
+    remove_first: str | None = None
+
+
+@dataclass(slots=True)
+class _Pool:
+    policy: ScalingPolicy
+    desired: int | None = None
+    misses: int = 0
+    window_opened_at: float | None = None
+    last_change_at: float | None = None
+
+
+class ScalePlanner:
+    """Coalesces capacity misses into scale decisions per deployment. Pure: time is a parameter."""
+
+    def __init__(self, policies: Iterable[ScalingPolicy]) -> None:
+        self._pools = {p.deployment: _Pool(p) for p in policies}
+        self._by_capability: dict[str, list[str]] = {}
+        for pool in self._pools.values():
+            for capability in pool.policy.capabilities:
+                self._by_capability.setdefault(capability, []).append(pool.policy.deployment)
+
+    def manages(self, deployment: str) -> bool:
+        return deployment in self._pools
+
+    @property
+    def deployments(self) -> list[str]:
+        return sorted(self._pools)
+
+    def desired(self, deployment: str) -> int | None:
+        pool = self._pools.get(deployment)
+        return None if pool is None else pool.desired
+
+    def record_miss(self, capability: str, deployments: Iterable[str], now: float) -> None:
+        """A capacity miss for ``capability``; ``deployments`` are those whose agents offer it
+        now (the policy's own capability list is added)."""
+        targets = set(self._by_capability.get(capability, ())) | {
+            d for d in deployments if d in self._pools
+        }
+        for deployment in targets:
+            pool = self._pools[deployment]
+            pool.misses += 1
+            if pool.window_opened_at is None:
+                pool.window_opened_at = now
+
+    def observed(self, deployment: str, replicas: int | None) -> None:
+        pool = self._pools.get(deployment)
+        if pool is not None and replicas is not None:
+            pool.desired = replicas
+
+    def plan(
+        self,
+        now: float,
+        live: Mapping[str, int],
+        idle: Mapping[str, Sequence[IdleAgent]],
+    ) -> list[ScaleDecision]:
+        """Decisions due at ``now``. ``live``: registered, non-draining agents per deployment;
+        ``idle``: those among them with nothing in flight."""
+        decisions = []
+        for deployment, pool in self._pools.items():
+            if pool.desired is None:
+                continue  # not observed yet: never guess a replica count
+            decision = self._plan_one(pool, now, live.get(deployment, 0), idle.get(deployment, ()))
+            if decision is not None:
+                pool.desired = decision.replicas
+                pool.last_change_at = now
+                decisions.append(decision)
+        return decisions
+
+    def _plan_one(
+        self, pool: _Pool, now: float, live: int, idle: Sequence[IdleAgent]
+    ) -> ScaleDecision | None:
+        policy, desired = pool.policy, pool.desired or 0
+        if desired < policy.min_replicas:
+            return ScaleDecision(
+                policy.deployment, policy.min_replicas, f"below min_replicas={policy.min_replicas}"
+            )
+        if pool.window_opened_at is not None:
+            if now - pool.window_opened_at < policy.window_s:
+                return None  # still coalescing
+            return self._close_window(pool, desired, live)
+        return self._maybe_scale_down(pool, now, desired, idle)
+
+    def _close_window(self, pool: _Pool, desired: int, live: int) -> ScaleDecision | None:
+        policy, misses = pool.policy, pool.misses
+        pool.misses, pool.window_opened_at = 0, None
+        pending = max(0, desired - live)
+        if pending > 0 or desired >= policy.max_replicas:
+            return None  # capacity is on its way, or we may not grow
+        target = min(policy.max_replicas, desired + policy.scale_up_step)
+        return ScaleDecision(
+            policy.deployment,
+            target,
+            f"{misses} capacity miss(es) in {policy.window_s:g} s; {live} live, none pending",
+        )
+
+    def _maybe_scale_down(
+        self, pool: _Pool, now: float, desired: int, idle: Sequence[IdleAgent]
+    ) -> ScaleDecision | None:
+        policy = pool.policy
+        if desired <= policy.min_replicas:
+            return None
+        if pool.last_change_at is not None and now - pool.last_change_at < policy.window_s:
+            return None
+        quiet = [a for a in idle if now - a.idle_since >= policy.scale_down_idle_s]
+        if not quiet:
+            return None
+        victim = min(quiet, key=lambda a: (a.idle_since, a.agent_id))
+        return ScaleDecision(
+            policy.deployment,
+            desired - 1,
+            f"{victim.agent_id} idle for {now - victim.idle_since:.0f} s",
+            remove_first=victim.agent_id,
+        )
