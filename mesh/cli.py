@@ -20,6 +20,7 @@ from typing import Any
 from mesh import constants as c
 from mesh import logs
 from mesh.errors import BrokerUnavailable, MeshError, RequestTimeout
+from mesh.scaler.base import Scaler
 from mesh.wire.models import OrchestrationEvent, Refusal, StatusReply
 
 SCHEMAS_DIR = Path("schemas")
@@ -70,23 +71,42 @@ async def _with_client(args: argparse.Namespace, fn: Callable[[Any], Awaitable[i
 
 
 def cmd_manager(args: argparse.Namespace) -> int:
+    from mesh.core.pool import PoolSettings
     from mesh.manager.service import ManagerService
-    from mesh.manager.settings import ManagerSettings
-
-    settings = ManagerSettings(
-        amqp_url=args.amqp_url,
-        namespace=args.namespace,
-        journal_path=Path(args.journal),
-        manager_id=args.manager_id,
-    )
+    from mesh.manager.settings import ManagerSettings, load_scaling_policies
 
     async def run() -> int:
+        policies = load_scaling_policies(Path(args.scaling)) if args.scaling else ()
+        settings = ManagerSettings(
+            amqp_url=args.amqp_url,
+            namespace=args.namespace,
+            journal_path=Path(args.journal),
+            manager_id=args.manager_id,
+            pool=PoolSettings(scaling=policies),
+        )
+        scaler = _build_scaler(args)
         stop = asyncio.Event()
         _stop_on_signals(stop)
-        await ManagerService(settings).run_until_stopped(stop)
+        await ManagerService(settings, scaler=scaler).run_until_stopped(stop)
         return 0
 
     return _run(run())
+
+
+def _build_scaler(args: argparse.Namespace) -> Scaler | None:
+    if args.scaler == "kubernetes":
+        from mesh.scaler.kubernetes import KubernetesScaler
+
+        return KubernetesScaler.from_environment(args.k8s_namespace)
+    if args.scaler == "local":
+        from mesh.scaler.local import LocalProcessScaler, sample_command
+
+        # The broker URL goes through the environment: `ps` would show it on a command line.
+        command = sample_command(args.namespace, None, args.agent_heartbeat_interval)
+        return LocalProcessScaler(
+            command, log_dir=Path(args.agent_log_dir), env={"MESH_AMQP_URL": args.amqp_url}
+        )
+    return None
 
 
 # ---- mesh agent -----------------------------------------------------------------------------
@@ -97,7 +117,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from mesh.samples import SAMPLES
 
     settings = AgentSettings(
-        amqp_url=args.amqp_url, namespace=args.namespace, drain_timeout_s=args.drain_timeout
+        amqp_url=args.amqp_url,
+        namespace=args.namespace,
+        drain_timeout_s=args.drain_timeout,
+        http_host=args.http_host,
+        http_port=args.http_port,
     )
 
     async def run() -> int:
@@ -304,6 +328,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("manager", help="run the pool manager")
     p.add_argument("--journal", default=journal_default, help="SQLite orchestration log path")
     p.add_argument("--manager-id", default=_env("MESH_MANAGER_ID", "manager"))
+    p.add_argument(
+        "--scaler",
+        choices=("none", "local", "kubernetes"),
+        default=_env("MESH_SCALER", "none"),
+        help="who runs agent replicas: nobody, processes on this machine, or Kubernetes",
+    )
+    p.add_argument(
+        "--scaling",
+        default=os.environ.get("MESH_SCALING_FILE"),
+        help="JSON file of scaling policies per deployment (env MESH_SCALING_FILE)",
+    )
+    p.add_argument(
+        "--k8s-namespace",
+        default=os.environ.get("MESH_K8S_NAMESPACE"),
+        help="Kubernetes namespace of the agent Deployments (default: the manager's own)",
+    )
+    p.add_argument(
+        "--agent-log-dir",
+        default=_env("MESH_AGENT_LOG_DIR", ".mesh/agents"),
+        help="with --scaler local: where agent processes log",
+    )
+    p.add_argument(
+        "--agent-heartbeat-interval",
+        type=float,
+        default=c.DEFAULT_HEARTBEAT_INTERVAL_S,
+        help="with --scaler local: the agents' heartbeat interval",
+    )
     p.set_defaults(func=cmd_manager)
 
     p = sub.add_parser("agent", help="run a sample agent")
@@ -316,6 +367,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between heartbeats, at least 5 (env HEARTBEAT_INTERVAL_S)",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=os.environ.get("MESH_HTTP_PORT") or None,
+        help="serve /ready, /healthz and /drain on this port (env MESH_HTTP_PORT; default: off)",
+    )
+    p.add_argument(
+        "--http-host",
+        default=_env("MESH_HTTP_HOST", "0.0.0.0"),
+        help="address of the HTTP endpoints (env MESH_HTTP_HOST; default %(default)s)",
+    )
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("demo", help="run manager, sample agents and a producer on this machine")

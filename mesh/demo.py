@@ -1,10 +1,13 @@
 """``mesh demo``: the whole mesh on one machine, against the local broker.
 
-It starts the manager and a few sample agents as real processes (each in its
-own session, so Ctrl-C reaches only the demo, which then shuts them down in
-order), follows the orchestration events, runs a producer that sends real
-tasks by capability and version range, drains one agent half-way through to
-show that no in-flight task is lost, and ends with a summary.
+It starts the manager as a real process with the local-process scaler standing
+in for Kubernetes: the manager scales each sample deployment to its
+``min_replicas`` by starting ``mesh agent`` processes, and keeps them there.
+The demo follows the orchestration events, runs a producer that sends real
+tasks by capability and version range, drains one agent half-way through (no
+in-flight task is lost; the scaler replaces it), and ends with a summary. The
+manager runs in its own session, so Ctrl-C reaches only the demo, which then
+stops the manager; the manager drains its agents before it exits.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
+
 from mesh import constants as c
 from mesh.errors import MeshError, RequestTimeout, TaskFailed, TaskRefused
 from mesh.producer import MeshClient
@@ -41,6 +46,7 @@ SHOWN_EVENTS = {
     "lost",
     "version_drift",
     "manager_stalled",
+    "scale",
 }
 
 # (capability, version range, payload, what to print)
@@ -67,8 +73,29 @@ class DemoSettings:
     concurrency: int = 4
     producer_only: bool = False
     work_dir: Path = Path(".mesh/demo")
-    agents: tuple[str, ...] = ("calc", "calc", "textstats", "echo")
+    # deployment (= sample) -> replicas the manager keeps
+    replicas: tuple[tuple[str, int], ...] = (("calc", 2), ("textstats", 1), ("echo", 1))
     heartbeat_interval_s: float = 5.0
+
+    @property
+    def agent_count(self) -> int:
+        return sum(n for _, n in self.replicas)
+
+    def scaling_file(self) -> dict[str, Any]:
+        capabilities = {"calc": "math.evaluate", "textstats": "text.stats", "echo": "test.echo"}
+        return {
+            "deployments": [
+                {
+                    "deployment": name,
+                    "capabilities": [capabilities[name]],
+                    "min_replicas": n,
+                    "max_replicas": n + 1,
+                    "window_s": 5,
+                    "scale_down_idle_s": 600,
+                }
+                for name, n in self.replicas
+            ]
+        }
 
 
 @dataclass
@@ -158,9 +185,9 @@ async def run_demo(settings: DemoSettings) -> int:
         if agent_names is None:
             return 1
         tally = Tally()
-        await _produce(settings, client, procs, agent_names, tally, stop)
+        await _produce(settings, client, agent_names, tally, stop)
         await _report(client, tally)
-        await _shutdown(settings, procs, agent_names)
+        await _shutdown(settings, procs)
         lost = tally.submitted - tally.accounted
         return 0 if lost == 0 else 1
     finally:
@@ -180,6 +207,8 @@ async def _follow_events(client: MeshClient) -> None:
         ev = decode(delivery.body)
         if isinstance(ev, OrchestrationEvent) and ev.kind in SHOWN_EVENTS:
             move = f"{ev.from_state} → {ev.to_state}" if ev.to_state else ""
+            if ev.kind == "scale":
+                move = f"{ev.detail.get('deployment')} → {ev.detail.get('replicas')} replica(s)"
             who = ev.agent_id or "manager"
             say(f"[event] {ev.kind:<16} {who:<14} {move:<26} {ev.reason}")
 
@@ -192,39 +221,40 @@ async def _start_mesh(
     if s.producer_only:
         say(f"producer only: using the mesh already running in namespace {s.namespace!r}")
     else:
-        say(f"starting the manager (namespace {s.namespace!r}, logs in {procs.log_dir}/)")
-        procs.start("manager", "manager", "--journal", str(s.work_dir / "orchestration.sqlite3"))
+        scaling = s.work_dir / "scaling.json"
+        scaling.write_bytes(orjson.dumps(s.scaling_file(), option=orjson.OPT_INDENT_2))
+        plan = ", ".join(f"{n} x {name}" for name, n in s.replicas)
+        say(f"starting the manager with the local-process scaler ({plan})")
+        say(f"process logs: {procs.log_dir}/")
+        procs.start(
+            "manager",
+            "manager",
+            "--journal", str(s.work_dir / "orchestration.sqlite3"),
+            "--scaler", "local",
+            "--scaling", str(scaling),
+            "--agent-log-dir", str(procs.log_dir),
+            "--agent-heartbeat-interval", str(s.heartbeat_interval_s),
+        )  # fmt: skip
     try:
         await _wait_for(lambda: _manager_answers(client), 20, stop)
     except TimeoutError:
         say("the manager did not answer within 20 s; see its log above")
         return None
+    wanted = 1 if s.producer_only else s.agent_count
     names: list[str] = []
-    if not s.producer_only:
-        counts: Counter[str] = Counter()
-        for sample in s.agents:
-            counts[sample] += 1
-            name = f"{sample}-{counts[sample]}"
-            names.append(name)
-            procs.start(
-                name, "agent", sample, "--id", name, "--heartbeat-interval",
-                str(s.heartbeat_interval_s),
-            )  # fmt: skip
-        say(f"starting {len(names)} agents: {', '.join(names)}")
 
     async def all_ready() -> bool:
         status = await client.status()
-        ready = [a for a in status.agents if a.state in ("Ready", "Busy")]
-        return len(ready) >= max(1, len(names))
+        names[:] = sorted(a.agent_id for a in status.agents if a.state in ("Ready", "Busy"))
+        return len(names) >= wanted
 
     try:
-        await _wait_for(all_ready, 30, stop)
+        await _wait_for(all_ready, 45, stop)
     except TimeoutError:
-        say("agents did not become Ready within 30 s; see their logs in " + str(procs.log_dir))
+        say("agents did not become Ready within 45 s; see their logs in " + str(procs.log_dir))
         return None
-    if not s.producer_only:
-        say("every agent is Ready")
-    return names
+    say(f"every agent is Ready: {', '.join(names)}")
+    return [] if s.producer_only else names
 
 
 async def _manager_answers(client: MeshClient) -> bool:
@@ -249,7 +279,6 @@ async def _wait_for(check: Any, timeout_s: float, stop: asyncio.Event) -> None:
 async def _produce(
     s: DemoSettings,
     client: MeshClient,
-    procs: Processes,
     agent_names: list[str],
     tally: Tally,
     stop: asyncio.Event,
@@ -297,11 +326,11 @@ async def _produce(
     workers = [asyncio.create_task(worker()) for _ in range(s.concurrency)]
     drain_at = time.monotonic() + s.duration_s / 2 if s.duration_s else None
     end_at = time.monotonic() + s.duration_s if s.duration_s else None
+    victim = agent_names[0] if agent_names else None
     drained = False
     while not stop.is_set() and (end_at is None or time.monotonic() < end_at):
-        if drain_at and not drained and time.monotonic() >= drain_at and agent_names:
+        if victim and drain_at and not drained and time.monotonic() >= drain_at:
             drained = True
-            victim = agent_names[0]
             reply = await client.drain(victim, "demo: showing a graceful drain under load")
             if isinstance(reply, Refusal):
                 say(f"drain of {victim} refused: {reply.reason}")
@@ -311,10 +340,11 @@ async def _produce(
     stop.set()
     say("producer: stopping; waiting for tasks in flight")
     await asyncio.gather(*workers, return_exceptions=True)
-    if drained and agent_names:
-        code = procs.children[agent_names[0]].poll()
-        say(f"{agent_names[0]} exited with code {code} after its drain" if code is not None
-            else f"{agent_names[0]} is still finishing its drain")  # fmt: skip
+    if drained and victim:
+        status = await client.status()
+        now = sorted(a.agent_id for a in status.agents)
+        gone = "has left" if victim not in now else "is still finishing its drain"
+        say(f"{victim} {gone}; the scaler keeps the replicas: {', '.join(now)}")
 
 
 def _brief(output: dict[str, Any]) -> str:
@@ -351,13 +381,11 @@ async def _report(client: MeshClient, tally: Tally) -> None:
     print()
 
 
-async def _shutdown(s: DemoSettings, procs: Processes, agent_names: list[str]) -> None:
+async def _shutdown(s: DemoSettings, procs: Processes) -> None:
     if s.producer_only:
         return
-    say("shutting down: agents drain and deregister, then the manager stops")
-    codes = await asyncio.gather(*(procs.stop(n, 30) for n in agent_names))
-    for name, code in zip(agent_names, codes, strict=True):
-        if code not in (0, None):
-            say(f"{name} exited with code {code}; see {procs.log_dir / (name + '.log')}")
-    await procs.stop("manager", 10)
+    say("shutting down: the manager drains its agents, then stops")
+    code = await procs.stop("manager", 60)
+    if code != 0:
+        say(f"the manager exited with code {code}; see {procs.log_dir / 'manager.log'}")
     say(f"done. The orchestration log: mesh log --journal {s.work_dir / 'orchestration.sqlite3'}")

@@ -158,6 +158,9 @@ class ManagerService:
         log.info("manager started", extra={"namespace": s.namespace, "manager_id": s.manager_id})
 
     async def stop(self) -> None:
+        if self.scaler is not None:
+            # First: agents the scaler runs drain through this manager while it still listens.
+            await self.scaler.close()
         for consumer in self._consumers:
             await consumer.cancel()
         self._consumers = []
@@ -168,8 +171,6 @@ class ManagerService:
             self._ticker = None
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        if self.scaler is not None:
-            await self.scaler.close()
         if self._owns_transport and self._transport is not None:
             await self._transport.close()
         if self._journal is not None:
