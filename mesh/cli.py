@@ -104,7 +104,11 @@ def _build_scaler(args: argparse.Namespace) -> Scaler | None:
         # The broker URL goes through the environment: `ps` would show it on a command line.
         command = sample_command(args.namespace, None, args.agent_heartbeat_interval)
         return LocalProcessScaler(
-            command, log_dir=Path(args.agent_log_dir), env={"MESH_AMQP_URL": args.amqp_url}
+            command,
+            log_dir=Path(args.agent_log_dir),
+            env={"MESH_AMQP_URL": args.amqp_url},
+            # An agent's default drain (60 s) plus its shutdown grace (30 s), and a margin.
+            termination_grace_s=100.0,
         )
     return None
 

@@ -14,23 +14,28 @@ A minimal agent::
 
 The runtime registers the agent and waits for the manager's acceptance,
 heartbeats, validates every payload and result against the capability's
-schemas, and drains gracefully. :func:`process_task` is the per-task logic on
+schemas, and drains gracefully. With ``AgentSettings(http_port=...)`` it serves
+``/ready``, ``/healthz`` and ``/drain`` (:class:`AgentHttpServer`) for Kubernetes probes
+and the preStop hook. :func:`process_task` is the per-task logic on
 its own, for tests without a broker.
 """
 
 from mesh.agent.base import Agent, BoundCapability, CapabilitySpec, capability
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
+from mesh.agent.http import AgentHttpServer, HttpServerError
 from mesh.agent.processing import process_task
 from mesh.agent.runtime import AgentRuntime, AgentSettings, backoff_delay, run_agent
 from mesh.transport.ports import Transport as AgentTransport
 
 __all__ = [
     "Agent",
+    "AgentHttpServer",
     "AgentRuntime",
     "AgentSettings",
     "AgentTransport",
     "BoundCapability",
     "CapabilitySpec",
+    "HttpServerError",
     "RegistrationRefusedError",
     "RegistrationTimeoutError",
     "backoff_delay",

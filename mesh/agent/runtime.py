@@ -35,6 +35,10 @@ Control messages (each acked; garbage dead-lettered):
   tasks already queued are still worked (they were leased before the drain);
 * ``DrainComplete``: the manager released every lease - finish shutting down.
 
+With ``http_port`` set, :class:`~mesh.agent.http.AgentHttpServer` serves ``/ready``,
+``/healthz`` and ``/drain`` (the preStop hook) from the beginning of ``start()`` to the very
+end of the shutdown, just before ``stopped`` is set.
+
 ``drain()`` (and SIGTERM in the CLI) publishes a ``DrainRequest`` on
 ``agent.<id>.drain`` and then behaves as on a ``DrainNotice``. Shutdown, after
 ``DrainComplete`` or ``drain_timeout_s``: let the task queue empty, cancel the
@@ -58,6 +62,7 @@ from typing import Any, Literal
 from mesh import constants as c
 from mesh.agent.base import Agent
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
+from mesh.agent.http import AgentHttpServer, default_drain_deadline_s
 from mesh.agent.processing import process_task
 from mesh.errors import (
     LocalProtocolError,
@@ -130,6 +135,11 @@ class AgentSettings:
     result_publish_attempts: int = 3
     """Attempts to publish a result whose outcome was unknown before the task is requeued."""
     connect_timeout_s: float = 10.0
+    http_host: str = "0.0.0.0"
+    http_port: int | None = None
+    """Serve ``/ready``, ``/healthz`` and ``/drain`` on this port (0: any free one; None: no)."""
+    http_drain_deadline_s: float | None = None
+    """When ``/drain`` answers at the latest (None: ``drain_timeout_s + shutdown_grace_s - 2``)."""
 
 
 def backoff_delay(
@@ -185,6 +195,7 @@ class AgentRuntime:
         self._background: set[asyncio.Task[Any]] = set()
         self._fatal: MeshError | None = None
         self._starting: asyncio.Task[Any] | None = None
+        self._http: AgentHttpServer | None = None
 
     # ---- public state ---------------------------------------------------------------------
     @property
@@ -222,6 +233,11 @@ class AgentRuntime:
         """``new``, ``starting``, ``running``, ``stopping`` or ``stopped``."""
         return self._phase
 
+    @property
+    def http_port(self) -> int | None:
+        """The port the HTTP endpoints listen on, while they do (``None`` otherwise)."""
+        return None if self._http is None else self._http.port
+
     def _extra(self, **more: Any) -> dict[str, Any]:
         return {"agent_id": self.agent_id, "incarnation": self._incarnation, **more}
 
@@ -237,6 +253,7 @@ class AgentRuntime:
         self._phase = "starting"
         self._starting = asyncio.current_task()
         try:
+            await self._start_http()
             transport = await self._connect()
             bound = 2 * self.agent.total_concurrency
             await transport.declare(self.topology.agent(self.agent_id, bound))
@@ -255,6 +272,24 @@ class AgentRuntime:
         if not self._draining:
             self._ready.set()
         log.info("agent ready", extra=self._extra(capabilities=sorted(self._capabilities)))
+
+    async def _start_http(self) -> None:
+        s = self.settings
+        if s.http_port is None:
+            return
+        deadline = s.http_drain_deadline_s
+        self._http = AgentHttpServer(
+            self,
+            host=s.http_host,
+            port=s.http_port,
+            drain_deadline_s=(
+                default_drain_deadline_s(s.drain_timeout_s, s.shutdown_grace_s)
+                if deadline is None
+                else deadline
+            ),
+            agent_id=self.agent_id,
+        )
+        await self._http.start()
 
     async def _connect(self) -> AgentTransport:
         if self._transport is None:
@@ -783,6 +818,8 @@ class AgentRuntime:
                 await self._transport.close()
             except Exception as exc:
                 log.warning("closing the transport failed", extra=self._extra(error=str(exc)))
+        if self._http is not None:
+            await self._http.close()  # answers a pending /drain before we report "stopped"
         self._phase = "stopped"
         self._ready.clear()
         self._stopped.set()
@@ -821,6 +858,8 @@ async def run_agent(
             starting.cancel()
             await asyncio.wait({starting})
             return runtime
+        if starting.cancelled() and runtime.stopped.is_set():
+            return runtime  # drained while registering (the /drain hook): nothing to serve
         starting.result()
         await runtime.run_until_stopped(stop)
     finally:

@@ -1,0 +1,494 @@
+"""The Kubernetes manifests in ``deploy/k8s/``: schema-valid, and true to the mesh.
+
+Every YAML document under ``deploy/k8s`` (``optional/`` and ``secret.example.yaml``
+included) is validated offline with ``kubernetes-validate`` in strict mode (unknown fields
+are errors) against the newest Kubernetes version whose schemas the installed package ships.
+Three kinds have no schema there: ``Kustomization`` (a kustomize file, not an API object) and
+KEDA's ``ScaledObject`` and ``TriggerAuthentication`` (CRDs); their shape is checked by hand
+below, and a test makes sure no other kind slips past the schemas.
+
+The policy tests pin what the schemas cannot see: no broker credentials, secrets only by
+reference, the agent probes and drain hook, a grace period longer than the agent's own drain
+bound (read from ``AgentSettings``), the labels the samples actually announce, RBAC limited to
+what the scaler uses, and a scaling file that names real Deployments.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import SchemaNotFoundError, latest_version
+
+from mesh.agent import AgentSettings
+from mesh.samples import SAMPLES
+from mesh.topology import names
+
+ROOT = Path(__file__).parents[2]
+K8S = ROOT / "deploy" / "k8s"
+
+KUBERNETES_VERSION = latest_version()
+"""The newest Kubernetes version the installed kubernetes-validate has schemas for."""
+
+NOT_IN_KUBERNETES_SCHEMAS = {
+    ("kustomize.config.k8s.io/v1beta1", "Kustomization"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("keda.sh/v1alpha1", "TriggerAuthentication"),
+}
+"""Checked by hand below: kustomize's own file, and KEDA's CRDs."""
+
+AGENT_DEPLOYMENTS = {"calc": "calc", "textstats": "textstats", "echo": "echo"}
+"""Deployment name → the sample it runs (``mesh agent <sample>``). The names are equal because
+they must be: see ``test_agent_deployment_is_named_after_the_deployment_its_agents_announce``."""
+
+AGENT_HTTP_PORT = 8080
+SECRET_NAME, SECRET_KEY = "mesh-amqp", "url"
+
+Doc = dict[str, Any]
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.rglob("*") if p.suffix in (".yaml", ".yml"))
+
+
+def load_docs() -> list[tuple[str, Doc]]:
+    """``(where, document)`` for every non-empty YAML document under deploy/k8s."""
+    docs = []
+    for path in manifest_files():
+        for index, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            if doc is not None:
+                docs.append((f"{path.relative_to(K8S)}#{index}", doc))
+    return docs
+
+
+DOCS = load_docs()
+
+
+def kind_key(doc: Doc) -> tuple[str, str]:
+    return (doc["apiVersion"], doc["kind"])
+
+
+def docs_of(kind: str, *, path: str | None = None) -> list[Doc]:
+    return [
+        doc
+        for where, doc in DOCS
+        if doc["kind"] == kind and (path is None or where.split("#")[0] == path)
+    ]
+
+
+def one(kind: str, name: str) -> Doc:
+    found = [doc for doc in docs_of(kind) if doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected exactly one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def deployments() -> dict[str, Doc]:
+    return {doc["metadata"]["name"]: doc for doc in docs_of("Deployment")}
+
+
+def container(deployment: Doc) -> Doc:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, "one container per pod"
+    result: Doc = containers[0]
+    return result
+
+
+def env_of(c: Doc) -> dict[str, Doc]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def manager() -> Doc:
+    return one("Deployment", "mesh-manager")
+
+
+# ---- schemas ----------------------------------------------------------------------------------
+
+
+def test_the_manifests_exist_and_every_document_has_a_kind() -> None:
+    assert len(DOCS) >= 10
+    for where, doc in DOCS:
+        assert {"apiVersion", "kind", "metadata"} <= doc.keys() or doc["kind"] == "Kustomization", (
+            where
+        )
+
+
+SCHEMA_DOCS = [
+    (where, doc) for where, doc in DOCS if kind_key(doc) not in NOT_IN_KUBERNETES_SCHEMAS
+]
+
+
+@pytest.mark.parametrize(("where", "doc"), SCHEMA_DOCS, ids=[where for where, _ in SCHEMA_DOCS])
+def test_every_manifest_validates_against_the_kubernetes_schemas_strictly(
+    where: str, doc: Doc
+) -> None:
+    validated_against = kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    assert validated_against == ".".join(KUBERNETES_VERSION.split(".")[:2])
+
+
+def test_only_the_known_kinds_have_no_kubernetes_schema() -> None:
+    """A new CRD must get its own shape test instead of silently skipping validation."""
+    unvalidated = {kind_key(doc) for _, doc in DOCS} & NOT_IN_KUBERNETES_SCHEMAS
+    assert unvalidated == NOT_IN_KUBERNETES_SCHEMAS
+    for _, doc in DOCS:
+        if kind_key(doc) in NOT_IN_KUBERNETES_SCHEMAS:
+            with pytest.raises(SchemaNotFoundError):
+                kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_strict_validation_does_catch_mistakes() -> None:
+    """The validator is not vacuous: a misspelt field and a wrong type are both rejected."""
+    misspelt = copy.deepcopy(one("Deployment", "calc"))
+    misspelt["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    wrong_type = copy.deepcopy(one("Deployment", "calc"))
+    wrong_type["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "120"
+    for doc in (misspelt, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+# ---- kustomization ----------------------------------------------------------------------------
+
+
+def test_the_kustomization_lists_every_manifest_but_the_example_secret_and_optional_ones() -> None:
+    (kustomization,) = docs_of("Kustomization")
+    assert kind_key(kustomization) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+    assert set(kustomization) <= {"apiVersion", "kind", "resources", "images"}
+    listed = kustomization["resources"]
+    assert len(listed) == len(set(listed)), "a resource is listed twice"
+    expected = sorted(
+        p.name
+        for p in K8S.glob("*.yaml")
+        if p.name not in ("kustomization.yaml", "secret.example.yaml")
+    )
+    assert sorted(listed) == expected
+    for image in kustomization.get("images", []):
+        assert image["name"] == "agent-mesh"
+
+
+def test_no_manifest_pins_a_namespace() -> None:
+    for where, doc in DOCS:
+        assert "namespace" not in doc.get("metadata", {}), where
+        for subject in doc.get("subjects", []):
+            assert "namespace" not in subject, f"{where}: the binding's own namespace is implied"
+
+
+# ---- credentials ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_no_guest_credentials_in_any_manifest(path: Path) -> None:
+    assert "guest" not in path.read_text().lower()
+
+
+def test_the_broker_url_comes_only_from_the_secret_by_reference() -> None:
+    for name, deployment in deployments().items():
+        env = env_of(container(deployment))
+        assert env["MESH_AMQP_URL"] == {
+            "name": "MESH_AMQP_URL",
+            "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": SECRET_KEY}},
+        }, name
+        for var in env.values():
+            assert "amqp://" not in str(var.get("value", "")), f"{name}: {var['name']}"
+    for where, doc in DOCS:
+        if doc["kind"] == "Secret":
+            assert where.startswith("secret.example.yaml"), f"{where}: a Secret in the manifests"
+
+
+def test_the_example_secret_shows_the_keys_the_manifests_read_with_placeholders_only() -> None:
+    (secret,) = docs_of("Secret", path="secret.example.yaml")
+    assert secret["metadata"]["name"] == SECRET_NAME
+    assert "data" not in secret, "stringData placeholders, no encoded values"
+    url = secret["stringData"][SECRET_KEY]
+    assert url.startswith("amqp://") and "REPLACE_WITH_PASSWORD" in url
+    for value in secret["stringData"].values():
+        assert "REPLACE_WITH_PASSWORD" in value
+
+
+# ---- agents -----------------------------------------------------------------------------------
+
+
+def registration(sample: str) -> Any:
+    return SAMPLES[sample]("manifest-check").registration("incarnation")
+
+
+def announced(sample: str) -> tuple[str, str]:
+    """The (capability, version) the sample really registers with: the labels must match."""
+    capabilities = registration(sample).capabilities
+    assert len(capabilities) == 1
+    return capabilities[0].name, capabilities[0].version
+
+
+@pytest.mark.parametrize(("name", "sample"), AGENT_DEPLOYMENTS.items())
+def test_agent_deployment_is_named_after_the_deployment_its_agents_announce(
+    name: str, sample: str
+) -> None:
+    """The manager counts live and idle agents, and deletes lost pods, per the ``deployment``
+    field of their registration, and scales the Kubernetes Deployment of that same name. Were
+    the names to differ, it would see no live agent in the Deployment (so wait forever for
+    "pending" replicas instead of scaling up), never pick one to scale down, and never delete
+    a lost agent's pod."""
+    assert registration(sample).deployment == name
+
+
+def test_there_is_an_agent_deployment_per_sample() -> None:
+    assert set(AGENT_DEPLOYMENTS.values()) == set(SAMPLES)
+    assert AGENT_DEPLOYMENTS.keys() <= deployments().keys()
+
+
+@pytest.mark.parametrize(("name", "sample"), AGENT_DEPLOYMENTS.items())
+def test_agent_labels_name_the_capability_the_sample_announces(name: str, sample: str) -> None:
+    deployment = one("Deployment", name)
+    capability, version = announced(sample)
+    expected = {"app": name, "capability": capability, "cap-version": version}
+    for labels in (
+        deployment["metadata"]["labels"],
+        deployment["spec"]["template"]["metadata"]["labels"],
+    ):
+        assert expected.items() <= labels.items()
+    assert deployment["spec"]["selector"] == {"matchLabels": {"app": name}}
+
+
+@pytest.mark.parametrize(("name", "sample"), AGENT_DEPLOYMENTS.items())
+def test_agent_runs_its_sample_with_the_http_endpoints(name: str, sample: str) -> None:
+    c = container(one("Deployment", name))
+    assert c["args"] == ["agent", sample, "--http-port", str(AGENT_HTTP_PORT)]
+    assert c["image"].split(":")[0] == "agent-mesh"
+    env = env_of(c)
+    assert env["AGENT_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert float(env["HEARTBEAT_INTERVAL_S"]["value"]) >= 5  # the manager refuses less
+    assert env["MESH_HTTP_PORT"]["value"] == str(AGENT_HTTP_PORT)
+    assert {"containerPort": AGENT_HTTP_PORT}.items() <= c["ports"][0].items()
+
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": AGENT_HTTP_PORT}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": AGENT_HTTP_PORT}
+    assert c["lifecycle"] == {"preStop": {"httpGet": {"path": "/drain", "port": AGENT_HTTP_PORT}}}
+
+
+@pytest.mark.parametrize("name", AGENT_DEPLOYMENTS)
+def test_agent_grace_period_outlasts_its_own_drain_bound(name: str) -> None:
+    """preStop /drain may take drain_timeout_s + shutdown_grace_s (60 + 30 s by default)."""
+    settings = AgentSettings()
+    drain_bound = settings.drain_timeout_s + settings.shutdown_grace_s
+    grace = one("Deployment", name)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > drain_bound
+
+
+@pytest.mark.parametrize("name", AGENT_DEPLOYMENTS)
+def test_agent_rolls_out_one_new_pod_before_removing_an_old_one(name: str) -> None:
+    spec = one("Deployment", name)["spec"]
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    assert "replicas" not in spec, "the manager owns spec.replicas; apply must not reset it"
+
+
+@pytest.mark.parametrize("name", [*AGENT_DEPLOYMENTS, "mesh-manager"])
+def test_pods_are_locked_down_and_sized(name: str) -> None:
+    pod = one("Deployment", name)["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's user
+    c = container(one("Deployment", name))
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= c["resources"][kind].keys()
+    if name in AGENT_DEPLOYMENTS:
+        assert pod["automountServiceAccountToken"] is False
+
+
+# ---- manager ----------------------------------------------------------------------------------
+
+
+def mounts(deployment: Doc) -> dict[str, tuple[str, Doc]]:
+    """Volume name → (mount path, volume source)."""
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    return {
+        m["name"]: (m["mountPath"], volumes[m["name"]])
+        for m in container(deployment)["volumeMounts"]
+    }
+
+
+def arg(c: Doc, flag: str) -> str:
+    args: list[str] = c["args"]
+    return args[args.index(flag) + 1]
+
+
+def test_manager_is_a_single_replica_recreated_never_rolled() -> None:
+    spec = manager()["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+
+
+def test_manager_journal_lives_on_the_persistent_volume() -> None:
+    c = container(manager())
+    journal = Path(arg(c, "--journal"))
+    path, volume = mounts(manager())["journal"]
+    assert journal.parent == Path(path) == Path("/var/lib/mesh")
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    pvc = one("PersistentVolumeClaim", claim)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
+def test_manager_runs_the_kubernetes_scaler_with_the_mounted_scaling_file() -> None:
+    c = container(manager())
+    assert c["args"][0] == "manager"
+    assert arg(c, "--scaler") == "kubernetes"
+    env = env_of(c)
+    assert env["MESH_SCALER"]["value"] == "kubernetes"
+    scaling = Path(arg(c, "--scaling"))
+    assert env["MESH_SCALING_FILE"]["value"] == str(scaling)
+    path, volume = mounts(manager())["scaling"]
+    assert scaling.parent == Path(path)
+    config_map = one("ConfigMap", volume["configMap"]["name"])
+    assert scaling.name in config_map["data"]
+    assert env["MESH_K8S_NAMESPACE"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.namespace"}
+    }
+    assert env["MESH_LOG_FORMAT"]["value"] == "json"
+
+
+def test_manager_service_selects_the_manager_pod() -> None:
+    service = one("Service", "mesh-manager")
+    labels = manager()["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert [p["port"] for p in service["spec"]["ports"]] == [9090]
+    for other in deployments().values():
+        if other is not manager():
+            other_labels = other["spec"]["template"]["metadata"]["labels"]
+            assert not service["spec"]["selector"].items() <= other_labels.items()
+
+
+# ---- RBAC -------------------------------------------------------------------------------------
+
+
+def test_the_role_grants_exactly_what_the_scaler_uses() -> None:
+    (role,) = docs_of("Role")
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    assert granted == {
+        ("apps", "deployments/scale"): {"get", "patch"},
+        ("", "pods"): {"patch", "delete"},
+    }
+    assert not docs_of("ClusterRole") and not docs_of("ClusterRoleBinding")
+
+
+def test_the_role_is_bound_to_the_managers_service_account_only() -> None:
+    (role,) = docs_of("Role")
+    (binding,) = docs_of("RoleBinding")
+    account = manager()["spec"]["template"]["spec"]["serviceAccountName"]
+    one("ServiceAccount", account)
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    for name in AGENT_DEPLOYMENTS:
+        assert "serviceAccountName" not in one("Deployment", name)["spec"]["template"]["spec"]
+
+
+# ---- scaling file -----------------------------------------------------------------------------
+
+
+def scaling_file() -> Doc:
+    c = container(manager())
+    volume = mounts(manager())["scaling"][1]
+    config_map = one("ConfigMap", volume["configMap"]["name"])
+    parsed: Doc = json.loads(config_map["data"][Path(arg(c, "--scaling")).name])
+    return parsed
+
+
+def test_the_scaling_file_is_json_naming_the_agent_deployments() -> None:
+    entries = scaling_file()["deployments"]
+    named = [entry["deployment"] for entry in entries]
+    assert sorted(named) == sorted(AGENT_DEPLOYMENTS), "every agent Deployment, once"
+    for entry in entries:
+        deployment = one("Deployment", entry["deployment"])
+        capability, _ = announced(AGENT_DEPLOYMENTS[entry["deployment"]])
+        assert entry["capabilities"] == [capability]
+        assert deployment["metadata"]["labels"]["capability"] == capability
+        assert 0 <= entry["min_replicas"] <= entry["max_replicas"]
+        assert entry["scale_up_step"] >= 1 and entry["window_s"] > 0
+        assert entry["scale_down_idle_s"] > 0
+
+
+# ---- the CLI the manifests call -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [*AGENT_DEPLOYMENTS, "mesh-manager"])
+def test_container_args_are_accepted_by_the_mesh_cli(name: str) -> None:
+    """The image's ENTRYPOINT is ``mesh``: the args must parse with the real CLI."""
+    from mesh.cli import build_parser
+
+    args = container(one("Deployment", name))["args"]
+    build_parser().parse_args(args)  # exits (SystemExit) on an unknown flag or choice
+
+
+@pytest.mark.parametrize("name", [*AGENT_DEPLOYMENTS, "mesh-manager"])
+def test_every_environment_variable_set_is_one_the_mesh_reads(name: str) -> None:
+    sources = "\n".join(p.read_text() for p in (ROOT / "mesh").rglob("*.py"))
+    for var in env_of(container(one("Deployment", name))):
+        assert f'"{var}"' in sources, f"{name}: nothing in mesh/ reads {var}"
+
+
+# ---- KEDA (optional) --------------------------------------------------------------------------
+
+KEDA = "optional/keda-scaledobject.yaml"
+
+
+def test_the_keda_example_scales_an_agent_deployment_with_a_secret_reference() -> None:
+    (auth,) = docs_of("TriggerAuthentication", path=KEDA)
+    (scaled,) = docs_of("ScaledObject", path=KEDA)
+    assert set(scaled["spec"]) >= {"scaleTargetRef", "triggers"}
+    target = scaled["spec"]["scaleTargetRef"]
+    assert target.get("kind", "Deployment") == "Deployment"
+    assert target["name"] in AGENT_DEPLOYMENTS
+    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+
+    (secret,) = docs_of("Secret", path="secret.example.yaml")
+    for ref in auth["spec"]["secretTargetRef"]:
+        assert set(ref) == {"parameter", "name", "key"}
+        assert ref["name"] == secret["metadata"]["name"]
+        assert ref["key"] in secret["stringData"]
+
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "rabbitmq"
+    assert trigger["authenticationRef"] == {"name": auth["metadata"]["name"]}
+    metadata = trigger["metadata"]
+    assert all(isinstance(v, str) for v in metadata.values()), "KEDA metadata is map[string]string"
+    assert "host" not in metadata, "the broker address comes from the TriggerAuthentication"
+    assert metadata["mode"] == "QueueLength" and int(metadata["value"]) >= 1
+    assert metadata["useRegex"] == "true" and metadata["protocol"] == "http"
+
+
+def test_the_keda_queue_pattern_matches_exactly_its_pods_task_queues() -> None:
+    (scaled,) = docs_of("ScaledObject", path=KEDA)
+    target = scaled["spec"]["scaleTargetRef"]["name"]
+    pattern = re.compile(scaled["spec"]["triggers"][0]["metadata"]["queueName"])
+    namespace = env_of(container(one("Deployment", target)))["MESH_NAMESPACE"]["value"]
+
+    def matches(queue: str) -> bool:
+        return pattern.search(queue) is not None
+
+    pod = f"{target}-7c9f8d6b5-x2v9q"  # <deployment>-<pod-template-hash>-<suffix>
+    assert matches(names.agent_task_queue(namespace, pod))
+    assert not matches(names.agent_control_queue(namespace, pod))
+    assert not matches(names.agent_task_queue("other", pod))
+    for other in AGENT_DEPLOYMENTS.keys() - {target}:
+        assert not matches(names.agent_task_queue(namespace, f"{other}-7c9f8d6b5-x2v9q"))
+    assert not matches(names.agent_task_queue(namespace, f"{target}-1a2b3c"))  # a local agent
