@@ -81,12 +81,14 @@ class RawAgent:
         *,
         interval_s: float = 0.5,
         capabilities: list[Capability] | None = None,
+        deployment: str = "raw",
     ) -> None:
         self.transport = transport
         self.topology = topology
         self.agent_id = agent_id
         self.incarnation = uuid.uuid4().hex
         self.interval_s = interval_s
+        self.deployment = deployment
         self.capabilities = capabilities or [echo_capability()]
         self.inbox: list[Message] = []
         self.seq = 0
@@ -108,7 +110,7 @@ class RawAgent:
         reg = AgentRegistration(
             agent_id=self.agent_id,
             incarnation=self.incarnation,
-            deployment="raw",
+            deployment=self.deployment,
             capabilities=self.capabilities,
             heartbeat_interval_s=self.interval_s,
         )
