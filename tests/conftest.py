@@ -44,9 +44,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from mesh.topology import Topology
 from mesh.transport import AmqpTransport
+
+# In CI, property tests run derandomized: the same examples every run, so a red build is
+# reproducible and a green one is not luck. Locally they explore new examples every run.
+hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    hypothesis_settings.load_profile("ci")
 
 DEFAULT_TEST_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 BROKER_IMAGE = "rabbitmq:3-management"

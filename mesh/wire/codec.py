@@ -23,8 +23,12 @@ REGISTRY: dict[str, type[Message]] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 
 
 def encode(message: Message) -> bytes:
-    """Serialise a message to JSON bytes."""
-    return orjson.dumps(message.model_dump(mode="json", exclude_none=False))
+    """Serialise a message to JSON bytes (orjson; pydantic's own serialiser for the rare
+    integer outside 64 bits, which JSON allows and orjson refuses)."""
+    try:
+        return orjson.dumps(message.model_dump(mode="json", exclude_none=False))
+    except TypeError:
+        return message.model_dump_json().encode()
 
 
 def decode(body: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
