@@ -806,6 +806,8 @@ class AgentRuntime:
         for consumer in (self._task_consumer, self._control_consumer):
             await _cancel_quietly(consumer)
         self._task_consumer = self._control_consumer = None
+        if self._transport is not None:
+            await self._delete_task_queue_if_empty()  # never registered: nothing was leased
         await self._close()
 
     async def _close(self) -> None:
