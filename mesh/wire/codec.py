@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from mesh.constants import MAX_MESSAGE_BYTES
 from mesh.errors import MessageRejected
-from mesh.wire.models import MESSAGE_TYPES, Message
+from mesh.wire.catalog import MESSAGE_TYPES
+from mesh.wire.models import Message
 from mesh.wire.reasons import Reason
 
 M = TypeVar("M", bound=Message)

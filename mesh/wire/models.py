@@ -386,7 +386,7 @@ class StatusReply(Message):
     counters: dict[str, int]
 
 
-MESSAGE_TYPES: tuple[type[Message], ...] = (
+CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (
     AgentRegistration,
     Deregistration,
     Heartbeat,

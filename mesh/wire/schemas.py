@@ -11,7 +11,8 @@ from typing import Any
 
 import orjson
 
-from mesh.wire.models import MESSAGE_TYPES, Capability
+from mesh.wire.catalog import MESSAGE_TYPES
+from mesh.wire.models import Capability
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 

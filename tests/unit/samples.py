@@ -10,10 +10,18 @@ from typing import Any
 
 from mesh.wire import (
     AcquireRequest,
+    AdmissionDecision,
+    AdmissionGrant,
+    AdmissionReason,
+    AdmissionRelease,
+    AdmissionReleaseReply,
+    AdmissionRequest,
     AgentRegistration,
     AgentStatus,
     AgentSummary,
     Capability,
+    CapabilityDescriptor,
+    CapabilityRange,
     CapabilityStatus,
     Deregistration,
     DrainAccepted,
@@ -23,11 +31,14 @@ from mesh.wire import (
     ErrorInfo,
     FindReply,
     FindRequest,
+    HealthEvidence,
     Heartbeat,
     Lease,
     LeaseGranted,
     Message,
+    ModelLimits,
     OrchestrationEvent,
+    PoolTool,
     Reason,
     Refusal,
     RegistrationAccepted,
@@ -35,10 +46,14 @@ from mesh.wire import (
     Released,
     ReleaseRequest,
     ReRegisterRequest,
+    Sandbox,
     StatusReply,
     StatusRequest,
     Task,
+    TaskRequirements,
     TaskResult,
+    TenantIsolation,
+    ToolRequirement,
 )
 
 T0 = 1_700_000_000.0
@@ -75,6 +90,57 @@ TEXT_STATS = Capability(
 
 CAPABILITY_STATUS = CapabilityStatus(
     name="calc.add", version="1.2.0", cost_class="A", in_flight=1, max_concurrency=4
+)
+
+DESCRIPTOR = CapabilityDescriptor(
+    pool_id="rag-eu",
+    descriptor_epoch=3,
+    runtime_digest="sha256:" + "ab" * 32,
+    capabilities=[
+        CapabilityRange(name="rag.search", version_spec=">=2.0,<3"),
+        CapabilityRange(name="rag.answer", version_spec="==1.*"),
+    ],
+    task_schema_range=">=1,<2",
+    result_schema_range=">=1,<3",
+    tools=[
+        PoolTool(name="web-search", version="2.1.0", permits=8),
+        PoolTool(name="code.exec", version="1.0.0", permits=2),
+    ],
+    data_classifications=["public", "internal", "confidential"],
+    tenant_isolation=TenantIsolation(mode="shared", tenants=[]),
+    regions=["eu-west-1", "eu-central-1"],
+    model_limits=ModelLimits(context_tokens=128_000, max_output_tokens=8_192, slots=16),
+    sandbox=Sandbox(kind="gvisor", count=4),
+    policy_generation=7,
+    health=HealthEvidence(status="healthy", checked_at=T0 - 5),
+    issued_at=T0 - 60,
+    expires_at=T0 + 3600,
+    issued_by="operator-alice",
+)
+REQUIREMENTS = TaskRequirements(
+    capability=CapabilityRange(name="rag.search", version_spec=">=2.1"),
+    task_schema_version="1.4.0",
+    result_schema_version="2.0.0",
+    input_classifications=["internal"],
+    required_tools=[ToolRequirement(name="web-search", version_spec=">=2", permits=2)],
+    estimated_tokens=12_000,
+    needs_sandbox=True,
+    estimated_duration_s=30.0,
+    deadline=T0 + 300,
+    regions=["eu-west-1"],
+    priority=5,
+    service_class="interactive",
+    allowed_degradations=["less_retrieval", "partial_results"],
+    allowed_fallbacks=["rag-eu-2"],
+)
+GRANT = AdmissionGrant(
+    admission_id="adm-1",
+    pool_id="rag-eu",
+    descriptor_epoch=3,
+    policy_generation=7,
+    fence=41,
+    grant_ids=["ledger:adm-1", "web-search:g-77"],
+    expires_at=T0 + 120,
 )
 
 _samples: list[Message] = [
@@ -180,6 +246,23 @@ _samples: list[Message] = [
             )
         ],
         counters={"registered": 1},
+    ),
+    DESCRIPTOR,
+    REQUIREMENTS,
+    AdmissionRequest(admission_id="adm-1", requirements=REQUIREMENTS),
+    AdmissionDecision(
+        admission_id="adm-1",
+        outcome="admitted",
+        grant=GRANT,
+        detail="",
+        allowed_degradations=["less_retrieval"],
+    ),
+    AdmissionRelease(admission_id="adm-1", fence=41),
+    AdmissionReleaseReply(
+        admission_id="adm-1",
+        released=False,
+        reason=AdmissionReason.STALE_FENCE,
+        detail="fence 41 is not the current fence 44",
     ),
 ]
 

@@ -1,0 +1,390 @@
+"""Wire models of admission control: descriptors, requirements, decisions and releases.
+
+Theory of operation
+-------------------
+A **pool** (an agent Deployment) may only do what its :class:`CapabilityDescriptor` says. The
+descriptor is published by a trusted control plane (an operator principal), never by agents;
+heartbeats carry utilisation only and cannot widen it. Each descriptor carries the pool's
+``descriptor_epoch`` (rollouts activate one epoch at a time), the ``policy_generation`` it was
+written under, and an ``expires_at``: a stale, superseded or expired descriptor denies.
+
+A producer asks for admission with an :class:`AdmissionRequest` holding the task's
+:class:`TaskRequirements`. The requirements carry no tenant: the tenant is the authenticated
+producer (the AMQP ``user_id`` RabbitMQ validated), supplied by the shell.
+:func:`requirement_digest` hashes the requirements together with that tenant; the reservation
+ledger keys every reservation by ``admission_id`` + digest, so the same ID with the same payload
+is idempotent and the same ID with another payload is a ``CONFLICT``.
+
+Every request gets exactly one :class:`AdmissionDecision`: ``admitted`` with an
+:class:`AdmissionGrant` (pool, epoch, generation, fence, grant IDs, expiry), or ``rejected`` /
+``deferred`` with an :class:`AdmissionReason` and, when retrying can help, ``retry_after_ms``.
+A holder gives a grant back with :class:`AdmissionRelease`, presenting its fence; the answer is
+an :class:`AdmissionReleaseReply`.
+
+Everything here is validated at the edge: unknown fields are errors, version specifiers and
+schema ranges must parse as PEP 440 specifier sets, set-like lists must not repeat themselves,
+and the model validators enforce the decision invariants (a grant exactly when admitted, a
+reason exactly when not). Lists keep the order they were sent in, and that order is part of
+the digest: a producer retrying sends the same bytes, and a reordered request is a different
+request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from enum import StrEnum
+from typing import Annotated, Literal, Self, TypeVar
+
+import orjson
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from mesh.wire.models import (
+    CapabilityName,
+    Identifier,
+    Message,
+    SemVer,
+    Timestamp,
+    WireModel,
+)
+
+T = TypeVar("T")
+
+
+class AdmissionReason(StrEnum):
+    """Why an admission (or a release) was not granted. Stable strings on the wire."""
+
+    NO_ELIGIBLE_POOL = "NO_ELIGIBLE_POOL"
+    CAPACITY = "CAPACITY"
+    TENANT_BUDGET = "TENANT_BUDGET"
+    STALE_EPOCH = "STALE_EPOCH"
+    STALE_GENERATION = "STALE_GENERATION"
+    DESCRIPTOR_EXPIRED = "DESCRIPTOR_EXPIRED"
+    CONFLICT = "CONFLICT"
+    INVALID_REQUEST = "INVALID_REQUEST"
+    STALE_FENCE = "STALE_FENCE"
+    NOT_FOUND = "NOT_FOUND"
+    EXTERNAL_GRANT_FAILED = "EXTERNAL_GRANT_FAILED"
+
+
+# ---- field types --------------------------------------------------------------------------
+
+
+def _check_specifier(text: str) -> str:
+    try:
+        SpecifierSet(text)
+    except InvalidSpecifier:
+        raise ValueError(f"{text!r} is not a valid PEP 440 version specifier set") from None
+    return text
+
+
+def _distinct(items: list[T]) -> list[T]:
+    if len(set(items)) != len(items):
+        raise ValueError("items must be distinct")
+    return items
+
+
+PoolId = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$",  # the AgentId form: a routing-key word
+        description="Pool identifier: the agent Deployment; usable as a routing-key word.",
+        examples=["calc"],
+    ),
+]
+Specifier = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=200,
+        description="PEP 440 version specifier set, e.g. '>=1,<2'; must parse.",
+        examples=[">=1,<2"],
+    ),
+    AfterValidator(_check_specifier),
+]
+RuntimeDigest = Annotated[
+    str,
+    Field(
+        pattern=r"^sha256:[0-9a-f]{64}$",
+        description="Digest of the pool's runtime image: 'sha256:' and 64 lowercase hex digits.",
+    ),
+]
+ToolName = Annotated[
+    str,
+    Field(
+        pattern=r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)*$",
+        max_length=128,
+        description="Tool name: lowercase words, optionally dotted, e.g. 'web-search'.",
+        examples=["web-search"],
+    ),
+]
+Region = Annotated[
+    str,
+    Field(
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        description="Region name, lowercase, e.g. 'eu-west-1'.",
+        examples=["eu-west-1"],
+    ),
+]
+Tenant = Annotated[str, Field(min_length=1, max_length=128, description="A tenant (AMQP user).")]
+Classification = Literal["public", "internal", "confidential", "restricted"]
+Degradation = Literal["less_retrieval", "fewer_review_passes", "partial_results"]
+ServiceClass = Literal["interactive", "batch", "speculative"]
+
+_UNIQUE = Field(json_schema_extra={"uniqueItems": True})
+Classifications = Annotated[list[Classification], AfterValidator(_distinct), _UNIQUE]
+Regions = Annotated[list[Region], AfterValidator(_distinct), _UNIQUE]
+Tenants = Annotated[list[Tenant], AfterValidator(_distinct), _UNIQUE]
+Degradations = Annotated[list[Degradation], AfterValidator(_distinct), _UNIQUE]
+PoolIds = Annotated[list[PoolId], AfterValidator(_distinct), _UNIQUE]
+PositiveInt = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0)]
+
+
+# ---- the capability descriptor ------------------------------------------------------------
+
+
+class CapabilityRange(WireModel):
+    """A capability and a range of its versions (served by a pool, or wanted by a task)."""
+
+    name: CapabilityName
+    version_spec: Specifier = ">=0"
+
+
+class PoolTool(WireModel):
+    """A tool a pool may use, at one version, with its number of concurrent permits."""
+
+    name: ToolName
+    version: SemVer
+    permits: Count = Field(description="Concurrent permits of this tool in the pool.")
+
+
+class TenantIsolation(WireModel):
+    """Which tenants a pool may serve.
+
+    ``dedicated``: only ``tenants`` (at least one). ``shared``: ``tenants`` if any, else anyone.
+    """
+
+    mode: Literal["shared", "dedicated"]
+    tenants: Tenants = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _dedicated_names_its_tenants(self) -> Self:
+        if self.mode == "dedicated" and not self.tenants:
+            raise ValueError("a dedicated pool must name at least one tenant")
+        return self
+
+
+class ModelLimits(WireModel):
+    """The model behind a pool: its window, its output cap and how many calls run at once."""
+
+    context_tokens: PositiveInt
+    max_output_tokens: PositiveInt
+    slots: Count = Field(description="Concurrent model calls (the ledger's 'model_slots').")
+
+
+class Sandbox(WireModel):
+    """The pool's code-execution sandboxes."""
+
+    kind: str = Field(min_length=1, max_length=64, examples=["gvisor"])
+    count: Count = Field(description="Concurrent sandboxes (the ledger's 'sandboxes').")
+
+
+class HealthEvidence(WireModel):
+    """The control plane's last health verdict on the pool."""
+
+    status: Literal["healthy", "degraded", "unhealthy"]
+    checked_at: Timestamp
+
+
+class CapabilityDescriptor(Message):
+    """Control plane -> manager: everything one pool may do, at one epoch. Agents never send it."""
+
+    TYPE = "mesh.capability-descriptor.v1"
+    type: Literal["mesh.capability-descriptor.v1"] = "mesh.capability-descriptor.v1"
+    pool_id: PoolId
+    descriptor_epoch: PositiveInt
+    runtime_digest: RuntimeDigest
+    capabilities: list[CapabilityRange] = Field(min_length=1, max_length=64)
+    task_schema_range: Specifier = Field(description="Task schema versions the pool accepts.")
+    result_schema_range: Specifier = Field(description="Result schema versions it can produce.")
+    tools: list[PoolTool] = Field(default_factory=list, max_length=64)
+    data_classifications: Classifications = Field(description="Labels the pool may receive.")
+    tenant_isolation: TenantIsolation
+    regions: Regions = Field(min_length=1, description="Where the pool processes data.")
+    model_limits: ModelLimits
+    sandbox: Sandbox
+    policy_generation: PositiveInt
+    health: HealthEvidence
+    issued_at: Timestamp
+    expires_at: Timestamp
+    issued_by: Identifier = Field(description="The operator principal that published it.")
+
+    @field_validator("capabilities")
+    @classmethod
+    def _capability_names_unique(cls, caps: list[CapabilityRange]) -> list[CapabilityRange]:
+        _distinct([c.name for c in caps])
+        return caps
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_unique(cls, tools: list[PoolTool]) -> list[PoolTool]:
+        _distinct([t.name for t in tools])
+        return tools
+
+    @model_validator(mode="after")
+    def _expires_after_issue(self) -> Self:
+        if self.expires_at <= self.issued_at:
+            raise ValueError("expires_at must be later than issued_at")
+        return self
+
+
+# ---- the task's requirements --------------------------------------------------------------
+
+
+class ToolRequirement(WireModel):
+    """A tool a task needs: a version range and how many permits it holds at once."""
+
+    name: ToolName
+    version_spec: Specifier = ">=0"
+    permits: PositiveInt = 1
+
+
+class TaskRequirements(Message):
+    """What one task needs. No tenant field: the tenant is the authenticated producer."""
+
+    TYPE = "mesh.task-requirements.v1"
+    type: Literal["mesh.task-requirements.v1"] = "mesh.task-requirements.v1"
+    capability: CapabilityRange
+    task_schema_version: SemVer
+    result_schema_version: SemVer
+    input_classifications: Classifications = Field(
+        min_length=1, description="Labels of the task's input; unlabelled input is not admitted."
+    )
+    required_tools: list[ToolRequirement] = Field(default_factory=list, max_length=64)
+    estimated_tokens: Count
+    needs_sandbox: bool = False
+    estimated_duration_s: float = Field(ge=0)
+    deadline: Timestamp | None = None
+    regions: Regions = Field(
+        default_factory=list, description="Where the data may be processed; empty means anywhere."
+    )
+    priority: int = Field(default=0, ge=0, le=9, description="0 lowest ... 9 highest (AMQP).")
+    service_class: ServiceClass = "batch"
+    allowed_degradations: Degradations = Field(default_factory=list)
+    allowed_fallbacks: PoolIds = Field(
+        default_factory=list,
+        description="Pools the task may fall back to, in order; each must still be eligible.",
+    )
+
+    @field_validator("required_tools")
+    @classmethod
+    def _tool_names_unique(cls, tools: list[ToolRequirement]) -> list[ToolRequirement]:
+        _distinct([t.name for t in tools])
+        return tools
+
+
+def requirement_digest(requirements: TaskRequirements, tenant: str) -> str:
+    """``sha256:<hex>`` of the canonical JSON (sorted keys) of the requirements and the tenant.
+
+    Stable across processes and Python versions: it depends only on the field values.
+    """
+    canonical = orjson.dumps(
+        {"requirements": requirements.model_dump(mode="json"), "tenant": tenant},
+        option=orjson.OPT_SORT_KEYS,
+    )
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+# ---- the admission protocol ---------------------------------------------------------------
+
+
+class AdmissionRequest(Message):
+    """Producer -> manager (with ``reply_to``): admit this task. Answered by a decision."""
+
+    TYPE = "mesh.admission-request.v1"
+    type: Literal["mesh.admission-request.v1"] = "mesh.admission-request.v1"
+    admission_id: Identifier
+    requirements: TaskRequirements
+
+
+class AdmissionGrant(WireModel):
+    """A reservation that reached ACTIVE: revalidated at claim, dispatch and every use."""
+
+    admission_id: Identifier
+    pool_id: PoolId
+    descriptor_epoch: PositiveInt
+    policy_generation: PositiveInt
+    fence: PositiveInt
+    grant_ids: list[Identifier] = Field(
+        default_factory=list, max_length=64, description="Ledger and external grant IDs."
+    )
+    expires_at: Timestamp
+
+
+class AdmissionDecision(Message):
+    """Manager -> producer: ``admitted`` with a grant, or ``rejected`` / ``deferred`` and why."""
+
+    TYPE = "mesh.admission-decision.v1"
+    type: Literal["mesh.admission-decision.v1"] = "mesh.admission-decision.v1"
+    admission_id: Identifier
+    outcome: Literal["admitted", "rejected", "deferred"]
+    grant: AdmissionGrant | None = None
+    reason: AdmissionReason | None = None
+    detail: str = Field(default="", max_length=2000)
+    retry_after_ms: int | None = Field(default=None, ge=0)
+    allowed_degradations: Degradations = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _grant_exactly_when_admitted(self) -> Self:
+        if self.outcome == "admitted":
+            if self.grant is None:
+                raise ValueError("an admitted decision carries a grant")
+            if self.reason is not None or self.retry_after_ms is not None:
+                raise ValueError("an admitted decision has no reason and no retry_after_ms")
+            if self.grant.admission_id != self.admission_id:
+                raise ValueError("the grant belongs to another admission")
+        else:
+            if self.grant is not None:
+                raise ValueError(f"a {self.outcome} decision carries no grant")
+            if self.reason is None:
+                raise ValueError(f"a {self.outcome} decision carries a reason")
+        return self
+
+
+class AdmissionRelease(Message):
+    """Holder -> manager: give the grant back. Only the current fence may release it."""
+
+    TYPE = "mesh.admission-release.v1"
+    type: Literal["mesh.admission-release.v1"] = "mesh.admission-release.v1"
+    admission_id: Identifier
+    fence: PositiveInt
+
+
+class AdmissionReleaseReply(Message):
+    """Manager -> holder: released, or not and why (``STALE_FENCE``, ``NOT_FOUND``, ...)."""
+
+    TYPE = "mesh.admission-release-reply.v1"
+    type: Literal["mesh.admission-release-reply.v1"] = "mesh.admission-release-reply.v1"
+    admission_id: Identifier
+    released: bool
+    reason: AdmissionReason | None = None
+    detail: str = Field(default="", max_length=2000)
+
+    @model_validator(mode="after")
+    def _reason_exactly_when_not_released(self) -> Self:
+        if self.released and self.reason is not None:
+            raise ValueError("a successful release has no reason")
+        if not self.released and self.reason is None:
+            raise ValueError("a refused release carries a reason")
+        return self
+
+
+ADMISSION_MESSAGE_TYPES: tuple[type[Message], ...] = (
+    CapabilityDescriptor,
+    TaskRequirements,
+    AdmissionRequest,
+    AdmissionDecision,
+    AdmissionRelease,
+    AdmissionReleaseReply,
+)

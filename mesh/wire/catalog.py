@@ -1,0 +1,9 @@
+"""Every message type of the wire contract, in one tuple: the codec's registry and the schema
+generator both read it. Models import nothing from here, so there is no import cycle."""
+
+from __future__ import annotations
+
+from mesh.wire.admission import ADMISSION_MESSAGE_TYPES
+from mesh.wire.models import CORE_MESSAGE_TYPES, Message
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (*CORE_MESSAGE_TYPES, *ADMISSION_MESSAGE_TYPES)
