@@ -69,7 +69,8 @@ from mesh.manager.settings import ManagerSettings
 from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Consumer, Delivery, RawConsumer
+from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Delivery
+from mesh.transport.ports import ManagerTransport, Subscription
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.models import (
     AcquireRequest,
@@ -100,7 +101,7 @@ class ManagerService:
         self,
         settings: ManagerSettings,
         *,
-        transport: AmqpTransport | None = None,
+        transport: ManagerTransport | None = None,
         journal: Journal | None = None,
         clock: Clock | None = None,
         on_log: Callable[[OrchestrationEvent], None] | None = None,
@@ -116,14 +117,14 @@ class ManagerService:
         self._journal = journal
         self._on_log = on_log
         self.scaler = scaler
-        self._consumers: list[Consumer | RawConsumer] = []
+        self._consumers: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._started_at = self.clock.now().mono
         self.heartbeats = HeartbeatSink(self.core, self.clock, self._spawn, self.counters)
 
     @property
-    def transport(self) -> AmqpTransport:
+    def transport(self) -> ManagerTransport:
         if self._transport is None:
             raise LocalProtocolError("the manager is not started")
         return self._transport

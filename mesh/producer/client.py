@@ -35,7 +35,8 @@ from mesh.errors import (
 )
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import AmqpTransport, Consumer, Delivery
+from mesh.transport.amqp import AmqpTransport, Delivery
+from mesh.transport.ports import ClientTransport, Subscription
 from mesh.wire.codec import decode
 from mesh.wire.models import (
     AcquireRequest,
@@ -82,13 +83,13 @@ class TaskOutcome:
 class MeshClient:
     """Find, acquire, release, drain, status; and run tasks. One per process is plenty."""
 
-    def __init__(self, transport: AmqpTransport, topology: Topology, reply_queue: str) -> None:
+    def __init__(self, transport: ClientTransport, topology: Topology, reply_queue: str) -> None:
         self.transport = transport
         self.topology = topology
         self.reply_queue = reply_queue
         self.counters: Counter[str] = Counter()
         self._pending: dict[str, asyncio.Future[Message]] = {}
-        self._consumer: Consumer | None = None
+        self._consumer: Subscription | None = None
         self._owns_transport = False
         self._background: set[asyncio.Task[None]] = set()
 
@@ -99,7 +100,7 @@ class MeshClient:
         *,
         namespace: str = c.DEFAULT_NAMESPACE,
         name: str = "client",
-        transport: AmqpTransport | None = None,
+        transport: ClientTransport | None = None,
     ) -> MeshClient:
         owns = transport is None
         if transport is None:

@@ -23,7 +23,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
@@ -64,6 +64,15 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+class Settlement(Protocol):
+    """What a :class:`Delivery` settles through: aio-pika's incoming message here, an
+    in-memory stand-in in :mod:`mesh.testing`."""
+
+    async def ack(self) -> None: ...
+
+    async def reject(self, requeue: bool = False) -> None: ...
+
+
 @dataclass(slots=True)
 class Delivery:
     """One received message, independent of the AMQP client library."""
@@ -77,7 +86,7 @@ class Delivery:
     message_id: str | None
     user_id: str | None
     redelivered: bool
-    _raw: AbstractIncomingMessage = field(repr=False)
+    _raw: Settlement = field(repr=False)
 
     async def ack(self) -> None:
         await self._raw.ack()

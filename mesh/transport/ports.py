@@ -1,4 +1,10 @@
-"""Ports: the transport as the SDKs see it, a ``typing.Protocol`` any implementation can meet."""
+"""Ports: the transport as the SDKs see it, as ``typing.Protocol`` classes any transport can meet.
+
+:class:`Transport` is what an agent needs; :class:`ManagerTransport` and
+:class:`ClientTransport` add what the manager and :class:`~mesh.producer.MeshClient` use on
+top. :class:`~mesh.transport.AmqpTransport` meets all three, and so does
+:class:`mesh.testing.InMemoryTransport`.
+"""
 
 from __future__ import annotations
 
@@ -59,3 +65,18 @@ class Transport(Protocol):
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class ManagerTransport(Transport, Protocol):
+    """What :class:`~mesh.manager.service.ManagerService` needs: heartbeats are consumed raw
+    (no acks, the body to a synchronous callback), and a dropped connection is reported."""
+
+    async def consume_raw(self, queue: str, callback: Callable[[bytes], None]) -> Subscription: ...
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None: ...
+
+
+class ClientTransport(Transport, Protocol):
+    """What :class:`~mesh.producer.MeshClient` needs: an exclusive queue for its replies."""
+
+    async def declare_reply_queue(self, name: str) -> str: ...

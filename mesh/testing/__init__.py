@@ -1,0 +1,64 @@
+"""Test without a broker: an in-memory RabbitMQ stand-in and a clock that moves on command.
+
+Run your agent, the real manager and a client in one event loop::
+
+    from mesh.agent import AgentRuntime, AgentSettings
+    from mesh.manager.journal import SqliteJournal
+    from mesh.manager.service import ManagerService
+    from mesh.manager.settings import ManagerSettings
+    from mesh.producer import MeshClient
+    from mesh.testing import FakeClock, InMemoryBroker, InMemoryTransport
+
+    broker = InMemoryBroker()
+    manager = ManagerService(
+        ManagerSettings(namespace="test"),
+        transport=InMemoryTransport(broker, "manager"),
+        journal=SqliteJournal(":memory:"),
+        clock=FakeClock(),
+    )
+    await manager.start()
+    runtime = AgentRuntime(MyAgent("my-1"), AgentSettings(namespace="test"),
+                           InMemoryTransport(broker, "my-1"))
+    await runtime.start()
+    client = await MeshClient.connect(namespace="test",
+                                      transport=InMemoryTransport(broker, "client"))
+    outcome = await client.run_task("my.capability", {...})
+
+:mod:`mesh.testing.memory` lists where the in-memory broker differs from RabbitMQ. The
+project's own integration tests run against a real broker; ``tests/integration/
+test_transport_contract.py`` runs one behavioural suite against both to keep this one honest.
+"""
+
+from mesh.testing.clock import FakeClock
+from mesh.testing.memory import (
+    AccessRefused,
+    BrokerRefused,
+    DeliverySettleError,
+    InMemoryBroker,
+    InMemoryConsumer,
+    InMemoryTransport,
+    NotFound,
+    PreconditionFailed,
+    QueuedMessage,
+    QueueInfo,
+    ResourceLocked,
+    TransportClosed,
+    topic_matches,
+)
+
+__all__ = [
+    "AccessRefused",
+    "BrokerRefused",
+    "DeliverySettleError",
+    "FakeClock",
+    "InMemoryBroker",
+    "InMemoryConsumer",
+    "InMemoryTransport",
+    "NotFound",
+    "PreconditionFailed",
+    "QueueInfo",
+    "QueuedMessage",
+    "ResourceLocked",
+    "TransportClosed",
+    "topic_matches",
+]
