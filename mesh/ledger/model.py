@@ -1,0 +1,218 @@
+"""The reservation ledger's values: states, the transition table, reservations and outcomes.
+
+Pure data, no I/O: the stores (:mod:`mesh.ledger.sqlite`, :mod:`mesh.ledger.postgres`) and
+the tests' in-memory model share these definitions, and a sans-I/O core may import them.
+
+Theory of operation
+-------------------
+
+A reservation holds every counted resource an admission needs (model slots, sandboxes, tool
+permits, tenant token budgets) as a list of :class:`Item` ``(pool_id, resource, amount)``.
+It lives through the states of :data:`TRANSITIONS`::
+
+    (none) --prepared--> PREPARING --activated--> ACTIVE --released--> RELEASED
+                             |  \\--released--> RELEASED       \\--expired--> EXPIRED
+                             \\--expired--> EXPIRED
+
+RELEASED and EXPIRED are final. Moving to PREPARING takes every item's counter; moving to
+RELEASED or EXPIRED gives them all back, exactly once. So at any instant
+``used == sum(amount of items of PREPARING and ACTIVE reservations)`` per counter.
+
+Every reservation carries a **fence** from one global, strictly increasing sequence. It is
+assigned when the reservation is prepared, kept when it is activated or released, and replaced
+by a *new, higher* fence when the reservation expires — so a stale holder presenting the old
+fence can neither activate nor release what the expiry sweep already took back.
+
+Expected results are values: :class:`Prepared` or :class:`Refused` (with a
+:class:`LedgerReason`). Exceptions are for misuse (:class:`mesh.errors.LocalProtocolError`)
+and for a store that failed (:class:`mesh.errors.StoreError`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final, NamedTuple
+
+from mesh.errors import LocalProtocolError, StoreError
+
+TENANT_POOL: Final = "*"
+"""The pseudo pool of counters shared across pools (tenant budgets)."""
+TENANT_TOKENS_PREFIX: Final = "tenant_tokens:"
+"""Resources named ``tenant_tokens:<tenant>`` are tenant budgets: a miss is TENANT_BUDGET."""
+
+
+class ReservationState(StrEnum):
+    """Where a reservation is in its life (stable strings, stored as they are)."""
+
+    PREPARING = "PREPARING"
+    ACTIVE = "ACTIVE"
+    RELEASED = "RELEASED"
+    EXPIRED = "EXPIRED"
+
+
+HOLDING_STATES: Final = frozenset({ReservationState.PREPARING, ReservationState.ACTIVE})
+"""States whose items are counted in ``used``."""
+FINAL_STATES: Final = frozenset({ReservationState.RELEASED, ReservationState.EXPIRED})
+
+
+class LedgerEvent(StrEnum):
+    """A state change, as written to the append-only ledger log."""
+
+    PREPARED = "prepared"
+    ACTIVATED = "activated"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+class Transition(NamedTuple):
+    sources: frozenset[ReservationState | None]  # None: no reservation yet
+    target: ReservationState
+    new_fence: bool  # True when the transition assigns a fresh, higher fence
+
+
+TRANSITIONS: Final[Mapping[LedgerEvent, Transition]] = {
+    LedgerEvent.PREPARED: Transition(frozenset({None}), ReservationState.PREPARING, True),
+    LedgerEvent.ACTIVATED: Transition(
+        frozenset({ReservationState.PREPARING}), ReservationState.ACTIVE, False
+    ),
+    LedgerEvent.RELEASED: Transition(HOLDING_STATES, ReservationState.RELEASED, False),
+    LedgerEvent.EXPIRED: Transition(HOLDING_STATES, ReservationState.EXPIRED, True),
+}
+"""Every state change of the ledger, in one table (the stores' SQL follows it)."""
+
+
+class LedgerReason(StrEnum):
+    """Why the ledger refused: the ledger's share of the admission reason codes
+    (``docs/admission.md``), with the same strings."""
+
+    CONFLICT = "CONFLICT"
+    """The admission ID is already used with another requirement digest."""
+    CAPACITY = "CAPACITY"
+    """A pool counter (model slots, sandboxes, tool permits) has too little left."""
+    TENANT_BUDGET = "TENANT_BUDGET"
+    """The tenant's token budget (``tenant_tokens:<tenant>``) has too little left."""
+    STALE_FENCE = "STALE_FENCE"
+    """The fence is not the reservation's current one, or the reservation can no longer make
+    that move (already ACTIVE, final, or past its expiry)."""
+    NOT_FOUND = "NOT_FOUND"
+    """No reservation has this admission ID."""
+
+
+class Item(NamedTuple):
+    """``amount`` units of ``resource`` in pool ``pool_id`` (``"*"`` for tenant budgets)."""
+
+    pool_id: str
+    resource: str
+    amount: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One admission's hold on its resources, as the store has it."""
+
+    admission_id: str
+    digest: str
+    pool_id: str
+    state: ReservationState
+    fence: int
+    items: tuple[Item, ...]
+    expires_at: float
+    created_at: float
+
+    @property
+    def holding(self) -> bool:
+        """True while the items are counted (PREPARING or ACTIVE)."""
+        return self.state in HOLDING_STATES
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """``prepare`` took (or, ``replayed``, had already taken) this reservation."""
+
+    reservation: Reservation
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The ledger said no; nothing changed."""
+
+    reason: LedgerReason
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One row of the append-only ledger log."""
+
+    seq: int
+    at: float
+    admission_id: str
+    event: LedgerEvent
+    state: ReservationState
+    fence: int
+
+
+def normalize_items(items: Iterable[tuple[str, str, int]]) -> tuple[Item, ...]:
+    """Items in the ledger's one global order, ``(pool_id, resource)``, duplicates summed.
+
+    Every store takes counters in this order, so two transactions never wait on each other's
+    rows in opposite orders.
+    """
+    totals: dict[tuple[str, str], int] = {}
+    for raw in items:
+        pool_id, resource, amount = raw
+        if not isinstance(pool_id, str) or not pool_id:
+            raise LocalProtocolError(f"an item needs a non-empty pool_id, got {raw!r}")
+        if not isinstance(resource, str) or not resource:
+            raise LocalProtocolError(f"an item needs a non-empty resource, got {raw!r}")
+        if isinstance(amount, bool) or not isinstance(amount, int) or amount <= 0:
+            raise LocalProtocolError(f"an item's amount must be a positive int, got {raw!r}")
+        key = (pool_id, resource)
+        totals[key] = totals.get(key, 0) + amount
+    return tuple(Item(p, r, n) for (p, r), n in sorted(totals.items()))
+
+
+def default_pool(items: tuple[Item, ...]) -> str:
+    """The reservation's pool when none is given: the first item's pool that is not ``"*"``."""
+    return next((item.pool_id for item in items if item.pool_id != TENANT_POOL), TENANT_POOL)
+
+
+def shortage_reason(resource: str) -> LedgerReason:
+    """TENANT_BUDGET for a tenant token budget, CAPACITY for anything else."""
+    if resource.startswith(TENANT_TOKENS_PREFIX):
+        return LedgerReason.TENANT_BUDGET
+    return LedgerReason.CAPACITY
+
+
+def check_ttl(ttl_s: float, now: float) -> None:
+    """Misuse guard shared by the stores: a TTL must be positive and time finite."""
+    if not (math.isfinite(ttl_s) and ttl_s > 0):
+        raise LocalProtocolError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+    if not math.isfinite(now):
+        raise LocalProtocolError(f"now must be finite Unix seconds, got {now!r}")
+
+
+def replay(entries: Iterable[LogEntry]) -> dict[str, tuple[ReservationState, int]]:
+    """Each admission's ``(state, fence)`` rebuilt from the log alone, checking every step
+    against :data:`TRANSITIONS`; an impossible step means a corrupt log (StoreError)."""
+    states: dict[str, tuple[ReservationState, int]] = {}
+    for entry in sorted(entries, key=lambda e: e.seq):
+        current = states.get(entry.admission_id)
+        transition = TRANSITIONS[entry.event]
+        source = current[0] if current else None
+        fence_ok = (
+            current is None
+            or (transition.new_fence and entry.fence > current[1])
+            or (not transition.new_fence and entry.fence == current[1])
+        )
+        if source not in transition.sources or entry.state != transition.target or not fence_ok:
+            raise StoreError(
+                f"ledger log entry {entry.seq} ({entry.event} {entry.admission_id!r} to "
+                f"{entry.state} at fence {entry.fence}) does not follow {current!r}"
+            )
+        states[entry.admission_id] = (entry.state, entry.fence)
+    return states

@@ -1,0 +1,472 @@
+"""The ledger's one behavioural contract (:class:`LedgerStore`) and the SQL that keeps it.
+
+Theory of operation
+-------------------
+
+The store is the admission path's linearisation point: every operation is **one database
+transaction**, and the decision is whatever that transaction committed. Time is always a
+parameter (``now``, Unix seconds); nothing here reads a clock.
+
+Counters. Each ``(pool_id, resource)`` has a row ``(capacity, used)``. ``prepare`` takes every
+item with a *conditional increment*::
+
+    UPDATE capacity SET used = used + n
+     WHERE pool_id = ? AND resource = ? AND used + n <= capacity
+
+The check and the write are one statement on one row, so whoever commits first wins the last
+unit and the loser's ``WHERE`` no longer matches — no read-then-write window, no separate
+lock. Items are taken in the one global order ``(pool_id, resource)``
+(:func:`~mesh.ledger.model.normalize_items`); a miss rolls the whole transaction back, so a
+request takes all of its items or none. A resource without a row has capacity 0. Releases
+and expiries give the items back in the same order, in the same transaction as the state
+change, and only for rows whose state change actually happened — so exactly once.
+
+State changes are compare-and-sets on ``(admission_id, state, fence)``: ``UPDATE reservation
+SET state = ... WHERE admission_id = ? AND fence = ? AND state IN (...)``. If nothing matched,
+a read says why (:class:`~mesh.ledger.model.Refused`). Expiry gives a new fence from the
+global sequence, so an old fence never matches again.
+
+Idempotency. ``prepare`` first inserts the reservation row (``ON CONFLICT DO NOTHING``): a
+concurrent ``prepare`` of the same admission ID waits on that key until the first commits,
+then reads it and replays the same decision (or CONFLICT for another digest). A caller that
+got a :class:`~mesh.errors.StoreError` (outcome unknown, e.g. the connection broke at
+COMMIT) simply calls ``prepare`` again with the same ID and digest.
+
+Every state change also appends a row to ``ledger_log`` (append-only), from which
+:func:`~mesh.ledger.model.replay` rebuilds each admission's state and fence.
+
+:class:`SqlLedger` holds all of this once; the two stores supply a connection, a transaction,
+the fence sequence and their DDL.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Self, TypeVar
+
+from mesh.errors import LocalProtocolError, StoreError
+from mesh.ledger.model import (
+    HOLDING_STATES,
+    TRANSITIONS,
+    Item,
+    LedgerEvent,
+    LedgerReason,
+    LogEntry,
+    Prepared,
+    Refused,
+    Reservation,
+    ReservationState,
+    check_ttl,
+    default_pool,
+    normalize_items,
+    replay,
+    shortage_reason,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Usage = dict[tuple[str, str], tuple[int, int]]
+
+_HOLDING = "(" + ", ".join(f"'{state}'" for state in sorted(HOLDING_STATES)) + ")"
+_RES_COLUMNS = "admission_id, digest, pool_id, state, fence, expires_at, created_at"
+
+
+class LedgerStore(Protocol):
+    """The reservation ledger. Synchronous; each call is one transaction (call it from a
+    thread, e.g. ``asyncio.to_thread``). Expected refusals are values, failures raise
+    :class:`~mesh.errors.StoreError`."""
+
+    def set_capacity(self, pool_id: str, resource: str, capacity: int) -> None:
+        """Create or change a counter's capacity; ``used`` is kept (it may exceed it)."""
+        ...
+
+    def prepare(
+        self,
+        admission_id: str,
+        digest: str,
+        items: Iterable[tuple[str, str, int]],
+        ttl_s: float,
+        now: float,
+        *,
+        pool_id: str | None = None,
+    ) -> Prepared | Refused:
+        """Take every item (all or nothing) and hold them PREPARING until ``now + ttl_s``."""
+        ...
+
+    def activate(
+        self, admission_id: str, fence: int, ttl_s: float, now: float
+    ) -> Reservation | Refused:
+        """PREPARING → ACTIVE (until ``now + ttl_s``) if ``fence`` is current and unexpired."""
+        ...
+
+    def release(self, admission_id: str, fence: int, now: float) -> Reservation | Refused:
+        """PREPARING|ACTIVE → RELEASED if ``fence`` is current; the items are given back."""
+        ...
+
+    def expire_due(self, now: float) -> list[Reservation]:
+        """Every PREPARING|ACTIVE reservation due at ``now`` → EXPIRED with a new fence."""
+        ...
+
+    def get(self, admission_id: str) -> Reservation | None: ...
+
+    def active(self) -> list[Reservation]:
+        """Every PREPARING or ACTIVE reservation, by fence (recovery after a restart)."""
+        ...
+
+    def usage(self) -> Usage:
+        """``{(pool_id, resource): (used, capacity)}`` for every counter."""
+        ...
+
+    def log(self, after_seq: int = 0) -> list[LogEntry]:
+        """The ledger log's entries after ``after_seq``, oldest first."""
+        ...
+
+    def replay_log(self) -> dict[str, tuple[ReservationState, int]]:
+        """Each admission's ``(state, fence)`` rebuilt from the log alone."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Db(Protocol):
+    """What the shared SQL needs from a connection inside a transaction (``?`` placeholders)."""
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]: ...
+
+
+class _Rollback(Exception):
+    """Raised inside a transaction to roll it back and return ``outcome`` instead."""
+
+    def __init__(self, outcome: Refused) -> None:
+        super().__init__(outcome.detail)
+        self.outcome = outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Tables:
+    """The ledger's table names, already qualified and quoted for the dialect."""
+
+    capacity: str
+    reservation: str
+    item: str
+    log: str
+
+
+class SqlLedger(abc.ABC):
+    """:class:`LedgerStore` over SQL that SQLite (3.35+) and PostgreSQL both accept."""
+
+    # Appended to the expiry sweep's SELECT: PostgreSQL locks the due rows and skips rows a
+    # concurrent release or sweep holds (they are dealt with by that transaction).
+    _due_lock_clause = ""
+
+    def __init__(self, tables: Tables) -> None:
+        self._t = tables
+        self._lock = threading.Lock()  # one transaction at a time on the one connection
+
+    # ---- what a dialect provides ---------------------------------------------------------
+    @abc.abstractmethod
+    def _transaction(self, work: Callable[[Db], T], *, write: bool) -> T:
+        """Run ``work`` in one transaction: commit on return, roll back and re-raise on any
+        exception; database errors become :class:`StoreError`."""
+
+    @abc.abstractmethod
+    def _next_fence(self, db: Db) -> int:
+        """The next value of the global fence sequence."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _write(self, work: Callable[[Db], T]) -> T:
+        with self._lock:
+            return self._transaction(work, write=True)
+
+    def _atomic(self, work: Callable[[Db], T]) -> T | Refused:
+        """Like ``_write``, but a :class:`_Rollback` inside returns its refusal."""
+        try:
+            return self._write(work)
+        except _Rollback as rollback:
+            return rollback.outcome
+
+    def _read(self, work: Callable[[Db], T]) -> T:
+        with self._lock:
+            return self._transaction(work, write=False)
+
+    # ---- the contract ----------------------------------------------------------------------
+    def set_capacity(self, pool_id: str, resource: str, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise LocalProtocolError(f"capacity must be an int >= 0, got {capacity!r}")
+        sql = (
+            f"INSERT INTO {self._t.capacity} (pool_id, resource, capacity, used)"
+            " VALUES (?, ?, ?, 0) ON CONFLICT (pool_id, resource)"
+            " DO UPDATE SET capacity = excluded.capacity"
+        )
+        self._write(lambda db: db.execute(sql, (pool_id, resource, capacity)))
+
+    def prepare(
+        self,
+        admission_id: str,
+        digest: str,
+        items: Iterable[tuple[str, str, int]],
+        ttl_s: float,
+        now: float,
+        *,
+        pool_id: str | None = None,
+    ) -> Prepared | Refused:
+        check_ttl(ttl_s, now)
+        wanted = normalize_items(items)
+        pool = pool_id if pool_id is not None else default_pool(wanted)
+        return self._atomic(
+            lambda db: self._prepare(db, admission_id, digest, pool, wanted, now + ttl_s, now)
+        )
+
+    def activate(
+        self, admission_id: str, fence: int, ttl_s: float, now: float
+    ) -> Reservation | Refused:
+        check_ttl(ttl_s, now)
+        return self._atomic(lambda db: self._activate(db, admission_id, fence, now + ttl_s, now))
+
+    def release(self, admission_id: str, fence: int, now: float) -> Reservation | Refused:
+        return self._atomic(lambda db: self._release(db, admission_id, fence, now))
+
+    def expire_due(self, now: float) -> list[Reservation]:
+        return self._write(lambda db: self._expire_due(db, now))
+
+    def get(self, admission_id: str) -> Reservation | None:
+        return self._read(lambda db: self._select(db, admission_id))
+
+    def active(self) -> list[Reservation]:
+        sql = f"SELECT {_RES_COLUMNS} FROM {self._t.reservation} WHERE state IN {_HOLDING}"
+        return self._read(lambda db: self._with_items(db, db.execute(sql)))
+
+    def usage(self) -> Usage:
+        sql = f"SELECT pool_id, resource, used, capacity FROM {self._t.capacity}"
+        rows = self._read(lambda db: db.execute(sql))
+        return {(str(p), str(r)): (int(u), int(c)) for p, r, u, c in rows}
+
+    def log(self, after_seq: int = 0) -> list[LogEntry]:
+        sql = (
+            f"SELECT seq, at, admission_id, event, state, fence FROM {self._t.log}"
+            " WHERE seq > ? ORDER BY seq"
+        )
+        rows = self._read(lambda db: db.execute(sql, (after_seq,)))
+        return [
+            LogEntry(int(s), float(a), str(i), LedgerEvent(e), ReservationState(st), int(f))
+            for s, a, i, e, st, f in rows
+        ]
+
+    def replay_log(self) -> dict[str, tuple[ReservationState, int]]:
+        return replay(self.log())
+
+    # ---- one transaction each ------------------------------------------------------------
+    def _prepare(
+        self,
+        db: Db,
+        admission_id: str,
+        digest: str,
+        pool_id: str,
+        items: tuple[Item, ...],
+        expires_at: float,
+        now: float,
+    ) -> Prepared | Refused:
+        existing = self._select(db, admission_id)
+        if existing is None:
+            fence = self._next_fence(db)
+            inserted = db.execute(
+                f"INSERT INTO {self._t.reservation} ({_RES_COLUMNS}, updated_at)"
+                " VALUES (?, ?, ?, 'PREPARING', ?, ?, ?, ?)"
+                " ON CONFLICT (admission_id) DO NOTHING RETURNING admission_id",
+                (admission_id, digest, pool_id, fence, expires_at, now, now),
+            )
+            if inserted:
+                self._take(db, items)
+                for item in items:
+                    db.execute(
+                        f"INSERT INTO {self._t.item} (admission_id, pool_id, resource, amount)"
+                        " VALUES (?, ?, ?, ?)",
+                        (admission_id, *item),
+                    )
+                self._append_log(db, now, admission_id, LedgerEvent.PREPARED, fence)
+                reservation = Reservation(
+                    admission_id,
+                    digest,
+                    pool_id,
+                    ReservationState.PREPARING,
+                    fence,
+                    items,
+                    expires_at,
+                    now,
+                )
+                return Prepared(reservation, replayed=False)
+            # A concurrent prepare of the same ID committed first (we waited on its key).
+            existing = self._select(db, admission_id)
+            if existing is None:
+                raise StoreError(f"reservation {admission_id!r} conflicted but is not there")
+        if existing.digest != digest:
+            return Refused(
+                LedgerReason.CONFLICT,
+                f"admission {admission_id!r} is already reserved for requirement digest "
+                f"{existing.digest!r}, not {digest!r}",
+            )
+        return Prepared(existing, replayed=True)
+
+    def _take(self, db: Db, items: tuple[Item, ...]) -> None:
+        for pool_id, resource, amount in items:
+            taken = db.execute(
+                f"UPDATE {self._t.capacity} SET used = used + ?"
+                " WHERE pool_id = ? AND resource = ? AND used + ? <= capacity RETURNING used",
+                (amount, pool_id, resource, amount),
+            )
+            if not taken:
+                raise _Rollback(self._shortage(db, pool_id, resource, amount))
+
+    def _shortage(self, db: Db, pool_id: str, resource: str, amount: int) -> Refused:
+        rows = db.execute(
+            f"SELECT used, capacity FROM {self._t.capacity} WHERE pool_id = ? AND resource = ?",
+            (pool_id, resource),
+        )
+        if rows:
+            used, capacity = rows[0]
+            left = f"{max(int(capacity) - int(used), 0)} of {capacity} left"
+        else:
+            left = "no capacity is configured"
+        return Refused(shortage_reason(resource), f"{pool_id}/{resource}: needs {amount}, {left}")
+
+    def _give_back(self, db: Db, reservations: Iterable[Reservation]) -> None:
+        totals: dict[tuple[str, str], int] = {}
+        for reservation in reservations:
+            for pool_id, resource, amount in reservation.items:
+                totals[(pool_id, resource)] = totals.get((pool_id, resource), 0) + amount
+        for (pool_id, resource), amount in sorted(totals.items()):
+            given = db.execute(
+                f"UPDATE {self._t.capacity} SET used = used - ?"
+                " WHERE pool_id = ? AND resource = ? AND used >= ? RETURNING used",
+                (amount, pool_id, resource, amount),
+            )
+            if not given:
+                raise StoreError(f"counter {pool_id}/{resource} holds less than {amount}")
+
+    def _activate(
+        self, db: Db, admission_id: str, fence: int, expires_at: float, now: float
+    ) -> Reservation | Refused:
+        rows = db.execute(
+            f"UPDATE {self._t.reservation} SET state = 'ACTIVE', expires_at = ?, updated_at = ?"
+            " WHERE admission_id = ? AND fence = ? AND state = 'PREPARING' AND expires_at > ?"
+            f" RETURNING {_RES_COLUMNS}",
+            (expires_at, now, admission_id, fence, now),
+        )
+        if not rows:
+            return self._why_not(db, admission_id, fence, now, "activate")
+        (activated,) = self._with_items(db, rows)
+        self._append_log(db, now, admission_id, LedgerEvent.ACTIVATED, fence)
+        return activated
+
+    def _release(self, db: Db, admission_id: str, fence: int, now: float) -> Reservation | Refused:
+        rows = db.execute(
+            f"UPDATE {self._t.reservation} SET state = 'RELEASED', updated_at = ?"
+            f" WHERE admission_id = ? AND fence = ? AND state IN {_HOLDING}"
+            f" RETURNING {_RES_COLUMNS}",
+            (now, admission_id, fence),
+        )
+        if not rows:
+            return self._why_not(db, admission_id, fence, now, "release")
+        (released,) = self._with_items(db, rows)
+        self._give_back(db, [released])
+        self._append_log(db, now, admission_id, LedgerEvent.RELEASED, fence)
+        return released
+
+    def _expire_due(self, db: Db, now: float) -> list[Reservation]:
+        due = db.execute(
+            f"SELECT admission_id FROM {self._t.reservation}"
+            f" WHERE state IN {_HOLDING} AND expires_at <= ?"
+            f" ORDER BY admission_id{self._due_lock_clause}",
+            (now,),
+        )
+        rows: list[tuple[Any, ...]] = []
+        for (admission_id,) in due:
+            rows += db.execute(
+                f"UPDATE {self._t.reservation} SET state = 'EXPIRED', fence = ?, updated_at = ?"
+                f" WHERE admission_id = ? AND state IN {_HOLDING} AND expires_at <= ?"
+                f" RETURNING {_RES_COLUMNS}",
+                (self._next_fence(db), now, admission_id, now),
+            )
+        expired = self._with_items(db, rows)
+        self._give_back(db, expired)
+        for reservation in expired:
+            self._append_log(
+                db, now, reservation.admission_id, LedgerEvent.EXPIRED, reservation.fence
+            )
+        if expired:
+            log.info("expired %d reservations", len(expired), extra={"now": now})
+        return expired
+
+    def _why_not(self, db: Db, admission_id: str, fence: int, now: float, verb: str) -> Refused:
+        current = self._select(db, admission_id)
+        if current is None:
+            return Refused(LedgerReason.NOT_FOUND, f"no reservation {admission_id!r}")
+        if current.fence != fence:
+            why = f"fence {fence} is stale: it is {current.state} at fence {current.fence}"
+        elif verb == "activate" and current.state is ReservationState.PREPARING:
+            why = f"it expired at {current.expires_at} (now {now})"
+        else:
+            why = f"it is already {current.state}"
+        return Refused(LedgerReason.STALE_FENCE, f"cannot {verb} {admission_id!r}: {why}")
+
+    # ---- rows --------------------------------------------------------------------------------
+    def _select(self, db: Db, admission_id: str) -> Reservation | None:
+        rows = db.execute(
+            f"SELECT {_RES_COLUMNS} FROM {self._t.reservation} WHERE admission_id = ?",
+            (admission_id,),
+        )
+        found = self._with_items(db, rows)
+        return found[0] if found else None
+
+    def _with_items(self, db: Db, rows: Sequence[tuple[Any, ...]]) -> list[Reservation]:
+        """Reservations for ``rows`` (``_RES_COLUMNS``), by fence, with their items."""
+        if not rows:
+            return []
+        ids = [str(row[0]) for row in rows]
+        items: dict[str, list[Item]] = {i: [] for i in ids}
+        for chunk in (ids[i : i + 500] for i in range(0, len(ids), 500)):
+            marks = ", ".join("?" * len(chunk))
+            for admission_id, pool_id, resource, amount in db.execute(
+                f"SELECT admission_id, pool_id, resource, amount FROM {self._t.item}"
+                f" WHERE admission_id IN ({marks}) ORDER BY pool_id, resource",
+                chunk,
+            ):
+                items[str(admission_id)].append(Item(str(pool_id), str(resource), int(amount)))
+        return sorted(
+            (
+                Reservation(
+                    admission_id=str(a),
+                    digest=str(d),
+                    pool_id=str(p),
+                    state=ReservationState(s),
+                    fence=int(f),
+                    items=tuple(items[str(a)]),
+                    expires_at=float(e),
+                    created_at=float(c),
+                )
+                for a, d, p, s, f, e, c in rows
+            ),
+            key=lambda r: r.fence,
+        )
+
+    def _append_log(
+        self, db: Db, now: float, admission_id: str, event: LedgerEvent, fence: int
+    ) -> None:
+        db.execute(
+            f"INSERT INTO {self._t.log} (at, admission_id, event, state, fence)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (now, admission_id, event.value, TRANSITIONS[event].target.value, fence),
+        )

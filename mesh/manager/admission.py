@@ -1,0 +1,310 @@
+"""Admission: from a producer's requirements to a grant that reserves the whole resource chain.
+
+Theory of operation
+-------------------
+:class:`Admitter` is synchronous and talks to the ledger store directly (the manager calls
+it in a worker thread); time is a parameter. One admission:
+
+1. **Idempotency.** ``requirement_digest(requirements, tenant)`` keys the request with its
+   ``admission_id``. A known ID with another digest is ``CONFLICT`` at once; the same digest
+   gets the same decision again (for an ACTIVE reservation: the same grant).
+2. **Eligibility** (pure, :mod:`mesh.core.eligibility`) over the latest descriptor of every
+   pool, the active epochs and the active policy generation. The record of which rule
+   filtered which pool is kept for ``explain``.
+3. **Reserve.** Eligible pools are tried least-used first; ``ledger.prepare`` takes every
+   counter (model slot, sandbox, tool permits, the tenant's token budget) in one transaction
+   or nothing. Only shortage moves on to the next pool.
+4. **External grants** (resources outside the ledger) are requested in one global fixed order
+   (by name), each a short-TTL provisional grant keyed by the admission ID. If any is refused,
+   every grant taken so far is released, newest first, and the PREPARING reservation is
+   cancelled — counters are conserved.
+5. **Activate** by compare-and-set on the fence → an :class:`AdmissionGrant`.
+
+Refusals are values: ``rejected`` when retrying the same request cannot help (no eligible
+pool, stale descriptor, conflict), ``deferred`` with ``retry_after_ms`` when capacity may free
+up. Expiry (``expire``) moves overdue reservations to EXPIRED under a new fence, so a stale
+holder can neither consume nor release a newer grant.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mesh.core.eligibility import (
+    EligibilityResult,
+    capacities,
+    check_eligibility,
+    reservation_items,
+    tenant_tokens_resource,
+)
+from mesh.ledger.model import TENANT_POOL, LedgerReason, Prepared, Refused, Reservation
+from mesh.ledger.store import LedgerStore
+from mesh.wire.admission import (
+    AdmissionDecision,
+    AdmissionGrant,
+    AdmissionReason,
+    AdmissionReleaseReply,
+    AdmissionRequest,
+    CapabilityDescriptor,
+    requirement_digest,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ExternalGrantor(Protocol):
+    """A resource outside the ledger (a GPU lease, a third-party rate limit…)."""
+
+    name: str
+
+    def request(self, admission_id: str, pool_id: str, ttl_s: float, now: float) -> str | None:
+        """A provisional grant ID, or ``None`` if refused. Must be idempotent per admission."""
+        ...
+
+    def release(self, admission_id: str, grant_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    prepare_ttl_s: float = 10.0  # PREPARING holds this long at most
+    grant_ttl_s: float = 120.0  # an ACTIVE grant lives this long unless released
+    active_generation: int = 1  # the policy generation descriptors must carry
+    default_tenant_tokens: int = 10_000_000  # a tenant's token budget unless set otherwise
+    retry_after_ms: int = 1_000  # hint on a capacity refusal (issue 4 measures it)
+
+
+@dataclass(slots=True)
+class _Decided:
+    digest: str
+    decision: AdmissionDecision
+    eligibility: dict[str, Any] | None = None
+
+
+@dataclass
+class Admitter:
+    """Descriptors, eligibility, the ledger and external grants, composed. Not thread-safe:
+    the manager serialises calls (the ledger store itself is safe across processes)."""
+
+    ledger: LedgerStore
+    policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    grantors: Sequence[ExternalGrantor] = ()
+    descriptors: dict[str, CapabilityDescriptor] = field(default_factory=dict)
+    active_epochs: dict[str, int] = field(default_factory=dict)
+    decisions: dict[str, _Decided] = field(default_factory=dict)
+    _budgets_set: set[str] = field(default_factory=set)
+
+    # ---- descriptors ----------------------------------------------------------------------
+    def publish_descriptor(self, descriptor: CapabilityDescriptor, now: float) -> str | None:
+        """Make ``descriptor`` its pool's active one; ``None``, or why it was refused."""
+        current = self.active_epochs.get(descriptor.pool_id)
+        if current is not None and descriptor.descriptor_epoch < current:
+            return f"epoch {descriptor.descriptor_epoch} is older than the active {current}"
+        if descriptor.expires_at <= now:
+            return "the descriptor has already expired"
+        self.descriptors[descriptor.pool_id] = descriptor
+        self.active_epochs[descriptor.pool_id] = descriptor.descriptor_epoch
+        for resource, capacity in capacities(descriptor).items():
+            self.ledger.set_capacity(descriptor.pool_id, resource, capacity)
+        return None
+
+    def set_tenant_budget(self, tenant: str, tokens: int) -> None:
+        self.ledger.set_capacity(TENANT_POOL, tenant_tokens_resource(tenant), tokens)
+        self._budgets_set.add(tenant)
+
+    # ---- admission ------------------------------------------------------------------------
+    def admit(self, request: AdmissionRequest, tenant: str, now: float) -> AdmissionDecision:
+        digest = requirement_digest(request.requirements, tenant)
+        earlier = self._earlier_decision(request.admission_id, digest)
+        if earlier is not None:
+            return earlier
+        eligibility = check_eligibility(
+            request.requirements,
+            tenant,
+            self.descriptors,
+            active_epochs=self.active_epochs,
+            active_generation=self.policy.active_generation,
+            now=now,
+        )
+        decision = self._decide(request, tenant, digest, eligibility, now)
+        self.decisions[request.admission_id] = _Decided(digest, decision, eligibility.to_record())
+        return decision
+
+    def explain(self, admission_id: str) -> dict[str, Any] | None:
+        """The recorded decision and the eligibility record behind it (``mesh explain``)."""
+        decided = self.decisions.get(admission_id)
+        if decided is None:
+            return None
+        return {
+            "decision": decided.decision.model_dump(mode="json"),
+            "eligibility": decided.eligibility,
+        }
+
+    def _earlier_decision(self, admission_id: str, digest: str) -> AdmissionDecision | None:
+        decided = self.decisions.get(admission_id)
+        reservation = self.ledger.get(admission_id)
+        known_digest = decided.digest if decided else reservation.digest if reservation else None
+        if known_digest is None:
+            return None
+        if known_digest != digest:
+            return _refused(
+                admission_id,
+                AdmissionReason.CONFLICT,
+                "this admission ID was used with other requirements",
+            )
+        if decided is not None:
+            return decided.decision
+        assert reservation is not None  # known_digest came from it
+        return self._replay(reservation)
+
+    def _replay(self, reservation: Reservation) -> AdmissionDecision:
+        """A decision rebuilt from the ledger alone (after a manager restart)."""
+        if reservation.state == "ACTIVE":
+            return self._admitted(reservation, [])
+        return _refused(
+            reservation.admission_id,
+            AdmissionReason.STALE_FENCE,
+            f"this admission is {reservation.state}; a new phase needs a new admission ID",
+        )
+
+    def _decide(
+        self,
+        request: AdmissionRequest,
+        tenant: str,
+        digest: str,
+        eligibility: EligibilityResult,
+        now: float,
+    ) -> AdmissionDecision:
+        denial = eligibility.denial_reason()
+        if denial is not None:
+            filtered = ", ".join(f"{v.pool_id}: {v.rule}" for v in eligibility.filtered)
+            return _refused(request.admission_id, denial, filtered or "no pool is described")
+        self._ensure_budget(tenant)
+        shortage: Refused | None = None
+        for pool_id in self._by_preference(eligibility.eligible):
+            items = [
+                (TENANT_POOL if resource.startswith("tenant_tokens:") else pool_id, resource, n)
+                for resource, n in reservation_items(request.requirements, tenant)
+            ]
+            prepared = self.ledger.prepare(
+                request.admission_id, digest, items, self.policy.prepare_ttl_s, now,
+                pool_id=pool_id,
+            )  # fmt: skip
+            if isinstance(prepared, Prepared):
+                return self._take_external_then_activate(prepared.reservation, now)
+            if prepared.reason is LedgerReason.CONFLICT:
+                return _refused(request.admission_id, AdmissionReason.CONFLICT, prepared.detail)
+            shortage = prepared
+            if prepared.reason is LedgerReason.TENANT_BUDGET:
+                break  # the budget is the tenant's, whichever pool
+        assert shortage is not None
+        return AdmissionDecision(
+            admission_id=request.admission_id,
+            outcome="deferred",
+            reason=AdmissionReason(shortage.reason.value),
+            detail=shortage.detail,
+            retry_after_ms=self.policy.retry_after_ms,
+            allowed_degradations=list(request.requirements.allowed_degradations),
+        )
+
+    def _take_external_then_activate(
+        self, reservation: Reservation, now: float
+    ) -> AdmissionDecision:
+        taken: list[tuple[ExternalGrantor, str]] = []
+        for grantor in sorted(self.grantors, key=lambda g: g.name):  # one global fixed order
+            grant_id = grantor.request(
+                reservation.admission_id, reservation.pool_id, self.policy.prepare_ttl_s, now
+            )
+            if grant_id is None:
+                self._compensate(reservation, taken, now)
+                return _refused(
+                    reservation.admission_id,
+                    AdmissionReason.EXTERNAL_GRANT_FAILED,
+                    f"{grantor.name} refused; everything taken was released",
+                    deferred=True,
+                    retry_after_ms=self.policy.retry_after_ms,
+                )
+            taken.append((grantor, grant_id))
+        active = self.ledger.activate(
+            reservation.admission_id, reservation.fence, self.policy.grant_ttl_s, now
+        )
+        if isinstance(active, Refused):
+            self._compensate(reservation, taken, now)
+            return _refused(reservation.admission_id, AdmissionReason.STALE_FENCE, active.detail)
+        return self._admitted(active, [grant_id for _, grant_id in taken])
+
+    def _compensate(
+        self, reservation: Reservation, taken: list[tuple[ExternalGrantor, str]], now: float
+    ) -> None:
+        for grantor, grant_id in reversed(taken):
+            grantor.release(reservation.admission_id, grant_id)
+        self.ledger.release(reservation.admission_id, reservation.fence, now)
+
+    def _admitted(self, reservation: Reservation, external: list[str]) -> AdmissionDecision:
+        descriptor = self.descriptors.get(reservation.pool_id)
+        grant = AdmissionGrant(
+            admission_id=reservation.admission_id,
+            pool_id=reservation.pool_id,
+            descriptor_epoch=descriptor.descriptor_epoch if descriptor else 1,
+            policy_generation=self.policy.active_generation,
+            fence=reservation.fence,
+            grant_ids=[f"ledger:{reservation.admission_id}:{reservation.fence}", *external],
+            expires_at=reservation.expires_at,
+        )
+        return AdmissionDecision(
+            admission_id=reservation.admission_id, outcome="admitted", grant=grant
+        )
+
+    def _ensure_budget(self, tenant: str) -> None:
+        if tenant in self._budgets_set:
+            return
+        resource = tenant_tokens_resource(tenant)
+        if (TENANT_POOL, resource) not in self.ledger.usage():
+            self.ledger.set_capacity(TENANT_POOL, resource, self.policy.default_tenant_tokens)
+        self._budgets_set.add(tenant)
+
+    def _by_preference(self, pools: Sequence[str]) -> list[str]:
+        """Least-used model slots first (a fraction), then pool ID: spread the load."""
+        usage = self.ledger.usage()
+
+        def load(pool_id: str) -> tuple[float, str]:
+            used, capacity = usage.get((pool_id, "model_slots"), (0, 0))
+            return (used / capacity if capacity else 1.0, pool_id)
+
+        return sorted(pools, key=load)
+
+    # ---- release and expiry ---------------------------------------------------------------
+    def release(self, admission_id: str, fence: int, now: float) -> AdmissionReleaseReply:
+        """Settle a phase: the grant's holder gives it back. A stale fence changes nothing."""
+        outcome = self.ledger.release(admission_id, fence, now)
+        if isinstance(outcome, Refused):
+            return AdmissionReleaseReply(
+                admission_id=admission_id,
+                released=False,
+                reason=AdmissionReason(outcome.reason.value),
+                detail=outcome.detail,
+            )
+        return AdmissionReleaseReply(admission_id=admission_id, released=True)
+
+    def expire(self, now: float) -> list[Reservation]:
+        """Overdue reservations → EXPIRED under a higher fence."""
+        return self.ledger.expire_due(now)
+
+
+def _refused(
+    admission_id: str,
+    reason: AdmissionReason,
+    detail: str,
+    *,
+    deferred: bool = False,
+    retry_after_ms: int | None = None,
+) -> AdmissionDecision:
+    return AdmissionDecision(
+        admission_id=admission_id,
+        outcome="deferred" if deferred else "rejected",
+        reason=reason,
+        detail=detail[:1000],
+        retry_after_ms=retry_after_ms,
+    )

@@ -1,0 +1,418 @@
+"""The ledger's behavioural contract, one suite run against SQLite and PostgreSQL.
+
+After every step that can touch counters, ``assert_conserved`` checks the ledger's central
+invariant: each counter's ``used`` equals the amounts held by PREPARING and ACTIVE
+reservations — nothing leaks, nothing is given back twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+from mesh.errors import LocalProtocolError
+from mesh.ledger import (
+    Item,
+    LedgerReason,
+    LedgerStore,
+    Prepared,
+    Refused,
+    Reservation,
+    ReservationState,
+)
+
+from .conftest import LedgerFactory
+
+T0 = 1_000.0
+TTL = 30.0
+SLOT = ("pool-a", "model_slots", 1)
+SANDBOX = ("pool-a", "sandboxes", 1)
+SEARCH = ("pool-a", "tool:search", 1)
+
+
+def tokens(n: int, tenant: str = "acme") -> tuple[str, str, int]:
+    return ("*", f"tenant_tokens:{tenant}", n)
+
+
+def assert_conserved(ledger: LedgerStore) -> None:
+    held: dict[tuple[str, str], int] = {}
+    for reservation in ledger.active():
+        for pool_id, resource, amount in reservation.items:
+            held[(pool_id, resource)] = held.get((pool_id, resource), 0) + amount
+    used = {key: used for key, (used, _capacity) in ledger.usage().items() if used}
+    assert used == held
+
+
+def used(ledger: LedgerStore, pool_id: str, resource: str) -> int:
+    return ledger.usage()[(pool_id, resource)][0]
+
+
+def prepared(outcome: Prepared | Refused) -> Reservation:
+    assert isinstance(outcome, Prepared), f"expected Prepared, got {outcome}"
+    return outcome.reservation
+
+
+def refused(outcome: object, reason: LedgerReason) -> Refused:
+    assert isinstance(outcome, Refused), f"expected Refused({reason}), got {outcome}"
+    assert outcome.reason == reason, outcome
+    return outcome
+
+
+def reservation(outcome: Reservation | Refused) -> Reservation:
+    assert isinstance(outcome, Reservation), f"expected a Reservation, got {outcome}"
+    return outcome
+
+
+@pytest.fixture
+def pool(ledger: LedgerStore) -> LedgerStore:
+    """The ledger with pool-a's counters and tenant acme's budget."""
+    ledger.set_capacity("pool-a", "model_slots", 2)
+    ledger.set_capacity("pool-a", "sandboxes", 2)
+    ledger.set_capacity("pool-a", "tool:search", 2)
+    ledger.set_capacity("*", "tenant_tokens:acme", 1_000)
+    return ledger
+
+
+# ---- prepare --------------------------------------------------------------------------------
+def test_a_prepared_reservation_holds_its_items_until_its_ttl(pool: LedgerStore) -> None:
+    held = prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, tokens(100)], TTL, T0))
+
+    assert held.state is ReservationState.PREPARING
+    assert held.pool_id == "pool-a"
+    assert held.items == (
+        Item("*", "tenant_tokens:acme", 100),
+        Item("pool-a", "model_slots", 1),
+        Item("pool-a", "sandboxes", 1),
+    )
+    assert (held.created_at, held.expires_at) == (T0, T0 + TTL)
+    assert pool.get("adm-1") == held
+    assert used(pool, "*", "tenant_tokens:acme") == 100
+    assert_conserved(pool)
+
+
+def test_preparing_again_with_the_same_digest_replays_the_decision(pool: LedgerStore) -> None:
+    first = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(10)], TTL, T0))
+    usage = pool.usage()
+
+    again = pool.prepare("adm-1", "d1", [SLOT, tokens(10)], TTL, T0 + 1)
+
+    assert again == Prepared(first, replayed=True)
+    assert pool.usage() == usage
+
+    reservation(pool.activate("adm-1", first.fence, TTL, T0 + 2))
+    reservation(pool.release("adm-1", first.fence, T0 + 3))
+    replayed = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(10)], TTL, T0 + 4))
+    assert (replayed.state, replayed.fence) == (ReservationState.RELEASED, first.fence)
+    assert used(pool, "pool-a", "model_slots") == 0
+    assert_conserved(pool)
+
+
+def test_the_same_admission_id_with_another_digest_is_a_conflict(pool: LedgerStore) -> None:
+    first = prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
+    usage = pool.usage()
+
+    conflict = refused(pool.prepare("adm-1", "d2", [SANDBOX], TTL, T0), LedgerReason.CONFLICT)
+
+    assert "d1" in conflict.detail
+    assert pool.usage() == usage
+    assert pool.get("adm-1") == first
+
+
+def test_a_request_takes_all_of_its_items_or_none(pool: LedgerStore) -> None:
+    pool.set_capacity("pool-a", "tool:search", 0)
+    before = pool.usage()
+
+    short = refused(
+        pool.prepare("adm-1", "d1", [SLOT, SANDBOX, SEARCH], TTL, T0), LedgerReason.CAPACITY
+    )
+
+    assert "tool:search" in short.detail
+    assert pool.usage() == before
+    assert pool.get("adm-1") is None
+    assert pool.active() == []
+
+    pool.set_capacity("pool-a", "tool:search", 1)
+    prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, SEARCH], TTL, T0))
+    assert_conserved(pool)
+
+
+def test_a_resource_without_capacity_counts_as_zero(pool: LedgerStore) -> None:
+    outcome = pool.prepare("adm-1", "d1", [SLOT, ("pool-a", "tool:unknown", 1)], TTL, T0)
+
+    assert "no capacity" in refused(outcome, LedgerReason.CAPACITY).detail
+    assert_conserved(pool)
+
+
+def test_a_short_tenant_budget_is_tenant_budget_and_a_short_counter_capacity(
+    pool: LedgerStore,
+) -> None:
+    refused(pool.prepare("adm-1", "d1", [SLOT, tokens(1_001)], TTL, T0), LedgerReason.TENANT_BUDGET)
+    refused(
+        pool.prepare("adm-2", "d1", [("pool-a", "model_slots", 3), tokens(1)], TTL, T0),
+        LedgerReason.CAPACITY,
+    )
+    refused(pool.prepare("adm-3", "d1", [tokens(1, "other")], TTL, T0), LedgerReason.TENANT_BUDGET)
+    assert pool.active() == []
+    assert_conserved(pool)
+
+
+def test_the_last_unit_goes_to_exactly_one_admission(pool: LedgerStore) -> None:
+    prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
+    prepared(pool.prepare("adm-2", "d1", [SLOT], TTL, T0))
+
+    refused(pool.prepare("adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
+    assert pool.usage()[("pool-a", "model_slots")] == (2, 2)
+    assert_conserved(pool)
+
+
+def test_duplicate_items_are_summed(pool: LedgerStore) -> None:
+    held = prepared(pool.prepare("adm-1", "d1", [SLOT, SLOT], TTL, T0))
+
+    assert held.items == (Item("pool-a", "model_slots", 2),)
+    assert used(pool, "pool-a", "model_slots") == 2
+
+
+def test_lowering_capacity_below_use_admits_nothing_new_until_releases(
+    pool: LedgerStore,
+) -> None:
+    first = prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
+    second = prepared(pool.prepare("adm-2", "d1", [SLOT], TTL, T0))
+
+    pool.set_capacity("pool-a", "model_slots", 1)
+    assert pool.usage()[("pool-a", "model_slots")] == (2, 1)
+    refused(pool.prepare("adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
+
+    reservation(pool.release("adm-1", first.fence, T0))
+    refused(pool.prepare("adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
+    reservation(pool.release("adm-2", second.fence, T0))
+    prepared(pool.prepare("adm-3", "d1", [SLOT], TTL, T0))
+    assert_conserved(pool)
+
+
+def test_misuse_raises_instead_of_refusing(pool: LedgerStore) -> None:
+    with pytest.raises(LocalProtocolError):
+        pool.prepare("adm-1", "d1", [("pool-a", "model_slots", 0)], TTL, T0)
+    with pytest.raises(LocalProtocolError):
+        pool.prepare("adm-1", "d1", [SLOT], 0, T0)
+    with pytest.raises(LocalProtocolError):
+        pool.set_capacity("pool-a", "model_slots", -1)
+    assert pool.get("adm-1") is None
+
+
+# ---- activate ---------------------------------------------------------------------------------
+def test_activate_is_a_compare_and_set_on_the_fence(pool: LedgerStore) -> None:
+    held = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(5)], TTL, T0))
+
+    refused(pool.activate("adm-1", held.fence + 1000, TTL, T0 + 1), LedgerReason.STALE_FENCE)
+    refused(pool.activate("nobody", held.fence, TTL, T0 + 1), LedgerReason.NOT_FOUND)
+    assert pool.get("adm-1") == held
+
+    active = reservation(pool.activate("adm-1", held.fence, 60.0, T0 + 1))
+    assert (active.state, active.fence, active.expires_at) == (
+        ReservationState.ACTIVE,
+        held.fence,
+        T0 + 1 + 60.0,
+    )
+    again = refused(pool.activate("adm-1", held.fence, TTL, T0 + 2), LedgerReason.STALE_FENCE)
+    assert "ACTIVE" in again.detail
+    assert pool.get("adm-1") == active
+    assert_conserved(pool)
+
+
+def test_a_preparing_reservation_past_its_ttl_cannot_be_activated(pool: LedgerStore) -> None:
+    held = prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
+
+    late = refused(pool.activate("adm-1", held.fence, TTL, T0 + TTL), LedgerReason.STALE_FENCE)
+
+    assert "expired" in late.detail
+    assert pool.get("adm-1") == held  # the sweep, not activate, takes it back
+    assert_conserved(pool)
+
+
+# ---- release, cancellation, expiry ------------------------------------------------------------
+def test_release_gives_the_counters_back_exactly_once(pool: LedgerStore) -> None:
+    held = prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, tokens(50)], TTL, T0))
+    assert_conserved(pool)
+    reservation(pool.activate("adm-1", held.fence, TTL, T0 + 1))
+    assert_conserved(pool)
+
+    refused(pool.release("adm-1", held.fence - 1, T0 + 2), LedgerReason.STALE_FENCE)
+    refused(pool.release("nobody", held.fence, T0 + 2), LedgerReason.NOT_FOUND)
+    assert used(pool, "*", "tenant_tokens:acme") == 50
+    assert_conserved(pool)
+
+    released = reservation(pool.release("adm-1", held.fence, T0 + 2))
+    assert released.state is ReservationState.RELEASED
+    assert_conserved(pool)
+
+    twice = refused(pool.release("adm-1", held.fence, T0 + 3), LedgerReason.STALE_FENCE)
+    assert "RELEASED" in twice.detail
+    assert used(pool, "*", "tenant_tokens:acme") == 0
+    assert used(pool, "pool-a", "model_slots") == 0
+    assert_conserved(pool)
+
+
+def test_cancellation_before_active_releases_everything(pool: LedgerStore) -> None:
+    held = prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, SEARCH, tokens(7)], TTL, T0))
+
+    cancelled = reservation(pool.release("adm-1", held.fence, T0 + 1))
+
+    assert cancelled.state is ReservationState.RELEASED
+    assert all(used == 0 for used, _ in pool.usage().values())
+    refused(pool.activate("adm-1", held.fence, TTL, T0 + 2), LedgerReason.STALE_FENCE)
+    assert pool.active() == []
+    assert_conserved(pool)
+
+
+def test_ttl_cleanup_racing_a_stale_holder_gives_back_only_once(pool: LedgerStore) -> None:
+    held = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(20)], TTL, T0))
+    active = reservation(pool.activate("adm-1", held.fence, TTL, T0 + 1))
+
+    assert pool.expire_due(active.expires_at - 0.001) == []
+    (expired,) = pool.expire_due(active.expires_at)
+
+    assert expired.state is ReservationState.EXPIRED
+    assert expired.fence > held.fence
+    assert used(pool, "*", "tenant_tokens:acme") == 0
+    # The holder wakes up late with its old fence: nothing it does counts.
+    refused(pool.release("adm-1", held.fence, active.expires_at + 1), LedgerReason.STALE_FENCE)
+    refused(
+        pool.activate("adm-1", held.fence, TTL, active.expires_at + 1), LedgerReason.STALE_FENCE
+    )
+    # Not even with the sweep's fence: EXPIRED is final.
+    refused(pool.release("adm-1", expired.fence, active.expires_at + 1), LedgerReason.STALE_FENCE)
+    assert pool.expire_due(active.expires_at + 100) == []
+    assert used(pool, "*", "tenant_tokens:acme") == 0
+    assert used(pool, "pool-a", "model_slots") == 0
+    assert pool.get("adm-1") == expired
+    assert_conserved(pool)
+
+
+def test_a_release_before_the_sweep_leaves_the_sweep_nothing(pool: LedgerStore) -> None:
+    held = prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
+    # Past its TTL but not yet swept: the holder may still give it back.
+    reservation(pool.release("adm-1", held.fence, T0 + TTL + 5))
+
+    assert pool.expire_due(T0 + TTL + 10) == []
+    assert used(pool, "pool-a", "model_slots") == 0
+    assert_conserved(pool)
+
+
+def test_the_sweep_expires_exactly_the_due_reservations(pool: LedgerStore) -> None:
+    early = prepared(pool.prepare("adm-early", "d", [SLOT], 10, T0))
+    late = prepared(pool.prepare("adm-late", "d", [SLOT], 100, T0))
+    active = reservation(pool.activate("adm-late", late.fence, 5, T0 + 1))
+
+    swept = pool.expire_due(T0 + 10)
+
+    assert [r.admission_id for r in swept] == ["adm-early", "adm-late"]
+    assert all(r.state is ReservationState.EXPIRED for r in swept)
+    assert swept[0].fence > max(early.fence, active.fence)
+    assert swept[1].fence > swept[0].fence
+    assert pool.active() == []
+    assert_conserved(pool)
+
+
+# ---- fences, recovery, the log ---------------------------------------------------------------
+def test_fences_strictly_increase(pool: LedgerStore) -> None:
+    seen: list[int] = []
+    for i in range(5):
+        seen.append(prepared(pool.prepare(f"adm-{i}", "d", [tokens(1)], 1, T0 + i)).fence)
+        for expired in pool.expire_due(T0 + i):
+            seen.append(expired.fence)
+        refused(pool.prepare(f"big-{i}", "d", [tokens(10_000)], 1, T0), LedgerReason.TENANT_BUDGET)
+
+    assert seen == sorted(seen)
+    assert len(set(seen)) == len(seen) == 9
+
+
+def test_a_reopened_ledger_recovers_every_holding_reservation(
+    ledger_factory: LedgerFactory, pool: LedgerStore
+) -> None:
+    a = prepared(pool.prepare("adm-a", "d", [SLOT, tokens(3)], TTL, T0))
+    b = prepared(pool.prepare("adm-b", "d", [SANDBOX, SEARCH], TTL, T0))
+    c = prepared(pool.prepare("adm-c", "d", [SANDBOX], TTL, T0))
+    d = prepared(pool.prepare("adm-d", "d", [SLOT], 1, T0))
+    a_active = reservation(pool.activate("adm-a", a.fence, 300, T0 + 1))
+    reservation(pool.release("adm-c", c.fence, T0 + 1))
+    pool.expire_due(T0 + 1)  # adm-d
+    holding, usage = pool.active(), pool.usage()
+    pool.close()
+
+    reopened = ledger_factory.open()
+
+    assert reopened.active() == holding == [a_active, b]
+    assert reopened.usage() == usage
+    swept = reopened.get("adm-d")
+    assert swept is not None
+    assert (swept.state, swept.fence > d.fence) == (ReservationState.EXPIRED, True)
+    newest = max(r.fence for r in (a, b, c, swept))
+    assert prepared(reopened.prepare("adm-e", "d", [SLOT], TTL, T0 + 2)).fence > newest
+    reservation(reopened.release("adm-a", a.fence, T0 + 3))
+    assert_conserved(reopened)
+
+
+def test_the_log_replays_to_the_live_state(pool: LedgerStore) -> None:
+    a = prepared(pool.prepare("adm-a", "d", [SLOT], TTL, T0))
+    b = prepared(pool.prepare("adm-b", "d", [SLOT], TTL, T0))
+    reservation(pool.activate("adm-a", a.fence, TTL, T0))
+    reservation(pool.release("adm-b", b.fence, T0))
+    prepared(pool.prepare("adm-c", "d", [SANDBOX], 1, T0))
+    pool.expire_due(T0 + 5)
+
+    live = {
+        r.admission_id: (r.state, r.fence)
+        for r in (pool.get(i) for i in ("adm-a", "adm-b", "adm-c"))
+        if r is not None
+    }
+    assert pool.replay_log() == live
+    assert [e.event for e in pool.log()] == [
+        "prepared",
+        "prepared",
+        "activated",
+        "released",
+        "prepared",
+        "expired",
+    ]
+
+
+def test_the_log_is_append_only(ledger_factory: LedgerFactory, pool: LedgerStore) -> None:
+    prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0))
+
+    if ledger_factory.kind == "sqlite":
+        with contextlib.closing(sqlite3.connect(ledger_factory.main)) as db:
+            for statement in ("UPDATE ledger_log SET fence = 0", "DELETE FROM ledger_log"):
+                with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+                    db.execute(statement)
+    else:
+        assert ledger_factory.dsn is not None
+        table = f'"{ledger_factory.main}".ledger_log'
+        with psycopg.connect(ledger_factory.dsn, autocommit=True) as conn:
+            for statement in (f"UPDATE {table} SET fence = 0", f"TRUNCATE {table}"):
+                with pytest.raises(psycopg.DatabaseError, match="append-only"):
+                    conn.execute(statement)
+    assert len(pool.log()) == 1
+
+
+def test_threads_sharing_one_store_never_overbook(pool: LedgerStore) -> None:
+    # The manager calls the store through asyncio.to_thread: calls may overlap.
+    pool.set_capacity("pool-a", "model_slots", 25)
+
+    def admit(n: int) -> bool:
+        outcome = pool.prepare(f"adm-{n}", "d", [SLOT], TTL, T0)
+        if isinstance(outcome, Refused):
+            return False
+        return isinstance(
+            pool.activate(f"adm-{n}", outcome.reservation.fence, TTL, T0), Reservation
+        )
+
+    with ThreadPoolExecutor(max_workers=8) as threads:
+        admitted = sum(threads.map(admit, range(100)))
+
+    assert admitted == 25
+    assert pool.usage()[("pool-a", "model_slots")] == (25, 25)
+    assert_conserved(pool)

@@ -1,0 +1,219 @@
+"""The admission path on a real (SQLite) ledger: eligibility, reservation, external grants,
+activation, idempotency, compensation and expiry. No broker: the manager calls the same code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from mesh.ledger.model import TENANT_POOL
+from mesh.ledger.sqlite import SqliteLedger
+from mesh.manager.admission import AdmissionPolicy, Admitter
+from mesh.wire import AdmissionReason, AdmissionRequest, TaskRequirements
+
+from .samples import DESCRIPTOR, REQUIREMENTS, T0
+
+POLICY = AdmissionPolicy(active_generation=DESCRIPTOR.policy_generation, grant_ttl_s=60)
+
+
+@dataclass
+class Grantor:
+    """An external resource that says yes ``capacity`` times, and keeps count."""
+
+    name: str
+    capacity: int = 100
+    held: dict[str, str] = field(default_factory=dict)
+    requests: list[str] = field(default_factory=list)
+
+    def request(self, admission_id: str, pool_id: str, ttl_s: float, now: float) -> str | None:
+        self.requests.append(admission_id)
+        if admission_id in self.held:
+            return self.held[admission_id]
+        if len(self.held) >= self.capacity:
+            return None
+        self.held[admission_id] = f"{self.name}:{admission_id}"
+        return self.held[admission_id]
+
+    def release(self, admission_id: str, grant_id: str) -> None:
+        assert self.held.pop(admission_id) == grant_id
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[SqliteLedger]:
+    store = SqliteLedger(tmp_path / "ledger.sqlite3")
+    yield store
+    store.close()
+
+
+def admitter(ledger: SqliteLedger, *grantors: Grantor) -> Admitter:
+    a = Admitter(ledger, POLICY, grantors)
+    assert a.publish_descriptor(DESCRIPTOR, T0) is None
+    return a
+
+
+def request(admission_id: str, **changes: object) -> AdmissionRequest:
+    reqs = REQUIREMENTS.model_copy(update=changes) if changes else REQUIREMENTS
+    return AdmissionRequest(admission_id=admission_id, requirements=reqs)
+
+
+def used(ledger: SqliteLedger) -> dict[tuple[str, str], int]:
+    return {key: u for key, (u, _) in ledger.usage().items() if u}
+
+
+def test_an_eligible_request_is_admitted_with_a_grant_that_reserves_the_whole_chain(
+    ledger: SqliteLedger,
+) -> None:
+    decision = admitter(ledger).admit(request("adm-1"), "tenant-a", T0)
+
+    assert decision.outcome == "admitted" and decision.grant is not None
+    assert (decision.grant.pool_id, decision.grant.descriptor_epoch) == ("rag-eu", 3)
+    assert used(ledger) == {
+        ("rag-eu", "model_slots"): 1,
+        ("rag-eu", "sandboxes"): 1,
+        ("rag-eu", "tool:web-search"): 2,
+        (TENANT_POOL, "tenant_tokens:tenant-a"): 12_000,
+    }
+    assert ledger.get("adm-1").state == "ACTIVE"  # type: ignore[union-attr]
+
+
+def test_the_same_admission_id_and_payload_returns_the_same_decision(ledger: SqliteLedger) -> None:
+    a = admitter(ledger)
+    first = a.admit(request("adm-1"), "tenant-a", T0)
+    again = a.admit(request("adm-1"), "tenant-a", T0 + 1)
+
+    assert again == first
+    assert used(ledger)[("rag-eu", "model_slots")] == 1  # nothing taken twice
+
+
+def test_the_same_admission_id_with_another_payload_is_an_immediate_conflict(
+    ledger: SqliteLedger,
+) -> None:
+    a = admitter(ledger)
+    a.admit(request("adm-1"), "tenant-a", T0)
+
+    other = a.admit(request("adm-1", estimated_tokens=99), "tenant-a", T0)
+    other_tenant = a.admit(request("adm-1"), "tenant-b", T0)
+
+    assert (other.outcome, other.reason) == ("rejected", AdmissionReason.CONFLICT)
+    assert other_tenant.reason is AdmissionReason.CONFLICT
+
+
+def test_an_expired_descriptor_denies_with_its_own_reason(ledger: SqliteLedger) -> None:
+    a = admitter(ledger)
+
+    decision = a.admit(request("adm-late"), "tenant-a", DESCRIPTOR.expires_at + 1)
+
+    assert (decision.outcome, decision.reason) == ("rejected", AdmissionReason.DESCRIPTOR_EXPIRED)
+    assert used(ledger) == {}
+    record = a.explain("adm-late")
+    assert record is not None and record["eligibility"]["eligible"] == []
+
+
+def test_a_stale_epoch_denies_once_a_newer_descriptor_is_active(ledger: SqliteLedger) -> None:
+    a = admitter(ledger)
+    newer = DESCRIPTOR.model_copy(update={"descriptor_epoch": 4})
+    assert a.publish_descriptor(newer, T0) is None
+    assert a.publish_descriptor(DESCRIPTOR, T0) is not None  # an older epoch cannot come back
+
+    decision = a.admit(request("adm-2"), "tenant-a", T0)
+    assert decision.grant is not None and decision.grant.descriptor_epoch == 4
+
+
+def test_a_requirement_the_descriptor_does_not_allow_is_never_admitted(
+    ledger: SqliteLedger,
+) -> None:
+    a = admitter(ledger)
+    secret: TaskRequirements = REQUIREMENTS.model_copy(
+        update={"input_classifications": ["restricted"]}
+    )
+
+    decision = a.admit(AdmissionRequest(admission_id="adm-x", requirements=secret), "t", T0)
+
+    assert (decision.outcome, decision.reason) == ("rejected", AdmissionReason.NO_ELIGIBLE_POOL)
+    assert "classification_allowed" in decision.detail
+
+
+def test_capacity_is_never_granted_twice(ledger: SqliteLedger) -> None:
+    a = admitter(ledger)  # 4 sandboxes: the tightest counter for this request
+    decisions = [a.admit(request(f"adm-{i}"), "tenant-a", T0) for i in range(6)]
+
+    outcomes = [d.outcome for d in decisions]
+    assert outcomes == ["admitted"] * 4 + ["deferred"] * 2
+    assert decisions[-1].reason is AdmissionReason.CAPACITY
+    assert decisions[-1].retry_after_ms is not None
+    assert used(ledger)[("rag-eu", "sandboxes")] == 4
+
+
+def test_a_tenant_over_budget_is_deferred_with_that_reason(ledger: SqliteLedger) -> None:
+    a = admitter(ledger)
+    a.set_tenant_budget("tenant-a", 20_000)
+
+    assert a.admit(request("adm-1"), "tenant-a", T0).outcome == "admitted"
+    second = a.admit(request("adm-2"), "tenant-a", T0)
+
+    assert (second.outcome, second.reason) == ("deferred", AdmissionReason.TENANT_BUDGET)
+    assert a.admit(request("adm-3"), "tenant-b", T0).outcome == "admitted"  # not b's budget
+
+
+def test_failure_after_only_some_external_grants_compensates_everything(
+    ledger: SqliteLedger,
+) -> None:
+    gpu, quota = Grantor("a-gpu"), Grantor("b-quota", capacity=0)  # b refuses every request
+    a = admitter(ledger, quota, gpu)
+
+    decision = a.admit(request("adm-1"), "tenant-a", T0)
+
+    assert (decision.outcome, decision.reason) == (
+        "deferred",
+        AdmissionReason.EXTERNAL_GRANT_FAILED,
+    )
+    assert gpu.requests == ["adm-1"] and quota.requests == ["adm-1"]  # fixed order: a, then b
+    assert gpu.held == {}  # compensated
+    assert used(ledger) == {}  # counters conserved
+    assert ledger.get("adm-1").state == "RELEASED"  # type: ignore[union-attr]
+
+
+def test_external_grants_are_part_of_the_grant(ledger: SqliteLedger) -> None:
+    gpu = Grantor("gpu")
+    decision = admitter(ledger, gpu).admit(request("adm-1"), "tenant-a", T0)
+
+    assert decision.grant is not None
+    assert decision.grant.grant_ids[-1] == "gpu:adm-1"
+
+
+def test_release_settles_and_a_stale_holder_cannot_release_after_expiry(
+    ledger: SqliteLedger,
+) -> None:
+    a = admitter(ledger)
+    first = a.admit(request("adm-1"), "tenant-a", T0)
+    assert first.grant is not None
+    old_fence = first.grant.fence
+
+    expired = a.expire(T0 + POLICY.grant_ttl_s + 1)
+    assert [r.admission_id for r in expired] == ["adm-1"]
+    assert expired[0].fence > old_fence
+
+    late = a.release("adm-1", old_fence, T0 + 100)
+    assert (late.released, late.reason) == (False, AdmissionReason.STALE_FENCE)
+    assert used(ledger) == {}  # given back once, by the expiry
+
+    second = a.admit(request("adm-2"), "tenant-a", T0 + 100)
+    assert second.grant is not None
+    done = a.release("adm-2", second.grant.fence, T0 + 101)
+    assert done.released and used(ledger) == {}
+
+
+def test_after_a_restart_the_same_request_gets_its_grant_back_from_the_ledger(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    with SqliteLedger(path) as store:
+        first = admitter(store).admit(request("adm-1"), "tenant-a", T0)
+
+    with SqliteLedger(path) as reopened:
+        again = admitter(reopened).admit(request("adm-1"), "tenant-a", T0 + 1)
+        assert again.grant == first.grant
+        assert used(reopened)[("rag-eu", "model_slots")] == 1
