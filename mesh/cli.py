@@ -83,6 +83,8 @@ def cmd_manager(args: argparse.Namespace) -> int:
             journal_path=Path(args.journal),
             manager_id=args.manager_id,
             pool=PoolSettings(scaling=policies),
+            ledger_url=args.ledger,
+            operator_user=args.operator_user,
         )
         scaler = _build_scaler(args)
         stop = asyncio.Event()
@@ -264,6 +266,33 @@ async def _follow_log(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- mesh descriptor ------------------------------------------------------------------------
+
+
+def cmd_descriptor(args: argparse.Namespace) -> int:
+    from mesh.errors import MessageRejected
+    from mesh.wire import CapabilityDescriptor, decode_as
+
+    try:
+        descriptor = decode_as(Path(args.file).read_bytes(), CapabilityDescriptor)
+    except OSError as exc:
+        print(f"mesh: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 1
+    except MessageRejected as exc:
+        print(f"mesh: {args.file} is not a valid descriptor: {exc}", file=sys.stderr)
+        return 1
+
+    async def publish(client: Any) -> int:
+        reply = await client.publish_descriptor(descriptor)
+        if isinstance(reply, Refusal):
+            print(f"refused: {reply.reason} ({reply.detail})", file=sys.stderr)
+            return 1
+        print(f"{reply.pool_id}: descriptor epoch {reply.descriptor_epoch} is active")
+        return 0
+
+    return _run(_with_client(args, publish))
+
+
 # ---- mesh schemas ---------------------------------------------------------------------------
 
 
@@ -332,6 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("manager", help="run the pool manager")
     p.add_argument("--journal", default=journal_default, help="SQLite orchestration log path")
     p.add_argument("--manager-id", default=_env("MESH_MANAGER_ID", "manager"))
+    p.add_argument(
+        "--ledger",
+        default=_env("MESH_LEDGER_URL", "sqlite:.mesh/ledger.sqlite3"),
+        help="reservation ledger: sqlite:<path> or a postgresql:// DSN (env MESH_LEDGER_URL)",
+    )
+    p.add_argument(
+        "--operator-user",
+        default=_env("MESH_OPERATOR_USER", "mesh-operator"),
+        help="the broker user whose descriptors are accepted (env MESH_OPERATOR_USER)",
+    )
     p.add_argument(
         "--scaler",
         choices=("none", "local", "kubernetes"),
@@ -411,6 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("agent_id")
     p.add_argument("--reason", default="operator request")
     p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("descriptor", help="operators: publish a pool's capability descriptor")
+    p.add_argument("action", choices=("publish",))
+    p.add_argument("file", help="a JSON file holding one mesh.capability-descriptor.v1")
+    p.set_defaults(func=cmd_descriptor)
 
     p = sub.add_parser("schemas", help="export or check the JSON Schemas of the wire contract")
     p.add_argument("action", choices=("export", "check"))

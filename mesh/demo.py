@@ -230,6 +230,7 @@ async def _start_mesh(
             "manager",
             "manager",
             "--journal", str(s.work_dir / "orchestration.sqlite3"),
+            "--ledger", f"sqlite:{s.work_dir / 'ledger.sqlite3'}",
             "--scaler", "local",
             "--scaling", str(scaling),
             "--agent-log-dir", str(procs.log_dir),

@@ -31,6 +31,9 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 from mesh.core.events import (
     AcquireRequested,
@@ -62,15 +65,25 @@ from mesh.errors import (
     PublishUnroutable,
     TransportError,
 )
+from mesh.ledger.store import LedgerStore
+from mesh.manager.admission import Admitter, ExternalGrantor
 from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
 from mesh.manager.journal import Journal, SqliteJournal
-from mesh.manager.settings import ManagerSettings
+from mesh.manager.settings import ManagerSettings, open_ledger
 from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
 from mesh.topology.specs import Topology
 from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Delivery
 from mesh.transport.ports import ManagerTransport, Subscription
+from mesh.wire.admission import (
+    AdmissionDecision,
+    AdmissionReason,
+    AdmissionRelease,
+    AdmissionRequest,
+    CapabilityDescriptor,
+    DescriptorAccepted,
+)
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.models import (
     AcquireRequest,
@@ -89,9 +102,19 @@ from mesh.wire.models import (
 from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _ANNOUNCE_TYPES = (AgentRegistration, Deregistration, DrainRequest)
-_RPC_TYPES = (FindRequest, AcquireRequest, ReleaseRequest, DrainRequest, StatusRequest)
+_RPC_TYPES = (
+    FindRequest,
+    AcquireRequest,
+    ReleaseRequest,
+    DrainRequest,
+    StatusRequest,
+    AdmissionRequest,
+    AdmissionRelease,
+    CapabilityDescriptor,
+)
 
 
 class ManagerService:
@@ -106,6 +129,8 @@ class ManagerService:
         clock: Clock | None = None,
         on_log: Callable[[OrchestrationEvent], None] | None = None,
         scaler: Scaler | None = None,
+        ledger: LedgerStore | None = None,
+        grantors: Sequence[ExternalGrantor] = (),
     ) -> None:
         self.settings = settings
         self.topology = Topology(namespace=settings.namespace)
@@ -117,6 +142,12 @@ class ManagerService:
         self._journal = journal
         self._on_log = on_log
         self.scaler = scaler
+        self._ledger = ledger
+        self._owns_ledger = ledger is None
+        self._grantors = grantors
+        self.admitter: Admitter | None = None
+        # One worker thread: admissions are serialised, in arrival order, off the event loop.
+        self._ledger_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._consumers: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -138,6 +169,9 @@ class ManagerService:
             )
         if self._journal is None:
             self._journal = SqliteJournal(s.journal_path)
+        if self._ledger is None:
+            self._ledger = await self._in_ledger_thread(open_ledger, s.ledger_url)
+        self.admitter = Admitter(self._ledger, s.admission, self._grantors)
         await self.transport.declare(self.topology.manager())
         await self._execute(
             [
@@ -176,6 +210,9 @@ class ManagerService:
             await self._transport.close()
         if self._journal is not None:
             self._journal.close()
+        if self._owns_ledger and self._ledger is not None:
+            await self._in_ledger_thread(self._ledger.close)
+        self._ledger_thread.shutdown(wait=False)
         log.info("manager stopped", extra={"manager_id": self.settings.manager_id})
 
     async def run_until_stopped(self, stop: asyncio.Event) -> None:
@@ -201,6 +238,7 @@ class ManagerService:
             await asyncio.sleep(self.settings.tick_interval_s)
             try:
                 await self._feed(Tick())
+                await self._expire_admissions()
             except TransportError as exc:
                 log.warning("tick commands not delivered", extra={"error": str(exc)})
             except Exception:  # the ticker must outlive any bug in one tick
@@ -233,6 +271,9 @@ class ManagerService:
         self.counters[f"received.{message.type}"] += 1
         if isinstance(message, StatusRequest):
             await self._reply(delivery, self.status())
+            return
+        if isinstance(message, AdmissionRequest | AdmissionRelease | CapabilityDescriptor):
+            await self._reply(delivery, await self._admission(message, delivery))
             return
         event: Event
         if isinstance(message, FindRequest):
@@ -351,6 +392,98 @@ class ManagerService:
             )
         except TransportError:
             self.counters["events_unpublished"] += 1
+
+    # ---- admission --------------------------------------------------------------------------
+    async def _in_ledger_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._ledger_thread, partial(fn, *args))
+
+    async def _admission(
+        self, message: AdmissionRequest | AdmissionRelease | CapabilityDescriptor, request: Delivery
+    ) -> Message:
+        admitter = self.admitter
+        if admitter is None:
+            raise LocalProtocolError("the manager is not started")
+        now = self.clock.now().wall
+        if isinstance(message, CapabilityDescriptor):
+            return await self._publish_descriptor(admitter, message, request, now)
+        if isinstance(message, AdmissionRelease):
+            return await self._in_ledger_thread(
+                admitter.release, message.admission_id, message.fence, now
+            )
+        tenant = request.user_id  # validated by RabbitMQ against the connection's user
+        if not tenant:
+            self.counters["admission_unauthenticated"] += 1
+            return AdmissionDecision(
+                admission_id=message.admission_id,
+                outcome="rejected",
+                reason=AdmissionReason.INVALID_REQUEST,
+                detail="no authenticated producer: publish with user_id set to your broker user",
+            )
+        decision = await self._in_ledger_thread(admitter.admit, message, tenant, now)
+        self.counters[f"admission.{decision.outcome}"] += 1
+        entry = LogEntry(
+            at=now,
+            kind="admission",
+            reason=decision.reason.value if decision.reason else decision.outcome,
+            detail={
+                "admission_id": decision.admission_id,
+                "outcome": decision.outcome,
+                "tenant": tenant,
+                "pool_id": decision.grant.pool_id if decision.grant else None,
+                "fence": decision.grant.fence if decision.grant else None,
+            },
+        )
+        await self._execute([AppendLog(entry)])
+        return decision
+
+    async def _publish_descriptor(
+        self, admitter: Admitter, descriptor: CapabilityDescriptor, request: Delivery, now: float
+    ) -> Message:
+        if request.user_id != self.settings.operator_user:
+            self.counters["descriptor_not_authorized"] += 1
+            log.warning(
+                "descriptor from a non-operator refused",
+                extra={"pool_id": descriptor.pool_id, "user_id": request.user_id},
+            )
+            return Refusal(
+                reason=Reason.NOT_AUTHORIZED,
+                detail=f"descriptors are accepted only from {self.settings.operator_user!r}",
+            )
+        problem = await self._in_ledger_thread(admitter.publish_descriptor, descriptor, now)
+        if problem is not None:
+            return Refusal(reason=Reason.SCHEMA_VIOLATION, detail=problem)
+        self.counters["descriptors_published"] += 1
+        entry = LogEntry(
+            at=now,
+            kind="descriptor",
+            reason=f"{descriptor.pool_id} epoch {descriptor.descriptor_epoch}",
+            detail={"pool_id": descriptor.pool_id, "epoch": descriptor.descriptor_epoch},
+        )
+        await self._execute([AppendLog(entry)])
+        return DescriptorAccepted(
+            pool_id=descriptor.pool_id, descriptor_epoch=descriptor.descriptor_epoch
+        )
+
+    async def _expire_admissions(self) -> None:
+        if self.admitter is None:
+            return
+        expired = await self._in_ledger_thread(self.admitter.expire, self.clock.now().wall)
+        if expired:
+            self.counters["admissions_expired"] += len(expired)
+            await self._execute(
+                [
+                    AppendLog(
+                        LogEntry(
+                            at=self.clock.now().wall,
+                            kind="admission_expired",
+                            reason=f"fence {r.fence}",
+                            detail={"admission_id": r.admission_id, "pool_id": r.pool_id},
+                        )
+                    )
+                    for r in expired
+                ]
+            )
 
     # ---- scaling ----------------------------------------------------------------------------
     async def _observe_deployments(self) -> None:

@@ -12,6 +12,8 @@ from mesh import constants as c
 from mesh.core.pool import PoolSettings
 from mesh.core.scaling import ScalingPolicy
 from mesh.errors import LocalProtocolError
+from mesh.ledger.store import LedgerStore
+from mesh.manager.admission import AdmissionPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,12 @@ class ManagerSettings:
     publish_timeout_s: float = c.DEFAULT_PUBLISH_TIMEOUT_S
     prefetch: int = 64
     pool: PoolSettings = field(default_factory=PoolSettings)
+    # The reservation ledger: "sqlite:<path>" (embedded default) or a postgresql:// DSN
+    # when several managers share one ledger.
+    ledger_url: str = "sqlite:.mesh/ledger.sqlite3"
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    # Descriptors are accepted only from this broker user (RabbitMQ validates user_id).
+    operator_user: str = "mesh-operator"
 
 
 _POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)
@@ -46,3 +54,19 @@ def load_scaling_policies(path: Path) -> tuple[ScalingPolicy, ...]:
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise LocalProtocolError(f"bad scaling file {path}: {exc}") from None
     return tuple(policies)
+
+
+def open_ledger(url: str) -> LedgerStore:
+    """``sqlite:<path>`` or ``postgresql://…`` → a ledger store (blocking: call in a thread)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        from mesh.ledger.postgres import PostgresLedger
+
+        return PostgresLedger(url)
+    if url.startswith("sqlite:"):
+        from mesh.ledger.sqlite import SqliteLedger
+
+        path = Path(url.removeprefix("sqlite:"))
+        if str(path) != ":memory:":
+            path.parent.mkdir(parents=True, exist_ok=True)
+        return SqliteLedger(path)
+    raise LocalProtocolError(f"unknown ledger URL {url!r}: use sqlite:<path> or postgresql://…")

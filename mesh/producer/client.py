@@ -21,6 +21,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from mesh import constants as c
 from mesh.errors import (
@@ -37,6 +38,16 @@ from mesh.topology import names
 from mesh.topology.specs import Topology
 from mesh.transport.amqp import AmqpTransport, Delivery
 from mesh.transport.ports import ClientTransport, Subscription
+from mesh.wire.admission import (
+    AdmissionDecision,
+    AdmissionGrant,
+    AdmissionRelease,
+    AdmissionReleaseReply,
+    AdmissionRequest,
+    CapabilityDescriptor,
+    DescriptorAccepted,
+    TaskRequirements,
+)
 from mesh.wire.codec import decode
 from mesh.wire.models import (
     AcquireRequest,
@@ -68,6 +79,9 @@ _METHODS: dict[type[Message], str] = {
     ReleaseRequest: "release",
     DrainRequest: "drain",
     StatusRequest: "status",
+    AdmissionRequest: "admit",
+    AdmissionRelease: "admission-release",
+    CapabilityDescriptor: "descriptor",
 }
 
 
@@ -92,6 +106,7 @@ class MeshClient:
         self._consumer: Subscription | None = None
         self._owns_transport = False
         self._background: set[asyncio.Task[None]] = set()
+        self.user_id: str | None = None  # the broker user: our tenant, as RabbitMQ validates it
 
     @classmethod
     async def connect(
@@ -111,6 +126,7 @@ class MeshClient:
         await transport.declare_reply_queue(queue)
         client = cls(transport, topology, queue)
         client._owns_transport = owns
+        client.user_id = urlsplit(url).username if owns else None
         client._consumer = await transport.consume(queue, client._on_reply, no_ack=True)
         return client
 
@@ -172,6 +188,7 @@ class MeshClient:
                 reply_to=self.reply_queue,
                 correlation_id=correlation_id,
                 timeout_s=timeout_s,
+                user_id=self.user_id,
             )
             return await asyncio.wait_for(fut, timeout_s)
         except PublishUnroutable:
@@ -225,6 +242,36 @@ class MeshClient:
 
     async def status(self, *, timeout_s: float = 10.0) -> StatusReply:
         return _expect(await self.request(StatusRequest(), timeout_s=timeout_s), StatusReply)
+
+    # ---- admission --------------------------------------------------------------------------
+    async def admit(
+        self,
+        requirements: TaskRequirements,
+        *,
+        admission_id: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> AdmissionDecision:
+        """Ask the manager to admit a task: ``admitted`` with a grant, or ``rejected`` /
+        ``deferred`` with a reason code (and ``retry_after_ms`` when retrying can help).
+        Retrying with the same ``admission_id`` and requirements is safe: same decision."""
+        request = AdmissionRequest(
+            admission_id=admission_id or uuid.uuid4().hex, requirements=requirements
+        )
+        return _expect(await self.request(request, timeout_s=timeout_s), AdmissionDecision)
+
+    async def release_admission(self, grant: AdmissionGrant) -> AdmissionReleaseReply:
+        """Settle a phase: give the grant's reservations back (fenced: a stale grant cannot)."""
+        reply = await self.request(
+            AdmissionRelease(admission_id=grant.admission_id, fence=grant.fence)
+        )
+        return _expect(reply, AdmissionReleaseReply)
+
+    async def publish_descriptor(
+        self, descriptor: CapabilityDescriptor
+    ) -> DescriptorAccepted | Refusal:
+        """Operators only: make a pool's descriptor active (the manager checks who sent it)."""
+        reply = await self.request(descriptor)
+        return reply if isinstance(reply, Refusal) else _expect(reply, DescriptorAccepted)
 
     # ---- the producer helper --------------------------------------------------------------
     async def run_task(

@@ -11,7 +11,7 @@ Run your agent, the real manager and a client in one event loop::
 
     broker = InMemoryBroker()
     manager = ManagerService(
-        ManagerSettings(namespace="test"),
+        ManagerSettings(namespace="test", ledger_url="sqlite::memory:"),
         transport=InMemoryTransport(broker, "manager"),
         journal=SqliteJournal(":memory:"),
         clock=FakeClock(),

@@ -68,7 +68,8 @@ Differences from RabbitMQ
 * The connection never drops on its own: ``on_disconnect`` and ``on_reconnect`` callbacks
   fire only through :meth:`InMemoryBroker.disconnect` and :meth:`InMemoryBroker.reconnect`.
 * Closing a transport from one of its own handlers does not cancel that handler's task.
-* ``user_id`` is always ``None``: there are no users, vhosts or permissions.
+* ``user_id`` is passed through as published: there are no users to validate it against
+  (RabbitMQ refuses a ``user_id`` that is not the connection's user).
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ class _Message:
     redelivered: bool = False
     expires_at: float | None = None
     returns: int = 0  # times handed back to its queue (for x-delivery-limit)
+    user_id: str | None = None  # as the publisher claimed it (no users to validate against)
 
     def copy(self) -> _Message:
         return _Message(
@@ -204,6 +206,7 @@ class _Message:
             self.reply_to,
             self.correlation_id,
             self.message_id,
+            user_id=self.user_id,
         )
 
     def snapshot(self) -> QueuedMessage:
@@ -637,7 +640,7 @@ class InMemoryBroker:
             reply_to=message.reply_to,
             correlation_id=message.correlation_id,
             message_id=message.message_id,
-            user_id=None,
+            user_id=message.user_id,
             redelivered=message.redelivered,
             _raw=settlement,
         )
@@ -911,6 +914,7 @@ class InMemoryTransport:
         persistent: bool = False,
         mandatory: bool = True,
         timeout_s: float | None = None,
+        user_id: str | None = None,
     ) -> None:
         """Publish; the outcome is known at once (see the module doc for the errors)."""
         broker = self._open()
@@ -924,6 +928,7 @@ class InMemoryTransport:
                 reply_to,
                 correlation_id,
                 uuid.uuid4().hex,
+                user_id=user_id,
             ),
             mandatory=mandatory,
         )
@@ -1018,7 +1023,7 @@ class InMemoryTransport:
             reply_to=message.reply_to,
             correlation_id=message.correlation_id,
             message_id=message.message_id,
-            user_id=None,
+            user_id=message.user_id,
             redelivered=message.redelivered,
             _raw=_NO_ACK,
         )

@@ -322,8 +322,12 @@ class AmqpTransport:
         persistent: bool = False,
         mandatory: bool = True,
         timeout_s: float | None = None,
+        user_id: str | None = None,
     ) -> None:
-        """Publish and wait for the broker's confirm. See the module doc for the outcomes."""
+        """Publish and wait for the broker's confirm. See the module doc for the outcomes.
+
+        ``user_id``, when set, must be this connection's user: RabbitMQ validates it, which is
+        what lets the manager trust it as the authenticated publisher (the tenant)."""
         body = message if isinstance(message, bytes) else encode(message)
         msg = aio_pika.Message(
             body,
@@ -332,6 +336,7 @@ class AmqpTransport:
             message_id=uuid.uuid4().hex,
             reply_to=reply_to,
             correlation_id=correlation_id,
+            user_id=user_id,
             headers=dict(headers) if headers else None,
             delivery_mode=DeliveryMode.PERSISTENT if persistent else DeliveryMode.NOT_PERSISTENT,
         )

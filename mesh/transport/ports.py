@@ -44,6 +44,7 @@ class Transport(Protocol):
         persistent: bool = False,
         mandatory: bool = True,
         timeout_s: float | None = None,
+        user_id: str | None = None,
     ) -> None: ...
 
     async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None: ...

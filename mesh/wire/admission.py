@@ -380,6 +380,15 @@ class AdmissionReleaseReply(Message):
         return self
 
 
+class DescriptorAccepted(Message):
+    """Manager -> operator: the descriptor is its pool's active one now."""
+
+    TYPE = "mesh.descriptor-accepted.v1"
+    type: Literal["mesh.descriptor-accepted.v1"] = "mesh.descriptor-accepted.v1"
+    pool_id: PoolId
+    descriptor_epoch: int = Field(ge=1)
+
+
 ADMISSION_MESSAGE_TYPES: tuple[type[Message], ...] = (
     CapabilityDescriptor,
     TaskRequirements,
@@ -387,4 +396,5 @@ ADMISSION_MESSAGE_TYPES: tuple[type[Message], ...] = (
     AdmissionDecision,
     AdmissionRelease,
     AdmissionReleaseReply,
+    DescriptorAccepted,
 )

@@ -18,6 +18,7 @@ class Reason(StrEnum):
     AGENT_AT_CAPACITY = "AGENT_AT_CAPACITY"
     CAPABILITY_NOT_OFFERED = "CAPABILITY_NOT_OFFERED"
     UNKNOWN_LEASE = "UNKNOWN_LEASE"
+    NOT_AUTHORIZED = "NOT_AUTHORIZED"  # the authenticated publisher may not do this
     # Registration.
     HEARTBEAT_INTERVAL_TOO_SHORT = "HEARTBEAT_INTERVAL_TOO_SHORT"
     # Bad messages (dead-letter reasons).

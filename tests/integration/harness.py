@@ -32,6 +32,7 @@ def manager_settings(namespace: str, journal: Path, **overrides: Any) -> Manager
     base: dict[str, Any] = {
         "namespace": namespace,
         "journal_path": journal,
+        "ledger_url": f"sqlite:{journal.parent / 'ledger.sqlite3'}",
         "manager_id": f"test-{namespace}",
         "tick_interval_s": 0.2,
         "pool": FAST_POOL,

@@ -24,6 +24,7 @@ from mesh.wire import (
     CapabilityRange,
     CapabilityStatus,
     Deregistration,
+    DescriptorAccepted,
     DrainAccepted,
     DrainComplete,
     DrainNotice,
@@ -264,6 +265,7 @@ _samples: list[Message] = [
         reason=AdmissionReason.STALE_FENCE,
         detail="fence 41 is not the current fence 44",
     ),
+    DescriptorAccepted(pool_id="rag-eu", descriptor_epoch=3),
 ]
 
 SAMPLES: dict[type[Message], Message] = {type(m): m for m in _samples}

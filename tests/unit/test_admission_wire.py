@@ -73,6 +73,7 @@ def test_every_admission_message_is_a_registered_wire_message() -> None:
         "mesh.capability-descriptor.v1",
         "mesh.task-requirements.v1",
         "mesh.admission-request.v1",
+        "mesh.descriptor-accepted.v1",
         "mesh.admission-decision.v1",
         "mesh.admission-release.v1",
         "mesh.admission-release-reply.v1",

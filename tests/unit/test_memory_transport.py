@@ -643,7 +643,7 @@ async def test_an_agent_the_manager_and_a_client_run_a_task_and_drain_without_a_
     broker = InMemoryBroker()
     namespace = "demo"
     manager = ManagerService(
-        ManagerSettings(namespace=namespace, tick_interval_s=0.05),
+        ManagerSettings(namespace=namespace, tick_interval_s=0.05, ledger_url="sqlite::memory:"),
         transport=InMemoryTransport(broker, "manager"),
         journal=SqliteJournal(":memory:"),
         clock=FakeClock(),
@@ -687,7 +687,7 @@ async def test_the_manager_and_an_agent_carry_on_after_their_connections_drop_an
     manager_transport = InMemoryTransport(broker, "manager")
     agent_transport = InMemoryTransport(broker, "calc-1")
     manager = ManagerService(
-        ManagerSettings(namespace="ns", tick_interval_s=0.05),
+        ManagerSettings(namespace="ns", tick_interval_s=0.05, ledger_url="sqlite::memory:"),
         transport=manager_transport,
         journal=SqliteJournal(":memory:"),
         clock=FakeClock(),
