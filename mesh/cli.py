@@ -266,6 +266,51 @@ async def _follow_log(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- mesh explain ---------------------------------------------------------------------------
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    async def explain(client: Any) -> int:
+        reply = await client.explain(args.admission_id)
+        if args.json:
+            print(reply.model_dump_json(indent=2))
+        else:
+            print(render_explain(reply))
+        return 0 if reply.found else 1
+
+    return _run(_with_client(args, explain))
+
+
+def render_explain(reply: Any) -> str:
+    if not reply.found:
+        return f"no admission {reply.admission_id!r} is known to this manager or its ledger"
+    lines = [f"admission {reply.admission_id}"]
+    decision = reply.decision
+    if decision is not None:
+        why = decision.reason.value if decision.reason else ""
+        lines.append(f"  decision     {decision.outcome} {why} {decision.detail}".rstrip())
+        if decision.grant is not None:
+            g = decision.grant
+            lines.append(
+                f"  grant        pool {g.pool_id} · epoch {g.descriptor_epoch} · "
+                f"generation {g.policy_generation} · fence {g.fence}"
+            )
+    record = reply.eligibility
+    if record is not None:
+        lines.append(f"  generation   {record.get('active_generation')} (active when decided)")
+        for pool in record.get("pools", []):
+            rule = pool.get("rule") or "eligible"
+            detail = f" — {pool['detail']}" if pool.get("detail") else ""
+            lines.append(
+                f"  pool {pool.get('pool_id'):<14} epoch {pool.get('descriptor_epoch')}"
+                f"/{pool.get('active_epoch')}  {rule}{detail}"
+            )
+    if reply.reservation is not None:
+        r = reply.reservation
+        lines.append(f"  reservation  {r['state']} · fence {r['fence']} · pool {r['pool_id']}")
+    return "\n".join(lines)
+
+
 # ---- mesh descriptor ------------------------------------------------------------------------
 
 
@@ -450,6 +495,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("agent_id")
     p.add_argument("--reason", default="operator request")
     p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("explain", help="why an admission was decided as it was")
+    p.add_argument("admission_id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("descriptor", help="operators: publish a pool's capability descriptor")
     p.add_argument("action", choices=("publish",))

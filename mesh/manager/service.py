@@ -83,6 +83,8 @@ from mesh.wire.admission import (
     AdmissionRequest,
     CapabilityDescriptor,
     DescriptorAccepted,
+    ExplainReply,
+    ExplainRequest,
 )
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.models import (
@@ -114,6 +116,7 @@ _RPC_TYPES = (
     AdmissionRequest,
     AdmissionRelease,
     CapabilityDescriptor,
+    ExplainRequest,
 )
 
 
@@ -272,7 +275,9 @@ class ManagerService:
         if isinstance(message, StatusRequest):
             await self._reply(delivery, self.status())
             return
-        if isinstance(message, AdmissionRequest | AdmissionRelease | CapabilityDescriptor):
+        if isinstance(
+            message, AdmissionRequest | AdmissionRelease | CapabilityDescriptor | ExplainRequest
+        ):
             await self._reply(delivery, await self._admission(message, delivery))
             return
         event: Event
@@ -399,12 +404,16 @@ class ManagerService:
         return await loop.run_in_executor(self._ledger_thread, partial(fn, *args))
 
     async def _admission(
-        self, message: AdmissionRequest | AdmissionRelease | CapabilityDescriptor, request: Delivery
+        self,
+        message: AdmissionRequest | AdmissionRelease | CapabilityDescriptor | ExplainRequest,
+        request: Delivery,
     ) -> Message:
         admitter = self.admitter
         if admitter is None:
             raise LocalProtocolError("the manager is not started")
         now = self.clock.now().wall
+        if isinstance(message, ExplainRequest):
+            return await self._in_ledger_thread(_explain, admitter, message.admission_id)
         if isinstance(message, CapabilityDescriptor):
             return await self._publish_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
@@ -594,4 +603,30 @@ def _to_wire(entry: LogEntry) -> OrchestrationEvent:
         capability=entry.capability,
         reason=entry.reason,
         detail=dict(entry.detail),
+    )
+
+
+def _explain(admitter: Admitter, admission_id: str) -> ExplainReply:
+    record = admitter.explain(admission_id)
+    reservation = admitter.ledger.get(admission_id)
+    held = (
+        None
+        if reservation is None
+        else {
+            "state": reservation.state,
+            "fence": reservation.fence,
+            "pool_id": reservation.pool_id,
+            "expires_at": reservation.expires_at,
+            "created_at": reservation.created_at,
+            "items": [list(item) for item in reservation.items],
+        }
+    )
+    if record is None:
+        return ExplainReply(admission_id=admission_id, found=held is not None, reservation=held)
+    return ExplainReply(
+        admission_id=admission_id,
+        found=True,
+        decision=AdmissionDecision.model_validate(record["decision"]),
+        eligibility=record["eligibility"],
+        reservation=held,
     )

@@ -46,6 +46,8 @@ from mesh.wire.admission import (
     AdmissionRequest,
     CapabilityDescriptor,
     DescriptorAccepted,
+    ExplainReply,
+    ExplainRequest,
     TaskRequirements,
 )
 from mesh.wire.codec import decode
@@ -82,6 +84,7 @@ _METHODS: dict[type[Message], str] = {
     AdmissionRequest: "admit",
     AdmissionRelease: "admission-release",
     CapabilityDescriptor: "descriptor",
+    ExplainRequest: "explain",
 }
 
 
@@ -272,6 +275,10 @@ class MeshClient:
         """Operators only: make a pool's descriptor active (the manager checks who sent it)."""
         reply = await self.request(descriptor)
         return reply if isinstance(reply, Refusal) else _expect(reply, DescriptorAccepted)
+
+    async def explain(self, admission_id: str) -> ExplainReply:
+        """Why an admission was decided as it was (``mesh explain``)."""
+        return _expect(await self.request(ExplainRequest(admission_id=admission_id)), ExplainReply)
 
     # ---- the producer helper --------------------------------------------------------------
     async def run_task(

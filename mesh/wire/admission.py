@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 from enum import StrEnum
-from typing import Annotated, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 import orjson
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -389,6 +389,27 @@ class DescriptorAccepted(Message):
     descriptor_epoch: int = Field(ge=1)
 
 
+class ExplainRequest(Message):
+    """Client -> manager: why was this admission decided the way it was?"""
+
+    TYPE = "mesh.explain-request.v1"
+    type: Literal["mesh.explain-request.v1"] = "mesh.explain-request.v1"
+    admission_id: Identifier
+
+
+class ExplainReply(Message):
+    """Manager -> client: the decision, the eligibility record behind it (every pool, the rule
+    that filtered it, the epochs and generation seen), and the reservation's state now."""
+
+    TYPE = "mesh.explain-reply.v1"
+    type: Literal["mesh.explain-reply.v1"] = "mesh.explain-reply.v1"
+    admission_id: Identifier
+    found: bool
+    decision: AdmissionDecision | None = None
+    eligibility: dict[str, Any] | None = None
+    reservation: dict[str, Any] | None = None
+
+
 ADMISSION_MESSAGE_TYPES: tuple[type[Message], ...] = (
     CapabilityDescriptor,
     TaskRequirements,
@@ -397,4 +418,6 @@ ADMISSION_MESSAGE_TYPES: tuple[type[Message], ...] = (
     AdmissionRelease,
     AdmissionReleaseReply,
     DescriptorAccepted,
+    ExplainRequest,
+    ExplainReply,
 )

@@ -169,3 +169,25 @@ async def test_a_restarted_manager_recovers_every_active_reservation_and_never_d
             await second.stop()
     finally:
         await client.close()
+
+
+async def test_explain_shows_the_decision_the_rules_and_the_reservation(
+    admission_manager: ManagerService, producer: MeshClient
+) -> None:
+    from mesh.cli import render_explain
+
+    await producer.publish_descriptor(fresh())
+    await producer.publish_descriptor(fresh(pool_id="rag-us", regions=["us-east-1"]))
+    decision = await producer.admit(REQUIREMENTS, admission_id="adm-why")
+
+    reply = await producer.explain("adm-why")
+
+    assert reply.found and reply.decision == decision
+    assert reply.eligibility is not None
+    rules = {p["pool_id"]: p["rule"] for p in reply.eligibility["pools"]}
+    assert rules == {"rag-eu": None, "rag-us": "region_allowed"}
+    assert reply.reservation is not None and reply.reservation["state"] == "ACTIVE"
+    text = render_explain(reply)
+    assert "rag-us" in text and "region_allowed" in text and "fence" in text
+    unknown = await producer.explain("never-seen")
+    assert not unknown.found

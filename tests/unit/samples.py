@@ -30,6 +30,8 @@ from mesh.wire import (
     DrainNotice,
     DrainRequest,
     ErrorInfo,
+    ExplainReply,
+    ExplainRequest,
     FindReply,
     FindRequest,
     HealthEvidence,
@@ -266,6 +268,14 @@ _samples: list[Message] = [
         detail="fence 41 is not the current fence 44",
     ),
     DescriptorAccepted(pool_id="rag-eu", descriptor_epoch=3),
+    ExplainRequest(admission_id="adm-1"),
+    ExplainReply(
+        admission_id="adm-1",
+        found=True,
+        decision=AdmissionDecision(admission_id="adm-1", outcome="admitted", grant=GRANT),
+        eligibility={"eligible": ["rag-eu"], "verdicts": []},
+        reservation={"state": "ACTIVE", "fence": 41},
+    ),
 ]
 
 SAMPLES: dict[type[Message], Message] = {type(m): m for m in _samples}

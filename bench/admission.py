@@ -1,0 +1,601 @@
+"""Benchmark of admission control, end to end over RabbitMQ and in-core, each with a same-run baseline.
+
+Run: ``.venv/bin/python bench/admission.py`` (``--quick`` for a smoke run under a minute). It
+prints both tables, then the targets with PASS/FAIL, and exits 1 if a target fails, so it
+doubles as a check. Without a reachable broker part A and the ratio that needs it are skipped
+with one sentence; without a reachable PostgreSQL its row of part B is (neither is a failure).
+``--profile`` adds one profiled admission round after part A and prints where the time went,
+split into the event loop (manager and client) and the manager's ledger thread.
+
+A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to the
+   manager's ``rpc`` queue; the manager decodes it, runs ``Admitter.admit`` on its single
+   ledger thread (eligibility, ``ledger.prepare``, ``ledger.activate`` against SQLite),
+   journals the decision, publishes it on the events feed and replies with publisher
+   confirms. The question is what all of that costs on top of the request/reply round trip
+   itself, so the baseline is a raw aio-pika request/reply *echo* on the same broker, shaped
+   like the manager's: the server consumes a queue bound to a topic exchange (prefetch as
+   the manager's) on one channel and publishes the same body back to ``reply_to`` with the
+   ``correlation_id`` on a second channel with publisher confirms, then acks; the client
+   publishes with confirms and ``user_id`` and consumes an exclusive reply queue, each side
+   on its own connection. Its payload is the encoded ``AdmissionRequest`` (same size as
+   ours). Both sides keep C requests in flight for N requests; a round's throughput is N over
+   the wall time from the first send to the last reply, and every request's latency (send to
+   reply, as the caller sees it) feeds the round's p50/p99. Rounds alternate ABBA, the medians
+   of the rounds are compared. The manager runs in-process (unique ``bench-<uuid8>``
+   namespace, SQLite ledger and journal in a temp dir, the broker user as operator) with a
+   descriptor whose capacities and tenant budget are too large to run out and grants that
+   outlive the run, so every decision must be ``admitted`` (checked) and no expiry sweep
+   does work during the rounds. Process CPU per request is printed too: when wall-clock
+   rates jump between rounds while CPU per request stays put, the noise is a neighbour.
+
+B) In-core decisions. ``Admitter.admit`` called directly, no broker, with each store:
+   ``SqliteLedger`` (a temp file, WAL) and ``PostgresLedger`` (a fresh schema, dropped
+   afterwards), N fresh admission IDs each, same descriptor and requirements as A. The
+   SQLite rate is compared with A's end-to-end rate: the ledger is the linearisation point
+   and runs on one thread, so if it could not sustain ten times what the broker path
+   delivers it, rather than the broker, would bound admissions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import itertools
+import logging
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aio_pika
+import psycopg
+
+from mesh import constants as c
+from mesh.errors import BrokerUnavailable, StoreError
+from mesh.ledger.postgres import PostgresLedger
+from mesh.ledger.sqlite import SqliteLedger
+from mesh.ledger.store import LedgerStore
+from mesh.manager.admission import AdmissionPolicy, Admitter
+from mesh.manager.service import ManagerService
+from mesh.manager.settings import ManagerSettings
+from mesh.producer import MeshClient
+from mesh.topology.specs import Topology
+from mesh.transport.amqp import AmqpTransport, redact
+from mesh.wire import (
+    AdmissionRequest,
+    CapabilityDescriptor,
+    CapabilityRange,
+    DescriptorAccepted,
+    HealthEvidence,
+    ModelLimits,
+    PoolTool,
+    Sandbox,
+    TaskRequirements,
+    TenantIsolation,
+    ToolRequirement,
+)
+from mesh.wire.codec import encode
+
+DEFAULT_PG_DSN = "postgresql://postgres@127.0.0.1:5432/mesh_test"
+
+TARGET_THROUGHPUT_RATIO = 0.7  # ours / echo, at least
+TARGET_P99_RATIO = 1.5  # ours / echo, at most
+TARGET_STORE_HEADROOM = 10.0  # SQLite in-core decisions/s over end-to-end admissions/s, at least
+
+HUGE = 10**12  # no counter of the benchmark may run out
+GRANT_TTL_S = 3_600.0  # grants outlive the run: the expiry sweep finds nothing to do
+PREFETCH = ManagerSettings().prefetch
+
+
+# ---- what is admitted -----------------------------------------------------------------------
+
+
+def descriptor(now: float) -> CapabilityDescriptor:
+    """The integration tests' sample pool (tests/unit/samples.py), with capacities to spare."""
+    return CapabilityDescriptor(
+        pool_id="rag-eu",
+        descriptor_epoch=3,
+        runtime_digest="sha256:" + "ab" * 32,
+        capabilities=[
+            CapabilityRange(name="rag.search", version_spec=">=2.0,<3"),
+            CapabilityRange(name="rag.answer", version_spec="==1.*"),
+        ],
+        task_schema_range=">=1,<2",
+        result_schema_range=">=1,<3",
+        tools=[
+            PoolTool(name="web-search", version="2.1.0", permits=HUGE),
+            PoolTool(name="code.exec", version="1.0.0", permits=HUGE),
+        ],
+        data_classifications=["public", "internal", "confidential"],
+        tenant_isolation=TenantIsolation(mode="shared", tenants=[]),
+        regions=["eu-west-1", "eu-central-1"],
+        model_limits=ModelLimits(context_tokens=128_000, max_output_tokens=8_192, slots=HUGE),
+        sandbox=Sandbox(kind="gvisor", count=HUGE),
+        policy_generation=7,
+        health=HealthEvidence(status="healthy", checked_at=now),
+        issued_at=now - 60,
+        expires_at=now + 3_600,
+        issued_by="operator-alice",
+    )
+
+
+def requirements(now: float) -> TaskRequirements:
+    """The sample task: rag.search, two web-search permits, a sandbox, 12k tokens."""
+    return TaskRequirements(
+        capability=CapabilityRange(name="rag.search", version_spec=">=2.1"),
+        task_schema_version="1.4.0",
+        result_schema_version="2.0.0",
+        input_classifications=["internal"],
+        required_tools=[ToolRequirement(name="web-search", version_spec=">=2", permits=2)],
+        estimated_tokens=12_000,
+        needs_sandbox=True,
+        estimated_duration_s=30.0,
+        deadline=now + 3_600,
+        regions=["eu-west-1"],
+        priority=5,
+        service_class="interactive",
+        allowed_degradations=["less_retrieval", "partial_results"],
+        allowed_fallbacks=["rag-eu-2"],
+    )
+
+
+POLICY = AdmissionPolicy(
+    grant_ttl_s=GRANT_TTL_S, active_generation=7, default_tenant_tokens=HUGE * 1_000
+)
+
+
+# ---- timing ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One round of N requests: wall and process CPU seconds, and each request's latency."""
+
+    seconds: float
+    cpu_seconds: float
+    latencies_ms: list[float]
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies_ms) / self.seconds
+
+    @property
+    def cpu_us(self) -> float:
+        return self.cpu_seconds / len(self.latencies_ms) * 1e6
+
+    def percentile(self, q: int) -> float:
+        return statistics.quantiles(self.latencies_ms, n=100, method="inclusive")[q - 1]
+
+
+async def closed_loop(
+    call: Callable[[int], Awaitable[None]], count: int, concurrency: int
+) -> Round:
+    """``count`` calls, ``concurrency`` of them in flight at all times, each one timed."""
+    numbers = iter(range(count))
+    latencies: list[float] = []
+
+    async def worker() -> None:
+        for n in numbers:  # one shared iterator: each number is taken once
+            start = time.perf_counter()
+            await call(n)
+            latencies.append((time.perf_counter() - start) * 1e3)
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Round(time.perf_counter() - wall, time.process_time() - cpu, latencies)
+
+
+# ---- the baseline: a raw aio-pika request/reply echo -----------------------------------------
+
+
+class Echo:
+    """Server and client of a bare request/reply echo, each on its own connection."""
+
+    def __init__(self, url: str, namespace: str, user_id: str | None) -> None:
+        self.url = url
+        self.exchange_name = f"{namespace}.echo"
+        self.queue_name = f"{namespace}.echo.rpc"
+        self.user_id = user_id
+        self._server: aio_pika.abc.AbstractRobustConnection | None = None
+        self._client: aio_pika.abc.AbstractRobustConnection | None = None
+        self._pending: dict[str, asyncio.Future[bytes]] = {}
+        self._exchange: aio_pika.abc.AbstractExchange | None = None
+        self._reply_queue = ""
+
+    async def start(self) -> None:
+        self._server = await aio_pika.connect_robust(
+            self.url, client_properties={"connection_name": "bench-admission-echo-server"}
+        )
+        replies = await self._server.channel(publisher_confirms=True, on_return_raises=True)
+        exchange = await replies.declare_exchange(
+            self.exchange_name, aio_pika.ExchangeType.TOPIC, durable=False
+        )
+        requests = await self._server.channel()
+        await requests.set_qos(prefetch_count=PREFETCH)
+        queue = await requests.declare_queue(self.queue_name, durable=False)
+        await queue.bind(exchange, "rpc.*")
+        default = replies.default_exchange
+
+        async def echo(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            reply = aio_pika.Message(
+                message.body,
+                content_type=c.CONTENT_TYPE,
+                correlation_id=message.correlation_id,
+                message_id=uuid.uuid4().hex,
+            )
+            await default.publish(reply, str(message.reply_to), mandatory=True, timeout=10)
+            await message.ack()
+
+        await queue.consume(echo)
+
+        self._client = await aio_pika.connect_robust(
+            self.url, client_properties={"connection_name": "bench-admission-echo-client"}
+        )
+        publish = await self._client.channel(publisher_confirms=True, on_return_raises=True)
+        self._exchange = await publish.get_exchange(self.exchange_name, ensure=False)
+        consume = await self._client.channel()
+        reply_queue = await consume.declare_queue(exclusive=True, auto_delete=True)
+        self._reply_queue = reply_queue.name
+        await reply_queue.consume(self._on_reply, no_ack=True)
+
+    async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        fut = self._pending.pop(message.correlation_id or "", None)
+        if fut is not None and not fut.done():
+            fut.set_result(message.body)
+
+    async def call(self, body: bytes) -> bytes:
+        assert self._exchange is not None
+        correlation_id = uuid.uuid4().hex
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._pending[correlation_id] = fut
+        message = aio_pika.Message(
+            body,
+            content_type=c.CONTENT_TYPE,
+            message_id=uuid.uuid4().hex,
+            reply_to=self._reply_queue,
+            correlation_id=correlation_id,
+            user_id=self.user_id,
+        )
+        try:
+            await self._exchange.publish(message, "rpc.echo", mandatory=True, timeout=10)
+            return await asyncio.wait_for(fut, 10)
+        finally:
+            self._pending.pop(correlation_id, None)
+
+    async def close(self) -> None:
+        for connection in (self._client, self._server):
+            if connection is not None:
+                await connection.close()
+
+
+# ---- part A -----------------------------------------------------------------------------------
+
+
+@dataclass
+class EndToEnd:
+    """The manager, its producer and the echo, all in one ``bench-<uuid8>`` namespace."""
+
+    url: str
+    workdir: Path
+    namespace: str = ""
+    service: ManagerService | None = None
+    client: MeshClient | None = None
+    echo: Echo | None = None
+
+    def __post_init__(self) -> None:
+        self.namespace = f"bench-{uuid.uuid4().hex[:8]}"
+        self.requirements = requirements(time.time())
+        self.payload = encode(
+            AdmissionRequest(admission_id=uuid.uuid4().hex, requirements=self.requirements)
+        )
+        self.refused: list[str] = []
+        self._round = itertools.count(1)
+
+    async def start(self) -> None:
+        settings = ManagerSettings(
+            amqp_url=self.url,
+            namespace=self.namespace,
+            journal_path=self.workdir / "journal.sqlite3",
+            ledger_url=f"sqlite:{self.workdir / 'ledger.sqlite3'}",
+            manager_id=f"bench-{self.namespace}",
+            admission=POLICY,
+            operator_user=urlsplit(self.url).username or "guest",  # our producer is the operator
+        )
+        self.service = ManagerService(settings)
+        await self.service.start()
+        self.client = await MeshClient.connect(
+            self.url, namespace=self.namespace, name="bench-admission-producer"
+        )
+        accepted = await self.client.publish_descriptor(descriptor(time.time()))
+        if not isinstance(accepted, DescriptorAccepted):
+            raise RuntimeError(f"the manager refused the descriptor: {accepted}")
+        self.echo = Echo(self.url, self.namespace, self.client.user_id)
+        await self.echo.start()
+
+    async def ours(self, count: int, concurrency: int) -> Round:
+        client, prefix = self.client, f"{self.namespace}-{next(self._round)}-"
+        assert client is not None
+
+        async def admit(n: int) -> None:
+            decision = await client.admit(self.requirements, admission_id=f"{prefix}{n}")
+            if decision.outcome != "admitted":
+                self.refused.append(f"{decision.outcome} {decision.reason}: {decision.detail}")
+
+        result = await closed_loop(admit, count, concurrency)
+        if self.refused:
+            raise RuntimeError(f"{len(self.refused)} admissions not admitted: {self.refused[0]}")
+        return result
+
+    async def baseline(self, count: int, concurrency: int) -> Round:
+        echo, payload = self.echo, self.payload
+        assert echo is not None
+
+        async def call(_: int) -> None:
+            body = await echo.call(payload)
+            assert len(body) == len(payload)
+
+        return await closed_loop(call, count, concurrency)
+
+    async def close(self) -> None:
+        """Stop everything, then delete every queue and exchange of the namespace."""
+        for part in (self.echo, self.client, self.service):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    await (part.stop() if isinstance(part, ManagerService) else part.close())
+        declared = Topology(namespace=self.namespace).manager()
+        queues = [q.name for q in declared.queues] + [f"{self.namespace}.echo.rpc"]
+        exchanges = [x.name for x in declared.exchanges] + [f"{self.namespace}.echo"]
+        connection = await aio_pika.connect(
+            self.url, client_properties={"connection_name": "bench-admission-cleanup"}
+        )
+        async with connection:
+            channel = await connection.channel()
+            for queue in queues:
+                await channel.queue_delete(queue)
+            for exchange in exchanges:
+                await channel.exchange_delete(exchange)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    rate: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us: float
+
+
+def summarise(rounds: list[Round]) -> Summary:
+    return Summary(
+        rate=statistics.median(r.rate for r in rounds),
+        p50_ms=statistics.median(r.percentile(50) for r in rounds),
+        p99_ms=statistics.median(r.percentile(99) for r in rounds),
+        cpu_us=statistics.median(r.cpu_us for r in rounds),
+    )
+
+
+LABELS = {"ours": "MeshClient.admit → manager", "echo": "raw aio-pika echo"}
+
+
+async def run_part_a(
+    url: str, count: int, concurrency: int, rounds: int, profile: bool, workdir: Path
+) -> tuple[Summary, Summary] | None:
+    try:
+        probe = await AmqpTransport.connect(url, name="bench-admission-probe", connect_timeout_s=5)
+    except BrokerUnavailable as exc:
+        print(f"A) skipped: {exc}.")
+        return None
+    await probe.close()
+    bench = EndToEnd(url, workdir)
+    try:
+        await bench.start()
+        print(
+            f"A) admissions end to end over RabbitMQ at {redact(url)}: {count:,} requests per "
+            f"round, {concurrency} in flight, {len(bench.payload):,}-byte requests, "
+            f"namespace {bench.namespace}"
+        )
+        await bench.ours(min(count, 200), concurrency)  # warm-up: imports, caches, the JIT-less
+        await bench.baseline(min(count, 200), concurrency)  # interpreter's first-call costs
+        print()
+        print(
+            f"   {'round':>5}  {'path':<28}{'seconds':>8}  {'req/s':>7}  {'p50 ms':>7}  "
+            f"{'p99 ms':>7}  {'CPU µs/req':>10}"
+        )
+        results: dict[str, list[Round]] = {"ours": [], "echo": []}
+        paths = {"ours": bench.ours, "echo": bench.baseline}
+        for n in range(1, rounds + 1):
+            for path in ("ours", "echo") if n % 2 else ("echo", "ours"):  # ABBA against drift
+                result = await paths[path](count, concurrency)
+                results[path].append(result)
+                print(
+                    f"   {n:>5}  {LABELS[path]:<28}{result.seconds:>8.2f}  {result.rate:>7,.0f}  "
+                    f"{result.percentile(50):>7.2f}  {result.percentile(99):>7.2f}  "
+                    f"{result.cpu_us:>10,.0f}",
+                    flush=True,
+                )
+        ours, echo = summarise(results["ours"]), summarise(results["echo"])
+        print()
+        for name, s in (("ours", ours), ("echo", echo)):
+            print(
+                f"   median {name:<5} {s.rate:>7,.0f} req/s   p50 {s.p50_ms:6.2f} ms   "
+                f"p99 {s.p99_ms:6.2f} ms   {s.cpu_us:,.0f} µs CPU/req"
+            )
+        if profile:
+            await profile_round(bench, count, concurrency)
+    finally:
+        await bench.close()
+    return ours, echo
+
+
+async def profile_round(bench: EndToEnd, count: int, concurrency: int) -> None:
+    """One more round of ours under cProfile: the event loop (manager and client together)
+    and, separately, the manager's ledger thread."""
+    assert bench.service is not None
+    ledger_thread = bench.service._ledger_thread  # the one worker all ledger calls run on
+    loop_profile, ledger_profile = cProfile.Profile(), cProfile.Profile()
+    await asyncio.wrap_future(ledger_thread.submit(ledger_profile.enable))
+    loop_profile.enable()
+    result = await bench.ours(count, concurrency)
+    loop_profile.disable()
+    await asyncio.wrap_future(ledger_thread.submit(ledger_profile.disable))
+    print()
+    print(f"   profiled round: {result.rate:,.0f} req/s under cProfile")
+    for title, prof in (("event loop", loop_profile), ("ledger thread", ledger_profile)):
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        print(f"\n   --- {title}: top 25 by cumulative time ---")
+        stats.sort_stats("cumulative").print_stats(25)
+        print("\n".join("   " + line for line in out.getvalue().splitlines()[6:]))
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        print(f"\n   --- {title}: top 20 by own time ---")
+        stats.sort_stats("tottime").print_stats(20)
+        print("\n".join("   " + line for line in out.getvalue().splitlines()[6:]))
+
+
+# ---- part B -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoreRun:
+    store: str
+    decisions: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.decisions / self.seconds
+
+
+def in_core(store: str, ledger: LedgerStore, count: int, warmup: int) -> StoreRun:
+    """``count`` admissions with fresh IDs straight through an Admitter; all must be admitted."""
+    admitter = Admitter(ledger, POLICY)
+    now = time.time()
+    problem = admitter.publish_descriptor(descriptor(now), now)
+    assert problem is None, problem
+    wanted = requirements(now)
+    requests = [
+        AdmissionRequest(admission_id=f"bench-{n}", requirements=wanted)
+        for n in range(warmup + count)
+    ]
+    for request in requests[:warmup]:
+        assert admitter.admit(request, "guest", now).outcome == "admitted"
+    start = time.perf_counter()
+    outcomes = [admitter.admit(request, "guest", now).outcome for request in requests[warmup:]]
+    seconds = time.perf_counter() - start
+    assert outcomes == ["admitted"] * count, {o: outcomes.count(o) for o in set(outcomes)}
+    return StoreRun(store, count, seconds)
+
+
+def run_part_b(count: int, dsn: str, workdir: Path) -> list[StoreRun]:
+    warmup = min(count // 10, 200)
+    print(
+        f"B) in-core decisions: Admitter.admit called directly (no broker), {count:,} fresh "
+        f"admission IDs per store after {warmup} warm-up ones"
+    )
+    runs = []
+    sqlite = SqliteLedger(workdir / "in-core.sqlite3")
+    try:
+        runs.append(in_core("SQLite (WAL, temp file)", sqlite, count, warmup))
+    finally:
+        sqlite.close()
+    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    try:
+        postgres = PostgresLedger(dsn, schema=schema, connect_timeout_s=5)
+    except StoreError as exc:
+        print(f"   PostgreSQL row skipped: cannot reach {redact(dsn)} ({exc}).")
+        return runs
+    try:
+        runs.append(in_core(f"PostgreSQL (schema {schema})", postgres, count, warmup))
+    finally:
+        postgres.close()
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    return runs
+
+
+def print_part_b(runs: list[StoreRun], end_to_end: float | None) -> None:
+    print()
+    print(
+        f"   {'store':<34}{'decisions':>9}  {'seconds':>7}  {'decisions/s':>11}  "
+        f"{'µs/decision':>11}  {'÷ end-to-end rate':>17}"
+    )
+    for run in runs:
+        ratio = f"{run.rate / end_to_end:>16.1f}x" if end_to_end else f"{'-':>17}"
+        print(
+            f"   {run.store:<34}{run.decisions:>9,}  {run.seconds:>7.2f}  {run.rate:>11,.0f}  "
+            f"{run.seconds / run.decisions * 1e6:>11,.0f}  {ratio}"
+        )
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller budgets (under a minute)")
+    parser.add_argument("--amqp-url", default=os.environ.get("MESH_AMQP_URL", c.DEFAULT_AMQP_URL))
+    parser.add_argument(
+        "--postgres-dsn", default=os.environ.get("MESH_TEST_POSTGRES_DSN", DEFAULT_PG_DSN)
+    )
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument("--profile", action="store_true", help="profile one more round of ours")
+    args = parser.parse_args()
+    logging.getLogger("mesh").setLevel(logging.ERROR)
+    for client in ("aio_pika", "aiormq"):  # their failures surface as exceptions too
+        logging.getLogger(client).setLevel(logging.CRITICAL)
+    count, rounds = (600, 2) if args.quick else (3_000, 3)
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-admission-") as tmp:
+        end_to_end = asyncio.run(
+            run_part_a(
+                args.amqp_url, count, args.concurrency, rounds, args.profile, Path(tmp) / "a"
+            )
+        )
+        print()
+        runs = run_part_b(count, args.postgres_dsn, Path(tmp) / "b")
+        print_part_b(runs, end_to_end[0].rate if end_to_end else None)
+
+    targets: list[tuple[bool, str]] = []
+    if end_to_end is not None:
+        ours, echo = end_to_end
+        throughput, p99 = ours.rate / echo.rate, ours.p99_ms / echo.p99_ms
+        sqlite = runs[0].rate / ours.rate
+        targets = [
+            (
+                throughput >= TARGET_THROUGHPUT_RATIO,
+                f"admissions run at {throughput:.2f}x the echo's throughput "
+                f"(target ≥ {TARGET_THROUGHPUT_RATIO:g}x)",
+            ),
+            (
+                p99 <= TARGET_P99_RATIO,
+                f"admission p99 is {p99:.2f}x the echo's ({ours.p99_ms:.1f} vs "
+                f"{echo.p99_ms:.1f} ms; target ≤ {TARGET_P99_RATIO:g}x)",
+            ),
+            (
+                sqlite >= TARGET_STORE_HEADROOM,
+                f"the SQLite ledger decides {sqlite:.1f}x the end-to-end admission rate "
+                f"(target ≥ {TARGET_STORE_HEADROOM:g}x)",
+            ),
+        ]
+    print()
+    print(f"targets ({time.perf_counter() - started:.0f} s in all)")
+    for passed, text in targets:
+        print(f"   {'PASS' if passed else 'FAIL'}  {text}")
+    if end_to_end is None:
+        print("   SKIP  end-to-end targets and the store headroom: no broker")
+    return 0 if all(passed for passed, _ in targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
