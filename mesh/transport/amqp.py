@@ -46,6 +46,7 @@ from mesh.errors import (
     TransportError,
 )
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec
+from mesh.transport.dead_letters import dead_letter_headers
 from mesh.wire.codec import encode
 from mesh.wire.models import Message
 
@@ -419,14 +420,14 @@ class AmqpTransport:
 
         The caller acks the original afterwards. Routing key: the source queue's name.
         """
-        headers = {
-            **{k: v for k, v in delivery.headers.items() if isinstance(k, str)},
-            c.H_REASON: reason,
-            c.H_DETAIL: detail[:1000],
-            c.H_SOURCE_QUEUE: source_queue,
-            "x-mesh-original-routing-key": delivery.routing_key,
-            "x-mesh-original-exchange": delivery.exchange,
-        }
+        headers = dead_letter_headers(
+            delivery.headers,
+            routing_key=delivery.routing_key,
+            exchange=delivery.exchange,
+            reason=reason,
+            detail=detail,
+            source_queue=source_queue,
+        )
         await self.publish(
             dead_letter_exchange,
             source_queue,
