@@ -28,6 +28,8 @@ RK_LOG: Final = "log"  # log.<agent_id>.<kind>
 RK_CAPABILITY: Final = "capability"  # capability.<capability name>.<agent_id>
 RK_WARNING: Final = "warning"  # warning.<kind>
 RK_RPC: Final = "rpc"  # rpc.<method>
+RK_GRANT: Final = "grant"  # grant.<pool_id>.<admission_id>: grant revocations (events exchange)
+EVENT_GRANT_REVOKED: Final = "grant_revoked"  # the OrchestrationEvent kind published on it
 
 # Headers.
 H_REASON: Final = "x-mesh-reason"  # reason code on a dead-lettered message

@@ -26,6 +26,13 @@ is gone); if the broker's answer stays unknown the task is requeued, so a result
 may arrive twice but is never silently lost. A cancelled handler (the channel
 closed) acks nothing, and the broker redelivers the task.
 
+Tasks carrying an admission ``grant`` are revalidated at claim (before the handler runs)
+and at the consumption point (before the result is published): a foreign, expired or revoked
+grant answers ``GRANT_INVALID``, is logged, counted (``grants_refused``) and the task acked.
+The control queue is also bound to ``grant.<deployment>.#`` on the events exchange, where the
+manager announces revoked grants (``grant_revoked`` orchestration events); see
+:mod:`mesh.agent.grants` for the rules. Tasks without a grant are not affected.
+
 Control messages (each acked; garbage dead-lettered):
 
 * ``RegistrationAccepted`` / ``RegistrationRefused`` answer the pending registration;
@@ -62,6 +69,7 @@ from typing import Any, Literal
 from mesh import constants as c
 from mesh.agent.base import Agent
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
+from mesh.agent.grants import GRANT_REVOKED, RevokedGrants, check_grant, parse_revocation
 from mesh.agent.http import AgentHttpServer, default_drain_deadline_s
 from mesh.agent.processing import process_task
 from mesh.errors import (
@@ -72,7 +80,7 @@ from mesh.errors import (
     PublishUnroutable,
     TransportError,
 )
-from mesh.topology import Topology, names
+from mesh.topology import BindingSpec, Declarations, Topology, names
 from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery
 from mesh.transport.ports import Subscription
 from mesh.transport.ports import Transport as AgentTransport
@@ -86,6 +94,7 @@ from mesh.wire.models import (
     ErrorInfo,
     Heartbeat,
     Message,
+    OrchestrationEvent,
     Refusal,
     RegistrationAccepted,
     RegistrationRefused,
@@ -108,6 +117,7 @@ _CONTROL_TYPES: tuple[type[Message], ...] = (
     DrainComplete,
     DrainAccepted,
     Refusal,
+    OrchestrationEvent,  # grant revocations from the events exchange
 )
 _CONTROL_PREFETCH = 16
 _SETTLE_POLL_S = 0.2
@@ -196,6 +206,7 @@ class AgentRuntime:
         self._fatal: MeshError | None = None
         self._starting: asyncio.Task[Any] | None = None
         self._http: AgentHttpServer | None = None
+        self._revoked = RevokedGrants()
 
     # ---- public state ---------------------------------------------------------------------
     @property
@@ -256,7 +267,7 @@ class AgentRuntime:
             await self._start_http()
             transport = await self._connect()
             bound = 2 * self.agent.total_concurrency
-            await transport.declare(self.topology.agent(self.agent_id, bound))
+            await transport.declare(self.topology.agent(self.agent_id, bound) + self._grant_feed())
             self._control_consumer = await transport.consume(
                 self._control_queue, self._on_control, prefetch=_CONTROL_PREFETCH
             )
@@ -272,6 +283,15 @@ class AgentRuntime:
         if not self._draining:
             self._ready.set()
         log.info("agent ready", extra=self._extra(capabilities=sorted(self._capabilities)))
+
+    def _grant_feed(self) -> Declarations:
+        """Our control queue hears every grant revocation of our pool."""
+        binding = BindingSpec(
+            self._control_queue,
+            self.topology.events_exchange,
+            names.grant_binding(self.agent.deployment),
+        )
+        return Declarations(bindings=(binding,))
 
     async def _start_http(self) -> None:
         s = self.settings
@@ -451,7 +471,8 @@ class AgentRuntime:
     async def _on_control(self, delivery: Delivery) -> None:
         try:
             message = decode_as(delivery.body, *_CONTROL_TYPES)
-            self._check_addressee(message)
+            if not isinstance(message, OrchestrationEvent):  # events are for the whole pool
+                self._check_addressee(message)
         except MessageRejected as exc:
             self.counters["control_dead_lettered"] += 1
             await self._dead_letter(delivery, self._control_queue, exc)
@@ -479,6 +500,8 @@ class AgentRuntime:
             self._drain_complete.set()
         elif isinstance(message, Refusal):
             self._on_refusal(message)
+        elif isinstance(message, OrchestrationEvent):
+            self._on_event(message)
         else:
             log.info("drain accepted by the manager", extra=self._extra())
 
@@ -487,6 +510,74 @@ class AgentRuntime:
         log.info("drain request refused", extra=self._extra(reason=refusal.reason.value))
         if self._draining and refusal.reason in (Reason.UNKNOWN_AGENT, Reason.AGENT_TERMINATED):
             self._drain_complete.set()
+
+    def _on_event(self, event: OrchestrationEvent) -> None:
+        """A ``grant_revoked`` event for our pool: remember the highest revoked fence."""
+        parsed = parse_revocation(event.detail) if event.kind == GRANT_REVOKED else None
+        if parsed is None or parsed[1] != self.agent.deployment:
+            self.counters["events_ignored"] += 1
+            log.debug("event ignored", extra=self._extra(kind=event.kind))
+            return
+        admission_id, _, fence = parsed
+        self._revoked.revoke(admission_id, fence)
+        self.counters["grants_revoked_seen"] += 1
+        log.info("grant revoked", extra=self._extra(admission_id=admission_id, fence=fence))
+
+    def revoked_fence(self, admission_id: str) -> int | None:
+        """The highest fence of ``admission_id`` this agent has seen revoked, or ``None``."""
+        return self._revoked.fence(admission_id)
+
+    def _grant_problem(self, task: Task) -> str | None:
+        grant = task.grant
+        if grant is None:
+            return None  # the lease path
+        return check_grant(
+            grant,
+            pool_id=self.agent.deployment,
+            now=time.time(),
+            revoked_fence=self._revoked.fence(grant.admission_id),
+        )
+
+    def _grant_refused(
+        self, task: Task, problem: str, where: str, started_at: float, extra: dict[str, Any]
+    ) -> TaskResult:
+        self.counters["grants_refused"] += 1
+        grant = task.grant
+        log.warning(
+            "task refused: grant invalid",
+            extra={
+                **extra,
+                "at": where,
+                "admission_id": grant.admission_id if grant else None,
+                "fence": grant.fence if grant else None,
+                "problem": problem,
+            },
+        )
+        return TaskResult(
+            task_id=task.task_id,
+            agent_id=self.agent_id,
+            capability=task.capability,
+            status="error",
+            error=ErrorInfo(code=Reason.GRANT_INVALID, message=f"{where}: {problem}"),
+            started_at=started_at,
+            finished_at=max(time.time(), started_at),
+        )
+
+    async def _refuse_at_claim(
+        self, delivery: Delivery, task: Task, problem: str, extra: dict[str, Any]
+    ) -> None:
+        result = self._grant_refused(task, problem, "at claim", time.time(), extra)
+        if await self._send_result(delivery, result, extra):
+            await _ack(delivery, extra)
+        else:
+            await _requeue(delivery, extra)
+
+    def _at_consumption(self, task: Task, result: TaskResult, extra: dict[str, Any]) -> TaskResult:
+        """Revalidate the grant before the result goes out: a void grant's output is withheld."""
+        problem = self._grant_problem(task)
+        if problem is None:
+            return result
+        return self._grant_refused(task, problem, "before the result", result.started_at, extra)
 
     # ---- tasks ----------------------------------------------------------------------------
     async def _on_task(self, delivery: Delivery) -> None:
@@ -515,6 +606,10 @@ class AgentRuntime:
             return
         if delivery.redelivered:
             log.info("task redelivered; running it again", extra=extra)
+        problem = self._grant_problem(task)
+        if problem is not None:  # at claim: the task never runs
+            await self._refuse_at_claim(delivery, task, problem, extra)
+            return
         counted = task.capability in self._in_flight
         if counted:
             self._in_flight[task.capability] += 1
@@ -526,6 +621,7 @@ class AgentRuntime:
                     # Cancelled at the end of the shutdown grace: answer and keep the task.
                     await self._give_up_task(delivery, task, "cancelled at the shutdown deadline")
                 raise
+            result = self._at_consumption(task, result, extra)
             self.counters[f"tasks_{result.status}"] += 1
             if result.error is not None:
                 log.info("task failed", extra={**extra, "code": result.error.code.value})

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+from mesh import constants as c
 from mesh.core.events import (
     AcquireRequested,
     Announce,
@@ -417,9 +418,16 @@ class ManagerService:
         if isinstance(message, CapabilityDescriptor):
             return await self._publish_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
-            return await self._in_ledger_thread(
+            reply = await self._in_ledger_thread(
                 admitter.release, message.admission_id, message.fence, now
             )
+            if reply.released:
+                held = await self._in_ledger_thread(admitter.ledger.get, message.admission_id)
+                if held is not None:
+                    await self._publish_revocation(
+                        held.pool_id, message.admission_id, message.fence, "RELEASED", now
+                    )
+            return reply
         tenant = request.user_id  # validated by RabbitMQ against the connection's user
         if not tenant:
             self.counters["admission_unauthenticated"] += 1
@@ -493,6 +501,28 @@ class ManagerService:
                     for r in expired
                 ]
             )
+            for r in expired:  # the new, higher fence: it covers the one the holder has
+                await self._publish_revocation(
+                    r.pool_id, r.admission_id, r.fence, "EXPIRED", self.clock.now().wall
+                )
+
+    async def _publish_revocation(
+        self, pool_id: str, admission_id: str, fence: int, state: str, now: float
+    ) -> None:
+        """Tell the pool's agents that grants of ``admission_id`` up to ``fence`` are void.
+
+        Fire-and-forget on the events exchange (``grant.<pool>.<admission>``): the ledger is the
+        truth, and an agent that misses it still refuses the grant once it expires.
+        """
+        event = OrchestrationEvent(
+            at=now,
+            kind=c.EVENT_GRANT_REVOKED,
+            to_state=state,
+            reason=f"fence {fence}",
+            detail={"admission_id": admission_id, "pool_id": pool_id, "fence": fence},
+        )
+        self.counters["grants_revoked"] += 1
+        await self._publish_event(names.grant_key(pool_id, admission_id), event)
 
     # ---- scaling ----------------------------------------------------------------------------
     async def _observe_deployments(self) -> None:

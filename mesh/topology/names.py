@@ -56,3 +56,21 @@ def capability_key(capability: str, agent_id: str) -> str:
 
 def rpc_key(method: str) -> str:
     return f"{c.RK_RPC}.{method}"
+
+
+def grant_key(pool_id: str, admission_id: str) -> str:
+    """``grant.<pool_id>.<admission_id>``: a grant of that pool was revoked (events exchange).
+
+    Agents bind ``grant.<pool_id>.#`` (``#``, not ``*``: an admission ID may contain dots).
+    An admission ID too long for AMQP's 255-byte routing key becomes ``-`` (the event's body
+    names it anyway).
+    """
+    key = f"{c.RK_GRANT}.{pool_id}.{admission_id}"
+    if len(key.encode()) > 255:
+        return f"{c.RK_GRANT}.{pool_id}.-"
+    return key
+
+
+def grant_binding(pool_id: str) -> str:
+    """The binding key for every grant revocation of one pool."""
+    return f"{c.RK_GRANT}.{pool_id}.#"

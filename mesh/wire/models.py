@@ -214,8 +214,36 @@ class OrchestrationEvent(Message):
     detail: dict[str, Any] = Field(default_factory=dict)
 
 
+class TaskGrant(WireModel):
+    """The admission grant a task runs under: the fields of ``AdmissionGrant``, mirrored here so
+    the task model needs nothing from :mod:`mesh.wire.admission` (which imports this module).
+
+    The agent revalidates it when it claims the task and again before it publishes the result
+    (:mod:`mesh.agent.grants`). Build one from a decision's grant with :meth:`from_grant`.
+    """
+
+    admission_id: Identifier
+    pool_id: AgentId = Field(description="The pool (agent Deployment) the grant is for.")
+    descriptor_epoch: Annotated[int, Field(ge=1)]
+    policy_generation: Annotated[int, Field(ge=1)]
+    fence: Annotated[int, Field(ge=1)]
+    grant_ids: list[Identifier] = Field(
+        default_factory=list, max_length=64, description="Ledger and external grant IDs."
+    )
+    expires_at: Timestamp
+
+    @classmethod
+    def from_grant(cls, grant: BaseModel) -> TaskGrant:
+        """The same grant as an ``AdmissionGrant`` (or any model with these fields) holds it."""
+        return cls.model_validate(grant.model_dump())
+
+
 class Task(Message):
-    """Producer -> agent: run one capability on this payload."""
+    """Producer -> agent: run one capability on this payload.
+
+    A task carries a ``lease_id`` (the lease path) or a ``grant`` (the admission path), or
+    neither; an agent refuses a task whose grant is foreign, expired or revoked.
+    """
 
     TYPE = "mesh.task.v1"
     type: Literal["mesh.task.v1"] = "mesh.task.v1"
@@ -225,6 +253,9 @@ class Task(Message):
     payload: dict[str, Any]
     deadline: Timestamp | None = None
     submitted_at: Timestamp
+    grant: TaskGrant | None = Field(
+        default=None, description="The admission grant it runs under, revalidated by the agent."
+    )
 
 
 class ErrorInfo(WireModel):

@@ -36,6 +36,7 @@ class Reason(StrEnum):
     HANDLER_ERROR = "HANDLER_ERROR"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     AGENT_SHUTDOWN = "AGENT_SHUTDOWN"  # the agent left (drain deadline) before running it
+    GRANT_INVALID = "GRANT_INVALID"  # the task's admission grant is foreign, expired or revoked
     # Transport outcomes surfaced to callers.
     QUEUE_FULL = "QUEUE_FULL"
     UNROUTABLE = "UNROUTABLE"

@@ -23,8 +23,9 @@ from mesh.agent import (
     capability,
     process_task,
 )
+from mesh.agent.grants import RevokedGrants, check_grant, parse_revocation
 from mesh.errors import LocalProtocolError, PublishTimeout, PublishUnroutable
-from mesh.topology import Topology
+from mesh.topology import BindingSpec, Declarations, Topology
 from mesh.transport import Delivery, Handler
 from mesh.wire import (
     AgentRegistration,
@@ -43,6 +44,7 @@ from mesh.wire import (
     decode,
     encode,
 )
+from mesh.wire.models import OrchestrationEvent, TaskGrant
 
 OBJECT_N = {
     "type": "object",
@@ -581,7 +583,10 @@ async def test_start_declares_consumes_registers_and_only_then_is_ready() -> Non
     try:
         assert runtime.ready.is_set()
         [declarations] = transport.declared
-        assert declarations == TOPOLOGY.agent("toy-1", 2 * (3 + 1))
+        grant_feed = BindingSpec("t.agent.toy-1.control", "t.events", "grant.toy.#")
+        assert declarations == TOPOLOGY.agent("toy-1", 2 * (3 + 1)) + Declarations(
+            bindings=(grant_feed,)
+        )
         assert transport.prefetch == {"t.agent.toy-1.control": 16, "t.agent.toy-1.tasks": 4}
         [registration] = transport.of_type(AgentRegistration)
         assert registration.exchange == "t.announce"
@@ -905,3 +910,159 @@ async def test_a_second_reregister_request_while_one_runs_is_ignored() -> None:
     assert registrations == 2
     assert not runtime.ready.is_set()
     await runtime.stop()
+
+
+# ---- grant enforcement (mesh.agent.grants) ------------------------------------------------
+
+GRANT = TaskGrant(
+    admission_id="adm-1",
+    pool_id="toy",
+    descriptor_epoch=3,
+    policy_generation=1,
+    fence=7,
+    grant_ids=["ledger:adm-1"],
+    expires_at=2000.0,
+)
+
+
+def test_a_valid_grant_passes_the_check() -> None:
+    assert check_grant(GRANT, pool_id="toy", now=1000.0, revoked_fence=None) is None
+    # A revocation of an older fence of the same admission leaves a newer grant valid.
+    assert check_grant(GRANT, pool_id="toy", now=1000.0, revoked_fence=6) is None
+
+
+def test_a_grant_for_another_pool_is_foreign() -> None:
+    problem = check_grant(GRANT, pool_id="calc", now=1000.0, revoked_fence=None)
+    assert problem is not None and "'toy'" in problem and "'calc'" in problem
+
+
+@pytest.mark.parametrize("now", [2000.0, 2500.0])
+def test_a_grant_at_or_past_its_expiry_is_expired(now: float) -> None:
+    problem = check_grant(GRANT, pool_id="toy", now=now, revoked_fence=None)
+    assert problem is not None and "expired" in problem
+
+
+@pytest.mark.parametrize("revoked", [7, 8, 100])
+def test_a_grant_whose_fence_was_revoked_or_superseded_is_refused(revoked: int) -> None:
+    problem = check_grant(GRANT, pool_id="toy", now=1000.0, revoked_fence=revoked)
+    assert problem is not None and "revoked" in problem
+
+
+def test_revoked_grants_keep_the_highest_fence_and_stay_bounded() -> None:
+    revoked = RevokedGrants(max_entries=2)
+    revoked.revoke("a", 5)
+    revoked.revoke("a", 3)  # a late, older revocation never lowers the fence
+    assert revoked.fence("a") == 5
+    revoked.revoke("b", 1)
+    revoked.revoke("a", 6)  # touched: now the newest
+    revoked.revoke("c", 2)  # evicts the oldest, "b"
+    assert ("a" in revoked, "b" in revoked, "c" in revoked) == (True, False, True)
+    assert len(revoked) == 2 and revoked.fence("b") is None
+    with pytest.raises(ValueError):
+        RevokedGrants(max_entries=0)
+
+
+@pytest.mark.parametrize(
+    ("detail", "parsed"),
+    [
+        ({"admission_id": "a", "pool_id": "toy", "fence": 3}, ("a", "toy", 3)),
+        ({"admission_id": "a", "pool_id": "toy"}, None),
+        ({"admission_id": "a", "pool_id": "toy", "fence": True}, None),
+        ({"admission_id": "a", "pool_id": "toy", "fence": 0}, None),
+        ({"admission_id": "", "pool_id": "toy", "fence": 3}, None),
+        ({"admission_id": "a", "pool_id": 1, "fence": 3}, None),
+    ],
+)
+def test_revocation_details_are_parsed_strictly(
+    detail: dict[str, Any], parsed: tuple[str, str, int] | None
+) -> None:
+    assert parse_revocation(detail) == parsed
+
+
+def test_a_task_grant_mirrors_the_admission_grant() -> None:
+    from mesh.wire import AdmissionGrant
+
+    admission = AdmissionGrant(**GRANT.model_dump())
+    assert TaskGrant.from_grant(admission) == GRANT
+    assert set(TaskGrant.model_fields) == set(AdmissionGrant.model_fields)
+    task = make_task(grant=GRANT)
+    assert decode(encode(task)) == task
+
+
+def revocation(admission_id: str, fence: int, pool_id: str = "toy") -> OrchestrationEvent:
+    return OrchestrationEvent(
+        at=1.0,
+        kind="grant_revoked",
+        to_state="RELEASED",
+        detail={"admission_id": admission_id, "pool_id": pool_id, "fence": fence},
+    )
+
+
+async def run_granted(
+    transport: FakeTransport, runtime: AgentRuntime, grant: TaskGrant | None, task_id: str
+) -> tuple[TaskResult, Delivery]:
+    delivery = make_delivery(
+        make_task(payload={"n": 4}, task_id=task_id, grant=grant), reply_to="reply.q"
+    )
+    await transport.deliver("t.agent.toy-1.tasks", delivery)
+    [published] = [p for p in transport.of_type(TaskResult) if p.correlation_id == task_id]
+    result = published.decoded
+    assert isinstance(result, TaskResult)
+    return result, delivery
+
+
+async def test_the_runtime_runs_a_valid_grant_and_refuses_a_revoked_or_foreign_one() -> None:
+    import time as _time
+
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    try:
+        live = GRANT.model_copy(update={"expires_at": _time.time() + 60})
+        ok, delivery = await run_granted(transport, runtime, live, "g-ok")
+        assert (ok.status, ok.output, settled(delivery)) == ("ok", {"n": 8}, "ack")
+
+        foreign = live.model_copy(update={"pool_id": "calc"})
+        refused, delivery = await run_granted(transport, runtime, foreign, "g-foreign")
+        assert refused.error is not None and refused.error.code is Reason.GRANT_INVALID
+        assert "at claim" in refused.error.message and settled(delivery) == "ack"
+
+        # Revocations for another pool or of another kind are ignored; ours is remembered.
+        for event in (revocation("adm-1", 7, pool_id="calc"), revocation("adm-1", 7)):
+            await transport.deliver("t.agent.toy-1.control", make_delivery(event))
+        assert runtime.revoked_fence("adm-1") == 7 and transport.dead_letters == []
+        assert runtime.counters["events_ignored"] == 1
+
+        revoked, delivery = await run_granted(transport, runtime, live, "g-revoked")
+        assert revoked.error is not None and revoked.error.code is Reason.GRANT_INVALID
+        assert "revoked" in revoked.error.message and settled(delivery) == "ack"
+        assert runtime.counters["grants_refused"] == 2
+        assert runtime.counters["tasks_ok"] == 1  # the refused tasks never ran
+        plain, _ = await run_granted(transport, runtime, None, "no-grant")
+        assert plain.status == "ok"  # the lease path is untouched
+    finally:
+        await runtime.stop()
+
+
+async def test_a_grant_revoked_while_the_task_runs_withholds_its_output() -> None:
+    import time as _time
+
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    try:
+        live = GRANT.model_copy(update={"expires_at": _time.time() + 60})
+        task = make_task("toy.raw", {"sleep": 0.2}, task_id="g-slow", grant=live)
+        delivery = make_delivery(task, reply_to="reply.q")
+        running = transport.deliver("t.agent.toy-1.tasks", delivery)
+        await asyncio.sleep(0.05)
+        assert runtime.in_flight["toy.raw"] == 1  # claimed and running
+        await transport.deliver("t.agent.toy-1.control", make_delivery(revocation("adm-1", 9)))
+        await running
+        result = transport.of_type(TaskResult)[0].decoded
+        assert isinstance(result, TaskResult) and result.output is None
+        assert result.error is not None and result.error.code is Reason.GRANT_INVALID
+        assert "before the result" in result.error.message
+        assert settled(delivery) == "ack" and runtime.counters["grants_refused"] == 1
+    finally:
+        await runtime.stop()

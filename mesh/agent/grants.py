@@ -1,0 +1,116 @@
+"""Grant enforcement on the agent: a task's admission grant is revalidated where it is used.
+
+Theory of operation
+-------------------
+A :class:`~mesh.wire.models.Task` may carry a ``grant`` (a
+:class:`~mesh.wire.models.TaskGrant`, the admission decision's ``AdmissionGrant``). Tasks
+without one take the lease path and are not affected by anything here.
+
+The agent checks a grant twice: when it **claims** the task (before the handler runs) and again
+at the **consumption point**, right before it publishes the result. :func:`check_grant` is the
+whole check, pure and in this order:
+
+1. *foreign*: ``grant.pool_id`` is not this agent's pool (its ``deployment``);
+2. *expired*: ``now >= grant.expires_at``;
+3. *revoked*: the agent has seen a revocation of this admission at a fence ``>=``
+   ``grant.fence``.
+
+A failed check is a ``TaskResult`` with status ``error`` and
+:attr:`~mesh.wire.reasons.Reason.GRANT_INVALID`; the runtime logs it, counts it in
+``counters["grants_refused"]`` and acks the task (it is never run, or its output is never
+delivered).
+
+Revocations. When the manager releases a grant, or its expiry sweep moves reservations to
+EXPIRED, it publishes an :class:`~mesh.wire.models.OrchestrationEvent` of kind
+``grant_revoked`` on the events exchange, routing key ``grant.<pool_id>.<admission_id>``, with
+``detail = {admission_id, pool_id, fence}``: every grant of that admission with a fence up to
+``fence`` is no longer valid (a release names the released fence; an expiry names the new,
+higher fence the ledger gave the reservation, which covers the old one). RELEASED and EXPIRED
+are final and a new phase is a new admission ID, so nothing valid is ever lost this way.
+
+Each agent binds its control queue to ``grant.<its pool>.#`` and keeps the highest revoked
+fence per admission in :class:`RevokedGrants`, bounded (oldest forgotten first). The feed is
+fire-and-forget and the ledger is the truth: a revocation that is lost or forgotten leaves a
+stale grant usable on this agent at most until its ``expires_at``, which the TTL check still
+enforces. The descriptor epoch and policy generation are not checked here: the agent does not
+know the active ones (the manager checks them at admission).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from mesh import constants as c
+from mesh.wire.models import TaskGrant
+
+GRANT_REVOKED = c.EVENT_GRANT_REVOKED
+"""The ``kind`` of the orchestration event that revokes a grant."""
+
+DEFAULT_MAX_REVOKED = 10_000
+
+
+def check_grant(
+    grant: TaskGrant, *, pool_id: str, now: float, revoked_fence: int | None
+) -> str | None:
+    """``None`` if ``grant`` may be used by an agent of ``pool_id`` at ``now``; else why not.
+
+    ``revoked_fence`` is the highest fence this agent has seen revoked for the grant's
+    admission (``None``: none seen).
+    """
+    if grant.pool_id != pool_id:
+        return (
+            f"grant {grant.admission_id} is for pool {grant.pool_id!r}, "
+            f"not this agent's pool {pool_id!r}"
+        )
+    if now >= grant.expires_at:
+        return (
+            f"grant {grant.admission_id} (fence {grant.fence}) expired "
+            f"{now - grant.expires_at:.3f} s ago"
+        )
+    if revoked_fence is not None and grant.fence <= revoked_fence:
+        return (
+            f"grant {grant.admission_id} (fence {grant.fence}) was revoked "
+            f"(released or expired at fence {revoked_fence})"
+        )
+    return None
+
+
+class RevokedGrants:
+    """admission_id -> the highest revoked fence, for at most ``max_entries`` admissions."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_REVOKED) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self.max_entries = max_entries
+        self._fences: OrderedDict[str, int] = OrderedDict()
+
+    def revoke(self, admission_id: str, fence: int) -> None:
+        """Remember that every grant of ``admission_id`` up to ``fence`` is revoked."""
+        known = self._fences.pop(admission_id, None)
+        self._fences[admission_id] = fence if known is None else max(known, fence)
+        while len(self._fences) > self.max_entries:
+            self._fences.popitem(last=False)
+
+    def fence(self, admission_id: str) -> int | None:
+        """The highest fence revoked for ``admission_id``, or ``None``."""
+        return self._fences.get(admission_id)
+
+    def __len__(self) -> int:
+        return len(self._fences)
+
+    def __contains__(self, admission_id: object) -> bool:
+        return admission_id in self._fences
+
+
+def parse_revocation(detail: dict[str, Any]) -> tuple[str, str, int] | None:
+    """``(admission_id, pool_id, fence)`` from a ``grant_revoked`` event's detail, or ``None``
+    if it does not hold them with the right types."""
+    admission_id = detail.get("admission_id")
+    pool_id = detail.get("pool_id")
+    fence = detail.get("fence")
+    if not isinstance(admission_id, str) or not admission_id or not isinstance(pool_id, str):
+        return None
+    if not isinstance(fence, int) or isinstance(fence, bool) or fence < 1:
+        return None
+    return admission_id, pool_id, fence
