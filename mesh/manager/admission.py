@@ -7,7 +7,9 @@ it in a worker thread); time is a parameter. One admission:
 
 1. **Idempotency.** ``requirement_digest(requirements, tenant)`` keys the request with its
    ``admission_id``. A known ID with another digest is ``CONFLICT`` at once; the same digest
-   gets the same decision again (for an ACTIVE reservation: the same grant).
+   gets the same grant again while its reservation is ACTIVE. A request that reserved nothing
+   (deferred, or rejected) is decided afresh when retried: capacity or descriptors may have
+   changed, and the ledger guarantees nothing is ever taken twice.
 2. **Eligibility** (pure, :mod:`mesh.core.eligibility`) over the latest descriptor of every
    pool, the active epochs and the active policy generation. The record of which rule
    filtered which pool is kept for ``explain``.
@@ -154,10 +156,13 @@ class Admitter:
                 AdmissionReason.CONFLICT,
                 "this admission ID was used with other requirements",
             )
-        if decided is not None:
-            return decided.decision
-        assert reservation is not None  # known_digest came from it
-        return self._replay(reservation)
+        if reservation is not None:
+            if decided is not None and decided.decision.outcome == "admitted":
+                return decided.decision
+            return self._replay(reservation)
+        # Rejected or deferred before: nothing was reserved, so decide again — a producer
+        # told to retry after ``retry_after_ms`` retries with the same admission ID.
+        return None
 
     def _replay(self, reservation: Reservation) -> AdmissionDecision:
         """A decision rebuilt from the ledger alone (after a manager restart)."""

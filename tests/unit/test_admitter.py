@@ -217,3 +217,19 @@ def test_after_a_restart_the_same_request_gets_its_grant_back_from_the_ledger(
         again = admitter(reopened).admit(request("adm-1"), "tenant-a", T0 + 1)
         assert again.grant == first.grant
         assert used(reopened)[("rag-eu", "model_slots")] == 1
+
+
+def test_a_deferred_request_retried_with_the_same_id_is_admitted_once_capacity_frees(
+    ledger: SqliteLedger,
+) -> None:
+    a = admitter(ledger)
+    grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(4)]
+    deferred = a.admit(request("adm-late"), "tenant-a", T0)
+    assert deferred.outcome == "deferred"
+
+    assert grants[0] is not None
+    a.release("adm-0", grants[0].fence, T0 + 1)
+    retried = a.admit(request("adm-late"), "tenant-a", T0 + 2)  # same ID, as told to retry
+
+    assert retried.outcome == "admitted"
+    assert used(ledger)[("rag-eu", "sandboxes")] == 4
