@@ -87,6 +87,10 @@ def _ddl(s: str) -> list[str]:
             BEFORE UPDATE OR DELETE OR TRUNCATE ON "{s}".ledger_log
             FOR EACH STATEMENT EXECUTE FUNCTION "{s}".ledger_log_append_only()""",
         f'CREATE SEQUENCE IF NOT EXISTS "{s}".ledger_fence AS BIGINT',
+        f"""CREATE TABLE IF NOT EXISTS "{s}".ledger_descriptor (
+            pool_id TEXT   PRIMARY KEY,
+            epoch   BIGINT NOT NULL,
+            body    TEXT   NOT NULL)""",
     ]
 
 
@@ -129,6 +133,7 @@ class PostgresLedger(SqlLedger):
                 reservation=f'"{schema}".ledger_reservation',
                 item=f'"{schema}".ledger_item',
                 log=f'"{schema}".ledger_log',
+                descriptor=f'"{schema}".ledger_descriptor',
             )
         )
         self.schema = schema

@@ -70,6 +70,11 @@ CREATE TABLE IF NOT EXISTS ledger_fence (
     last INTEGER NOT NULL
 );
 INSERT OR IGNORE INTO ledger_fence (id, last) VALUES (1, 0);
+CREATE TABLE IF NOT EXISTS ledger_descriptor (
+    pool_id TEXT    PRIMARY KEY,
+    epoch   INTEGER NOT NULL,
+    body    TEXT    NOT NULL
+);
 """
 
 
@@ -92,7 +97,13 @@ class SqliteLedger(SqlLedger):
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
     ) -> None:
         super().__init__(
-            Tables("ledger_capacity", "ledger_reservation", "ledger_item", "ledger_log")
+            Tables(
+                "ledger_capacity",
+                "ledger_reservation",
+                "ledger_item",
+                "ledger_log",
+                "ledger_descriptor",
+            )
         )
         self.path = Path(path)
         if str(path) != ":memory:":

@@ -122,6 +122,15 @@ class LedgerStore(Protocol):
         """``{(pool_id, resource): (used, capacity)}`` for every counter."""
         ...
 
+    def save_descriptor(self, pool_id: str, epoch: int, body: str) -> bool:
+        """Keep a pool's descriptor (JSON) unless a newer epoch is stored; True if kept."""
+        ...
+
+    def descriptors(self) -> list[tuple[str, int, str]]:
+        """``(pool_id, epoch, body)`` of every stored descriptor: what a (re)starting manager,
+        or another manager on the same ledger, loads."""
+        ...
+
     def log(self, after_seq: int = 0) -> list[LogEntry]:
         """The ledger log's entries after ``after_seq``, oldest first."""
         ...
@@ -155,6 +164,7 @@ class Tables:
     reservation: str
     item: str
     log: str
+    descriptor: str
 
 
 class SqlLedger(abc.ABC):
@@ -248,6 +258,24 @@ class SqlLedger(abc.ABC):
     def active(self) -> list[Reservation]:
         sql = f"SELECT {_RES_COLUMNS} FROM {self._t.reservation} WHERE state IN {_HOLDING}"
         return self._read(lambda db: self._with_items(db, db.execute(sql)))
+
+    def save_descriptor(self, pool_id: str, epoch: int, body: str) -> bool:
+        t = self._t.descriptor
+        sql = (
+            f"INSERT INTO {t} (pool_id, epoch, body) VALUES (?, ?, ?)"
+            f" ON CONFLICT (pool_id) DO UPDATE SET epoch = excluded.epoch, body = excluded.body"
+            f" WHERE excluded.epoch >= {t}.epoch"
+        )
+        self._write(lambda db: db.execute(sql, (pool_id, epoch, body)))
+        stored = self._read(
+            lambda db: db.execute(f"SELECT epoch FROM {t} WHERE pool_id = ?", (pool_id,))
+        )
+        return bool(stored) and int(stored[0][0]) == epoch
+
+    def descriptors(self) -> list[tuple[str, int, str]]:
+        sql = f"SELECT pool_id, epoch, body FROM {self._t.descriptor} ORDER BY pool_id"
+        rows = self._read(lambda db: db.execute(sql))
+        return [(str(p), int(e), str(b)) for p, e, b in rows]
 
     def usage(self) -> Usage:
         sql = f"SELECT pool_id, resource, used, capacity FROM {self._t.capacity}"

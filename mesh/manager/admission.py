@@ -106,11 +106,33 @@ class Admitter:
             return f"epoch {descriptor.descriptor_epoch} is older than the active {current}"
         if descriptor.expires_at <= now:
             return "the descriptor has already expired"
-        self.descriptors[descriptor.pool_id] = descriptor
-        self.active_epochs[descriptor.pool_id] = descriptor.descriptor_epoch
+        body = descriptor.model_dump_json()
+        if not self.ledger.save_descriptor(descriptor.pool_id, descriptor.descriptor_epoch, body):
+            self.load_descriptors()  # another manager stored a newer epoch meanwhile
+            return "a newer epoch of this pool's descriptor is already stored"
+        self._activate(descriptor)
         for resource, capacity in capacities(descriptor).items():
             self.ledger.set_capacity(descriptor.pool_id, resource, capacity)
         return None
+
+    def load_descriptors(self) -> int:
+        """Adopt every stored descriptor newer than ours (at start, and on every tick: other
+        managers on the same ledger may have accepted one). Returns how many were adopted."""
+        adopted = 0
+        for pool_id, epoch, body in self.ledger.descriptors():
+            if self.active_epochs.get(pool_id, 0) >= epoch:
+                continue
+            try:
+                self._activate(CapabilityDescriptor.model_validate_json(body))
+            except ValueError:
+                log.error("a stored descriptor no longer validates", extra={"pool_id": pool_id})
+                continue
+            adopted += 1
+        return adopted
+
+    def _activate(self, descriptor: CapabilityDescriptor) -> None:
+        self.descriptors[descriptor.pool_id] = descriptor
+        self.active_epochs[descriptor.pool_id] = descriptor.descriptor_epoch
 
     def set_tenant_budget(self, tenant: str, tokens: int) -> None:
         self.ledger.set_capacity(TENANT_POOL, tenant_tokens_resource(tenant), tokens)

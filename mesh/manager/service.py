@@ -176,6 +176,8 @@ class ManagerService:
         if self._ledger is None:
             self._ledger = await self._in_ledger_thread(open_ledger, s.ledger_url)
         self.admitter = Admitter(self._ledger, s.admission, self._grantors)
+        adopted = await self._in_ledger_thread(self.admitter.load_descriptors)
+        log.info("descriptors loaded from the ledger", extra={"pools": adopted})
         await self.transport.declare(self.topology.manager())
         await self._execute(
             [
@@ -485,6 +487,7 @@ class ManagerService:
     async def _expire_admissions(self) -> None:
         if self.admitter is None:
             return
+        await self._in_ledger_thread(self.admitter.load_descriptors)
         expired = await self._in_ledger_thread(self.admitter.expire, self.clock.now().wall)
         if expired:
             self.counters["admissions_expired"] += len(expired)

@@ -233,3 +233,20 @@ def test_a_deferred_request_retried_with_the_same_id_is_admitted_once_capacity_f
 
     assert retried.outcome == "admitted"
     assert used(ledger)[("rag-eu", "sandboxes")] == 4
+
+
+def test_descriptors_live_in_the_ledger_so_a_restarted_or_second_manager_has_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    with SqliteLedger(path) as store:
+        admitter(store)  # publishes DESCRIPTOR (epoch 3)
+
+    with SqliteLedger(path) as reopened:
+        fresh = Admitter(reopened, POLICY)
+        assert fresh.load_descriptors() == 1
+        assert fresh.active_epochs == {"rag-eu": 3}
+        assert fresh.admit(request("adm-1"), "tenant-a", T0).outcome == "admitted"
+        # An older epoch can never replace the stored one, whoever publishes it.
+        older = DESCRIPTOR.model_copy(update={"descriptor_epoch": 2})
+        assert Admitter(reopened, POLICY).publish_descriptor(older, T0) is not None
