@@ -1,11 +1,11 @@
-"""Benchmark of admission control, end to end over RabbitMQ and in-core, each with a same-run baseline.
+"""Benchmark of admission control: end to end over RabbitMQ, and in-core with each store.
 
 Run: ``.venv/bin/python bench/admission.py`` (``--quick`` for a smoke run under a minute). It
 prints both tables, then the targets with PASS/FAIL, and exits 1 if a target fails, so it
 doubles as a check. Without a reachable broker part A and the ratio that needs it are skipped
 with one sentence; without a reachable PostgreSQL its row of part B is (neither is a failure).
-``--profile`` adds one profiled admission round after part A and prints where the time went,
-split into the event loop (manager and client) and the manager's ledger thread.
+``--profile`` adds one admission round under cProfile after part A and prints the time per
+admission by stage, for the event loop (manager and client) and the manager's ledger thread.
 
 A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to the
    manager's ``rpc`` queue; the manager decodes it, runs ``Admitter.admit`` on its single
@@ -25,7 +25,11 @@ A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to
    namespace, SQLite ledger and journal in a temp dir, the broker user as operator) with a
    descriptor whose capacities and tenant budget are too large to run out and grants that
    outlive the run, so every decision must be ``admitted`` (checked) and no expiry sweep
-   does work during the rounds. Process CPU per request is printed too: when wall-clock
+   does work during the rounds. CPU per request is printed too: the whole process's (client
+   and manager, or echo client and server), the manager's ledger thread's alone, and the
+   local broker's (``beam.smp`` read from /proc; it includes whatever other clients made
+   the broker do meanwhile). On this 2-core machine the broker, both our threads and any
+   neighbour share the cores, so throughput follows total CPU per request: when wall-clock
    rates jump between rounds while CPU per request stays put, the noise is a neighbour.
 
 B) In-core decisions. ``Admitter.admit`` called directly, no broker, with each store:
@@ -42,7 +46,6 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import io
 import itertools
 import logging
 import os
@@ -53,7 +56,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -95,6 +98,7 @@ TARGET_STORE_HEADROOM = 10.0  # SQLite in-core decisions/s over end-to-end admis
 HUGE = 10**12  # no counter of the benchmark may run out
 GRANT_TTL_S = 3_600.0  # grants outlive the run: the expiry sweep finds nothing to do
 PREFETCH = ManagerSettings().prefetch
+POLICY_GENERATION = 7
 
 
 # ---- what is admitted -----------------------------------------------------------------------
@@ -121,7 +125,7 @@ def descriptor(now: float) -> CapabilityDescriptor:
         regions=["eu-west-1", "eu-central-1"],
         model_limits=ModelLimits(context_tokens=128_000, max_output_tokens=8_192, slots=HUGE),
         sandbox=Sandbox(kind="gvisor", count=HUGE),
-        policy_generation=7,
+        policy_generation=POLICY_GENERATION,
         health=HealthEvidence(status="healthy", checked_at=now),
         issued_at=now - 60,
         expires_at=now + 3_600,
@@ -150,7 +154,9 @@ def requirements(now: float) -> TaskRequirements:
 
 
 POLICY = AdmissionPolicy(
-    grant_ttl_s=GRANT_TTL_S, active_generation=7, default_tenant_tokens=HUGE * 1_000
+    grant_ttl_s=GRANT_TTL_S,
+    active_generation=POLICY_GENERATION,  # the descriptor's, so it is eligible
+    default_tenant_tokens=HUGE * 1_000,
 )
 
 
@@ -162,8 +168,20 @@ class Round:
     """One round of N requests: wall and process CPU seconds, and each request's latency."""
 
     seconds: float
-    cpu_seconds: float
+    cpu_seconds: float  # the whole process: client, manager, ledger thread
     latencies_ms: list[float]
+    ledger_cpu_seconds: float = 0.0  # the manager's ledger thread alone
+    broker_cpu_seconds: float | None = None  # RabbitMQ's, when it runs on this machine
+
+    @property
+    def ledger_cpu_us(self) -> float:
+        return self.ledger_cpu_seconds / len(self.latencies_ms) * 1e6
+
+    @property
+    def broker_cpu_us(self) -> float | None:
+        if self.broker_cpu_seconds is None:
+            return None
+        return self.broker_cpu_seconds / len(self.latencies_ms) * 1e6
 
     @property
     def rate(self) -> float:
@@ -175,6 +193,22 @@ class Round:
 
     def percentile(self, q: int) -> float:
         return statistics.quantiles(self.latencies_ms, n=100, method="inclusive")[q - 1]
+
+
+def broker_cpu_seconds() -> float | None:
+    """User+system CPU seconds of the local RabbitMQ (``beam.smp``), or ``None`` if there is
+    none to read (another host, another OS). Both paths pay the broker; it shares the cores."""
+    total, found = 0.0, False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+            if not fields[0].endswith("(beam.smp"):
+                continue
+            utime, stime = fields[1].split()[11:13]
+        except (OSError, IndexError, ValueError):
+            continue
+        total, found = total + (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK"), True
+    return total if found else None
 
 
 async def closed_loop(
@@ -190,9 +224,13 @@ async def closed_loop(
             await call(n)
             latencies.append((time.perf_counter() - start) * 1e3)
 
+    broker = broker_cpu_seconds()
     wall, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return Round(time.perf_counter() - wall, time.process_time() - cpu, latencies)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    broker_after = broker_cpu_seconds()
+    broker_used = None if broker is None or broker_after is None else broker_after - broker
+    return Round(wall, cpu, latencies, broker_cpu_seconds=broker_used)
 
 
 # ---- the baseline: a raw aio-pika request/reply echo -----------------------------------------
@@ -201,10 +239,10 @@ async def closed_loop(
 class Echo:
     """Server and client of a bare request/reply echo, each on its own connection."""
 
-    def __init__(self, url: str, namespace: str, user_id: str | None) -> None:
+    def __init__(self, url: str, exchange: str, queue: str, user_id: str | None) -> None:
         self.url = url
-        self.exchange_name = f"{namespace}.echo"
-        self.queue_name = f"{namespace}.echo.rpc"
+        self.exchange_name = exchange
+        self.queue_name = queue
         self.user_id = user_id
         self._server: aio_pika.abc.AbstractRobustConnection | None = None
         self._client: aio_pika.abc.AbstractRobustConnection | None = None
@@ -281,25 +319,30 @@ class Echo:
 # ---- part A -----------------------------------------------------------------------------------
 
 
-@dataclass
 class EndToEnd:
     """The manager, its producer and the echo, all in one ``bench-<uuid8>`` namespace."""
 
-    url: str
-    workdir: Path
-    namespace: str = ""
-    service: ManagerService | None = None
-    client: MeshClient | None = None
-    echo: Echo | None = None
-
-    def __post_init__(self) -> None:
+    def __init__(self, url: str, workdir: Path) -> None:
+        self.url = url
+        self.workdir = workdir
         self.namespace = f"bench-{uuid.uuid4().hex[:8]}"
         self.requirements = requirements(time.time())
         self.payload = encode(
             AdmissionRequest(admission_id=uuid.uuid4().hex, requirements=self.requirements)
         )
+        self.service: ManagerService | None = None
+        self.client: MeshClient | None = None
+        self.echo: Echo | None = None
         self.refused: list[str] = []
         self._round = itertools.count(1)
+
+    @property
+    def echo_exchange(self) -> str:
+        return f"{self.namespace}.echo"
+
+    @property
+    def echo_queue(self) -> str:
+        return f"{self.namespace}.echo.rpc"
 
     async def start(self) -> None:
         settings = ManagerSettings(
@@ -319,7 +362,7 @@ class EndToEnd:
         accepted = await self.client.publish_descriptor(descriptor(time.time()))
         if not isinstance(accepted, DescriptorAccepted):
             raise RuntimeError(f"the manager refused the descriptor: {accepted}")
-        self.echo = Echo(self.url, self.namespace, self.client.user_id)
+        self.echo = Echo(self.url, self.echo_exchange, self.echo_queue, self.client.user_id)
         await self.echo.start()
 
     async def ours(self, count: int, concurrency: int) -> Round:
@@ -331,10 +374,18 @@ class EndToEnd:
             if decision.outcome != "admitted":
                 self.refused.append(f"{decision.outcome} {decision.reason}: {decision.detail}")
 
+        ledger_cpu = await self.ledger_cpu()
         result = await closed_loop(admit, count, concurrency)
+        result = replace(result, ledger_cpu_seconds=await self.ledger_cpu() - ledger_cpu)
         if self.refused:
             raise RuntimeError(f"{len(self.refused)} admissions not admitted: {self.refused[0]}")
         return result
+
+    async def ledger_cpu(self) -> float:
+        """CPU seconds of the manager's ledger thread so far, read on that thread."""
+        assert self.service is not None
+        ledger_thread = self.service._ledger_thread  # the one worker every ledger call runs on
+        return await asyncio.get_running_loop().run_in_executor(ledger_thread, time.thread_time)
 
     async def baseline(self, count: int, concurrency: int) -> Round:
         echo, payload = self.echo, self.payload
@@ -353,17 +404,20 @@ class EndToEnd:
                 with contextlib.suppress(Exception):
                     await (part.stop() if isinstance(part, ManagerService) else part.close())
         declared = Topology(namespace=self.namespace).manager()
-        queues = [q.name for q in declared.queues] + [f"{self.namespace}.echo.rpc"]
-        exchanges = [x.name for x in declared.exchanges] + [f"{self.namespace}.echo"]
-        connection = await aio_pika.connect(
-            self.url, client_properties={"connection_name": "bench-admission-cleanup"}
-        )
-        async with connection:
-            channel = await connection.channel()
-            for queue in queues:
-                await channel.queue_delete(queue)
-            for exchange in exchanges:
-                await channel.exchange_delete(exchange)
+        queues = [q.name for q in declared.queues] + [self.echo_queue]
+        exchanges = [x.name for x in declared.exchanges] + [self.echo_exchange]
+        try:
+            connection = await aio_pika.connect(
+                self.url, client_properties={"connection_name": "bench-admission-cleanup"}
+            )
+            async with connection:
+                channel = await connection.channel()
+                for queue in queues:
+                    await channel.queue_delete(queue)
+                for exchange in exchanges:
+                    await channel.exchange_delete(exchange)
+        except Exception as exc:  # say what is left behind rather than hide the real error
+            print(f"   could not delete the queues and exchanges of {self.namespace}: {exc}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +426,8 @@ class Summary:
     p50_ms: float
     p99_ms: float
     cpu_us: float
+    ledger_cpu_us: float
+    broker_cpu_us: float | None
 
 
 def summarise(rounds: list[Round]) -> Summary:
@@ -380,7 +436,15 @@ def summarise(rounds: list[Round]) -> Summary:
         p50_ms=statistics.median(r.percentile(50) for r in rounds),
         p99_ms=statistics.median(r.percentile(99) for r in rounds),
         cpu_us=statistics.median(r.cpu_us for r in rounds),
+        ledger_cpu_us=statistics.median(r.ledger_cpu_us for r in rounds),
+        broker_cpu_us=None
+        if any(r.broker_cpu_us is None for r in rounds)
+        else statistics.median(r.broker_cpu_us or 0.0 for r in rounds),
     )
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 LABELS = {"ours": "MeshClient.admit → manager", "echo": "raw aio-pika echo"}
@@ -403,12 +467,12 @@ async def run_part_a(
             f"round, {concurrency} in flight, {len(bench.payload):,}-byte requests, "
             f"namespace {bench.namespace}"
         )
-        await bench.ours(min(count, 200), concurrency)  # warm-up: imports, caches, the JIT-less
-        await bench.baseline(min(count, 200), concurrency)  # interpreter's first-call costs
+        await bench.ours(min(count, 200), concurrency)  # warm-up: first-call costs, caches,
+        await bench.baseline(min(count, 200), concurrency)  # the ledger's first pages
         print()
         print(
             f"   {'round':>5}  {'path':<28}{'seconds':>8}  {'req/s':>7}  {'p50 ms':>7}  "
-            f"{'p99 ms':>7}  {'CPU µs/req':>10}"
+            f"{'p99 ms':>7}  {'CPU µs/req: process':>19}  {'ledger thread':>13}  {'broker':>7}"
         )
         results: dict[str, list[Round]] = {"ours": [], "echo": []}
         paths = {"ours": bench.ours, "echo": bench.baseline}
@@ -419,15 +483,21 @@ async def run_part_a(
                 print(
                     f"   {n:>5}  {LABELS[path]:<28}{result.seconds:>8.2f}  {result.rate:>7,.0f}  "
                     f"{result.percentile(50):>7.2f}  {result.percentile(99):>7.2f}  "
-                    f"{result.cpu_us:>10,.0f}",
+                    f"{result.cpu_us:>19,.0f}  "
+                    f"{_us(result.ledger_cpu_us if path == 'ours' else None):>13}  "
+                    f"{_us(result.broker_cpu_us):>7}",
                     flush=True,
                 )
         ours, echo = summarise(results["ours"]), summarise(results["echo"])
         print()
         for name, s in (("ours", ours), ("echo", echo)):
+            ledger = (
+                f", {s.ledger_cpu_us:,.0f} of it on the ledger thread" if name == "ours" else ""
+            )
+            broker = f"; broker {s.broker_cpu_us:,.0f}" if s.broker_cpu_us is not None else ""
             print(
                 f"   median {name:<5} {s.rate:>7,.0f} req/s   p50 {s.p50_ms:6.2f} ms   "
-                f"p99 {s.p99_ms:6.2f} ms   {s.cpu_us:,.0f} µs CPU/req"
+                f"p99 {s.p99_ms:6.2f} ms   CPU µs/req: process {s.cpu_us:,.0f}{ledger}{broker}"
             )
         if profile:
             await profile_round(bench, count, concurrency)
@@ -436,9 +506,55 @@ async def run_part_a(
     return ours, echo
 
 
+# Where a profiled round's time goes: (label, file, function); indentation shows nesting.
+LOOP_STAGES = (
+    ("manager: one rpc delivery, decode to ack", "mesh/manager/service.py", "_on_rpc"),
+    ("  decode the request (decode_as)", "mesh/wire/codec.py", "decode_as"),
+    ("  hand to the ledger thread and back", "mesh/manager/service.py", "_in_ledger_thread"),
+    ("  journal the decision (SQLite, on the loop)", "mesh/manager/service.py", "_append"),
+    ("  publish it on the events feed", "mesh/manager/service.py", "_publish_event"),
+    ("  reply, confirmed (_reply)", "mesh/manager/service.py", "_reply"),
+    ("  ack the request", "mesh/transport/amqp.py", "ack"),
+    ("client: MeshClient.request", "mesh/producer/client.py", "request"),
+    ("client: match and decode the reply", "mesh/producer/client.py", "_on_reply"),
+    ("aiormq: read and parse frames", "aiormq/connection.py", "__reader"),
+    ("aiormq: write frames", "aiormq/connection.py", "__writer"),
+)
+LEDGER_STAGES = (
+    ("Admitter.admit", "mesh/manager/admission.py", "admit"),
+    ("  eligibility (pure)", "mesh/core/eligibility.py", "check_eligibility"),
+    ("  ledger.get (idempotency, a read transaction)", "mesh/ledger/store.py", "get"),
+    ("  ledger.usage (pool preference, a read transaction)", "mesh/ledger/store.py", "usage"),
+    ("  ledger.prepare (a write transaction)", "mesh/ledger/store.py", "prepare"),
+    ("  ledger.activate (a write transaction)", "mesh/ledger/store.py", "activate"),
+    (
+        "  of which sqlite3 execute (incl. BEGIN/COMMIT)",
+        "~",
+        "<method 'execute' of 'sqlite3.Connection' objects>",
+    ),
+)
+
+
+def stage_times(
+    stats: pstats.Stats, stages: tuple[tuple[str, str, str], ...]
+) -> list[tuple[str, float]]:
+    """Cumulative seconds per stage (own time for C functions); 0 when never called."""
+    table = stats.stats  # type: ignore[attr-defined]
+    out = []
+    for label, where, function in stages:
+        total = sum(
+            (tt if where == "~" else ct)
+            for (filename, _, name), (_, _, tt, ct, _) in table.items()
+            if name == function and (filename == where or filename.endswith(where))
+        )
+        out.append((label, total))
+    return out
+
+
 async def profile_round(bench: EndToEnd, count: int, concurrency: int) -> None:
-    """One more round of ours under cProfile: the event loop (manager and client together)
-    and, separately, the manager's ledger thread."""
+    """One more round of ours under cProfile, the event loop (manager and client together)
+    and the manager's ledger thread profiled separately; printed as time per admission by
+    stage. cProfile inflates every Python call, so read shares, not absolute figures."""
     assert bench.service is not None
     ledger_thread = bench.service._ledger_thread  # the one worker all ledger calls run on
     loop_profile, ledger_profile = cProfile.Profile(), cProfile.Profile()
@@ -448,18 +564,20 @@ async def profile_round(bench: EndToEnd, count: int, concurrency: int) -> None:
     loop_profile.disable()
     await asyncio.wrap_future(ledger_thread.submit(ledger_profile.disable))
     print()
-    print(f"   profiled round: {result.rate:,.0f} req/s under cProfile")
-    for title, prof in (("event loop", loop_profile), ("ledger thread", ledger_profile)):
-        out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        print(f"\n   --- {title}: top 25 by cumulative time ---")
-        stats.sort_stats("cumulative").print_stats(25)
-        print("\n".join("   " + line for line in out.getvalue().splitlines()[6:]))
-        out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        print(f"\n   --- {title}: top 20 by own time ---")
-        stats.sort_stats("tottime").print_stats(20)
-        print("\n".join("   " + line for line in out.getvalue().splitlines()[6:]))
+    print(
+        f"   profiled round of ours: {result.rate:,.0f} req/s under cProfile; time per "
+        "admission by stage (cumulative, profiler overhead included)"
+    )
+    loop_stats, ledger_stats = pstats.Stats(loop_profile), pstats.Stats(ledger_profile)
+    loop_total = stage_times(loop_stats, (("", "asyncio/base_events.py", "_run_once"),))[0][1]
+    print(f"\n   {'event loop thread':<58}{'µs/adm':>8}  {'share':>6}")
+    for label, seconds in stage_times(loop_stats, LOOP_STAGES):
+        print(f"   {label:<58}{seconds / count * 1e6:>8,.0f}  {seconds / loop_total:>6.0%}")
+    print(f"   {'all of the loop (_run_once)':<58}{loop_total / count * 1e6:>8,.0f}  {1:>6.0%}")
+    ledger = stage_times(ledger_stats, LEDGER_STAGES)
+    print(f"\n   {'ledger thread (wall, GIL waits included)':<58}{'µs/adm':>8}  {'share':>6}")
+    for label, seconds in ledger:
+        print(f"   {label:<58}{seconds / count * 1e6:>8,.0f}  {seconds / ledger[0][1]:>6.0%}")
 
 
 # ---- part B -----------------------------------------------------------------------------------
@@ -512,7 +630,8 @@ def run_part_b(count: int, dsn: str, workdir: Path) -> list[StoreRun]:
     try:
         postgres = PostgresLedger(dsn, schema=schema, connect_timeout_s=5)
     except StoreError as exc:
-        print(f"   PostgreSQL row skipped: cannot reach {redact(dsn)} ({exc}).")
+        why = str(exc).splitlines()[0].rstrip(".")
+        print(f"   PostgreSQL row skipped: cannot reach {redact(dsn)} ({why}).")
         return runs
     try:
         runs.append(in_core(f"PostgreSQL (schema {schema})", postgres, count, warmup))
