@@ -141,7 +141,7 @@ class Admitter:
     # ---- admission ------------------------------------------------------------------------
     def admit(self, request: AdmissionRequest, tenant: str, now: float) -> AdmissionDecision:
         digest = requirement_digest(request.requirements, tenant)
-        earlier = self._earlier_decision(request.admission_id, digest)
+        earlier = self._earlier_decision(request.admission_id, digest, now)
         if earlier is not None:
             return earlier
         eligibility = check_eligibility(
@@ -166,7 +166,9 @@ class Admitter:
             "eligibility": decided.eligibility,
         }
 
-    def _earlier_decision(self, admission_id: str, digest: str) -> AdmissionDecision | None:
+    def _earlier_decision(
+        self, admission_id: str, digest: str, now: float
+    ) -> AdmissionDecision | None:
         decided = self.decisions.get(admission_id)
         reservation = self.ledger.get(admission_id)
         known_digest = decided.digest if decided else reservation.digest if reservation else None
@@ -181,15 +183,18 @@ class Admitter:
         if reservation is not None:
             if decided is not None and decided.decision.outcome == "admitted":
                 return decided.decision
-            return self._replay(reservation)
+            return self._replay(reservation, now)
         # Rejected or deferred before: nothing was reserved, so decide again — a producer
         # told to retry after ``retry_after_ms`` retries with the same admission ID.
         return None
 
-    def _replay(self, reservation: Reservation) -> AdmissionDecision:
+    def _replay(self, reservation: Reservation, now: float) -> AdmissionDecision:
         """A decision rebuilt from the ledger alone (after a manager restart)."""
         if reservation.state == "ACTIVE":
             return self._admitted(reservation, [])
+        if reservation.state == "PREPARING" and reservation.expires_at > now:
+            # A manager stopped between prepare and activate; the same request finishes it.
+            return self._take_external_then_activate(reservation, now)
         return _refused(
             reservation.admission_id,
             AdmissionReason.STALE_FENCE,

@@ -250,3 +250,21 @@ def test_descriptors_live_in_the_ledger_so_a_restarted_or_second_manager_has_the
         # An older epoch can never replace the stored one, whoever publishes it.
         older = DESCRIPTOR.model_copy(update={"descriptor_epoch": 2})
         assert Admitter(reopened, POLICY).publish_descriptor(older, T0) is not None
+
+
+def test_a_retry_finishes_an_admission_whose_manager_stopped_between_prepare_and_activate(
+    ledger: SqliteLedger,
+) -> None:
+    from mesh.ledger.model import Prepared
+    from mesh.wire import requirement_digest
+
+    a = admitter(ledger)
+    digest = requirement_digest(REQUIREMENTS, "tenant-a")
+    prepared = ledger.prepare("adm-1", digest, [("rag-eu", "model_slots", 1)], 10, T0)
+    assert isinstance(prepared, Prepared)  # PREPARING, and then the manager died
+
+    retried = a.admit(request("adm-1"), "tenant-a", T0 + 1)
+
+    assert retried.outcome == "admitted" and retried.grant is not None
+    assert ledger.get("adm-1").state == "ACTIVE"  # type: ignore[union-attr]
+    assert used(ledger)[("rag-eu", "model_slots")] == 1  # nothing taken twice
