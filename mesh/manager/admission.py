@@ -299,6 +299,8 @@ class Admitter:
 
     def _by_preference(self, pools: Sequence[str]) -> list[str]:
         """Least-used model slots first (a fraction), then pool ID: spread the load."""
+        if len(pools) < 2:
+            return list(pools)  # nothing to order: spare the ledger a read
         usage = self.ledger.usage()
 
         def load(pool_id: str) -> tuple[float, str]:
