@@ -210,6 +210,21 @@ class _Message:
             user_id=self.user_id,
         )
 
+    def delivery(self, settlement: _Settlement | _NoAck) -> Delivery:
+        """What a consumer (or ``get_one``) receives for this message."""
+        return Delivery(
+            body=self.body,
+            routing_key=self.routing_key,
+            exchange=self.exchange,
+            headers=copy.deepcopy(self.headers),
+            reply_to=self.reply_to,
+            correlation_id=self.correlation_id,
+            message_id=self.message_id,
+            user_id=self.user_id,
+            redelivered=self.redelivered,
+            _raw=settlement,
+        )
+
     def snapshot(self) -> QueuedMessage:
         return QueuedMessage(
             self.body,
@@ -633,18 +648,7 @@ class InMemoryBroker:
             tag = next(self._tags)
             consumer.unacked[tag] = message
             settlement = _Settlement(self, consumer, tag)
-        delivery = Delivery(
-            body=message.body,
-            routing_key=message.routing_key,
-            exchange=message.exchange,
-            headers=copy.deepcopy(message.headers),
-            reply_to=message.reply_to,
-            correlation_id=message.correlation_id,
-            message_id=message.message_id,
-            user_id=message.user_id,
-            redelivered=message.redelivered,
-            _raw=settlement,
-        )
+        delivery = message.delivery(settlement)
         task = loop.create_task(
             _run_handler(consumer, delivery),
             name=f"memory:{consumer.transport.name}:{consumer.queue.name}",
@@ -1016,18 +1020,7 @@ class InMemoryTransport:
         if not found.ready:
             return None
         message = found.ready.popleft()
-        return Delivery(
-            body=message.body,
-            routing_key=message.routing_key,
-            exchange=message.exchange,
-            headers=copy.deepcopy(message.headers),
-            reply_to=message.reply_to,
-            correlation_id=message.correlation_id,
-            message_id=message.message_id,
-            user_id=message.user_id,
-            redelivered=message.redelivered,
-            _raw=_NO_ACK,
-        )
+        return message.delivery(_NO_ACK)
 
     async def queue_depth(self, queue: str) -> int:
         """Messages ready in ``queue`` (unacked ones are not counted, as on RabbitMQ)."""
