@@ -16,6 +16,10 @@ the expiry sweep takes the due rows with ``FOR UPDATE SKIP LOCKED``, so it never
 reservation a release (or another manager's sweep) is holding. Should PostgreSQL still report
 a deadlock or a serialization failure (e.g. a server configured with another default
 isolation), the transaction is retried from the start, at most ``max_attempts`` times in all.
+A batch (group commit, ``SqlLedger.batch``) holds the counters of many admissions, taken in
+arrival order, so two managers' batches *can* deadlock; PostgreSQL then aborts one of them,
+which is not retried as a whole: it fails, and the admitter decides its requests again one
+transaction each — where the lock order above holds.
 
 Fences come from a SEQUENCE: strictly increasing across all managers; a rolled-back
 ``prepare`` leaves a gap, which is harmless. Tables live in their own schema (``schema=``), so
@@ -91,6 +95,12 @@ def _ddl(s: str) -> list[str]:
             pool_id TEXT   PRIMARY KEY,
             epoch   BIGINT NOT NULL,
             body    TEXT   NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS "{s}".ledger_decision (
+            admission_id TEXT PRIMARY KEY,
+            digest       TEXT NOT NULL,
+            outcome      TEXT NOT NULL,
+            decided_at   DOUBLE PRECISION NOT NULL,
+            record       TEXT NOT NULL)""",
     ]
 
 
@@ -134,6 +144,7 @@ class PostgresLedger(SqlLedger):
                 item=f'"{schema}".ledger_item',
                 log=f'"{schema}".ledger_log',
                 descriptor=f'"{schema}".ledger_descriptor',
+                decision=f'"{schema}".ledger_decision',
             )
         )
         self.schema = schema
@@ -162,14 +173,15 @@ class PostgresLedger(SqlLedger):
             self._conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         return self._conn
 
-    def _transaction(self, work: Callable[[Db], T], *, write: bool) -> T:
-        for attempt in range(1, self._max_attempts + 1):
+    def _transaction(self, work: Callable[[Db], T], *, write: bool, retry: bool = True) -> T:
+        attempts = self._max_attempts if retry else 1
+        for attempt in range(1, attempts + 1):
             try:
                 conn = self._connection()
                 with conn.transaction(), conn.cursor() as cur:
                     return work(_PgDb(cur))
             except _RETRYABLE as exc:
-                if attempt == self._max_attempts:
+                if attempt == attempts:
                     raise StoreError(
                         f"ledger transaction failed {attempt} times in schema {self.schema}: {exc}"
                     ) from exc

@@ -7,10 +7,11 @@ serialised for the whole read-check-write, and the conditional counters of
 Reads use a deferred ``BEGIN`` and, thanks to WAL, never block the writer.
 
 Fences come from a one-row counter (``ledger_fence``) incremented inside the same
-transaction, so a rolled-back ``prepare`` leaves no gap. ``ledger_log`` is made append-only by
-triggers. ``synchronous=NORMAL`` (the default, as for the journal) keeps every committed
-decision across a crash of the process; ``synchronous="FULL"`` also survives power loss, at
-one fsync per decision.
+transaction, so a rolled-back ``prepare`` leaves no gap (a ``prepare`` of a known ID skips
+one). ``ledger_log`` is made append-only by triggers. The WAL is checkpointed by ``maintain``
+(the manager's tick), not on the commit path of a decision. ``synchronous=NORMAL`` (the
+default, as for the journal) keeps every committed decision across a crash of the process;
+``synchronous="FULL"`` also survives power loss, at one fsync per commit.
 """
 
 from __future__ import annotations
@@ -75,7 +76,19 @@ CREATE TABLE IF NOT EXISTS ledger_descriptor (
     epoch   INTEGER NOT NULL,
     body    TEXT    NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ledger_decision (
+    admission_id TEXT PRIMARY KEY,
+    digest       TEXT NOT NULL,
+    outcome      TEXT NOT NULL,
+    decided_at   REAL NOT NULL,
+    record       TEXT NOT NULL
+);
 """
+
+# SQLite checkpoints the WAL into the database file when a commit finds it this many pages long,
+# on that commit's path (an fsync the admission waits for). The manager checkpoints on its tick
+# instead (``maintain``); this is the backstop if nobody does.
+_WAL_AUTOCHECKPOINT_PAGES = 20_000
 
 
 class _SqliteDb:
@@ -103,9 +116,11 @@ class SqliteLedger(SqlLedger):
                 "ledger_item",
                 "ledger_log",
                 "ledger_descriptor",
+                "ledger_decision",
             )
         )
         self.path = Path(path)
+        self._checkpointer: sqlite3.Connection | None = None  # maintain's own connection
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -114,6 +129,7 @@ class SqliteLedger(SqlLedger):
             )
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute(f"PRAGMA synchronous={synchronous}")
+            self._conn.execute(f"PRAGMA wal_autocheckpoint={_WAL_AUTOCHECKPOINT_PAGES}")
             self._conn.execute("PRAGMA foreign_keys=ON")
             self._conn.execute("BEGIN IMMEDIATE")
             for statement in _statements(_SCHEMA):
@@ -122,7 +138,7 @@ class SqliteLedger(SqlLedger):
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the ledger at {path}: {exc}") from exc
 
-    def _transaction(self, work: Callable[[Db], T], *, write: bool) -> T:
+    def _transaction(self, work: Callable[[Db], T], *, write: bool, retry: bool = True) -> T:
         conn = self._conn
         try:
             conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
@@ -142,9 +158,26 @@ class SqliteLedger(SqlLedger):
         ((fence,),) = db.execute("UPDATE ledger_fence SET last = last + 1 RETURNING last")
         return int(fence)
 
+    def maintain(self) -> None:
+        """Copy the WAL back into the database file as far as no reader needs it (PASSIVE:
+        never waits for readers or writers), so commits never pay for it. It runs on a
+        connection of its own, so decisions go on meanwhile — even from another thread."""
+        if str(self.path) == ":memory:":
+            return
+        try:
+            if self._checkpointer is None:
+                self._checkpointer = sqlite3.connect(
+                    str(self.path), isolation_level=None, check_same_thread=False
+                )
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"ledger checkpoint failed on {self.path}: {exc}") from exc
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+            if self._checkpointer is not None:
+                self._checkpointer.close()
 
 
 def _statements(script: str) -> list[str]:

@@ -35,6 +35,19 @@ COMMIT) simply calls ``prepare`` again with the same ID and digest.
 Every state change also appends a row to ``ledger_log`` (append-only), from which
 :func:`~mesh.ledger.model.replay` rebuilds each admission's state and fence.
 
+Group commit. ``batch(work)`` runs every call ``work`` makes in **one** write transaction: the
+manager decides all the admissions that queued up while the previous batch ran, then commits
+once (one fsync, one lock hand-off, one round trip for BEGIN/COMMIT). Each call inside still
+takes all of its items or none — an operation that refuses rolls back to its own savepoint —
+and nothing is visible to anyone else before the batch commits. If the transaction fails,
+every call in it failed; the caller decides them again one by one (a PostgreSQL deadlock
+between two managers' batches is such a failure, so a batch is never retried blindly).
+
+Decisions. ``record_decision`` keeps the latest decision about an admission ID (its digest,
+outcome and a JSON record: the reply and the eligibility behind it), written in the same
+transaction as the reservation it describes, so ``mesh explain`` and idempotent replies
+survive a restart and are shared by every manager on the ledger.
+
 :class:`SqlLedger` holds all of this once; the two stores supply a connection, a transaction,
 the fence sequence and their DDL.
 """
@@ -76,6 +89,17 @@ _HOLDING = "(" + ", ".join(f"'{state}'" for state in sorted(HOLDING_STATES)) + "
 _RES_COLUMNS = "admission_id, digest, pool_id, state, fence, expires_at, created_at"
 
 
+@dataclass(frozen=True, slots=True)
+class DecisionRow:
+    """The latest decision recorded about an admission ID."""
+
+    admission_id: str
+    digest: str
+    outcome: str
+    decided_at: float
+    record: str  # JSON, written and read by the admitter
+
+
 class LedgerStore(Protocol):
     """The reservation ledger. Synchronous; each call is one transaction (call it from a
     thread, e.g. ``asyncio.to_thread``). Expected refusals are values, failures raise
@@ -94,8 +118,11 @@ class LedgerStore(Protocol):
         now: float,
         *,
         pool_id: str | None = None,
+        activate_ttl_s: float | None = None,
     ) -> Prepared | Refused:
-        """Take every item (all or nothing) and hold them PREPARING until ``now + ttl_s``."""
+        """Take every item (all or nothing) and hold them PREPARING until ``now + ttl_s``.
+        With ``activate_ttl_s`` (nothing outside the ledger to wait for), a fresh reservation
+        is then activated in the same transaction, ACTIVE until ``now + activate_ttl_s``."""
         ...
 
     def activate(
@@ -135,6 +162,23 @@ class LedgerStore(Protocol):
         """The ledger log's entries after ``after_seq``, oldest first."""
         ...
 
+    def batch(self, work: Callable[[], T]) -> T:
+        """Run ``work``, and every ledger call it makes on this thread, in one transaction."""
+        ...
+
+    def record_decision(
+        self, admission_id: str, digest: str, outcome: str, at: float, record: str
+    ) -> bool:
+        """Keep the latest decision about ``admission_id`` — unless one is stored for another
+        digest (that one stays: the other request is a conflict). True if kept."""
+        ...
+
+    def decision(self, admission_id: str) -> DecisionRow | None: ...
+
+    def maintain(self) -> None:
+        """Housekeeping off the commit path (SQLite: a WAL checkpoint); call it periodically."""
+        ...
+
     def replay_log(self) -> dict[str, tuple[ReservationState, int]]:
         """Each admission's ``(state, fence)`` rebuilt from the log alone."""
         ...
@@ -165,6 +209,7 @@ class Tables:
     item: str
     log: str
     descriptor: str
+    decision: str
 
 
 class SqlLedger(abc.ABC):
@@ -177,12 +222,16 @@ class SqlLedger(abc.ABC):
     def __init__(self, tables: Tables) -> None:
         self._t = tables
         self._lock = threading.Lock()  # one transaction at a time on the one connection
+        # While ``batch`` runs: its open transaction, and the thread that may use it.
+        self._batch_db: Db | None = None
+        self._batch_thread: int | None = None
 
     # ---- what a dialect provides ---------------------------------------------------------
     @abc.abstractmethod
-    def _transaction(self, work: Callable[[Db], T], *, write: bool) -> T:
+    def _transaction(self, work: Callable[[Db], T], *, write: bool, retry: bool = True) -> T:
         """Run ``work`` in one transaction: commit on return, roll back and re-raise on any
-        exception; database errors become :class:`StoreError`."""
+        exception; database errors become :class:`StoreError`. With ``retry`` a dialect may
+        run ``work`` again after a deadlock or serialization failure."""
 
     @abc.abstractmethod
     def _next_fence(self, db: Db) -> int:
@@ -197,20 +246,61 @@ class SqlLedger(abc.ABC):
     def __exit__(self, *_: object) -> None:
         self.close()
 
+    def maintain(self) -> None:  # noqa: B027 - optional for a dialect
+        """Nothing to do by default."""
+
+    def _open_batch(self) -> Db | None:
+        """The batch transaction, if this thread is running one."""
+        if self._batch_db is not None and self._batch_thread == threading.get_ident():
+            return self._batch_db
+        return None
+
     def _write(self, work: Callable[[Db], T]) -> T:
+        db = self._open_batch()
+        if db is not None:
+            return work(db)
         with self._lock:
             return self._transaction(work, write=True)
 
     def _atomic(self, work: Callable[[Db], T]) -> T | Refused:
-        """Like ``_write``, but a :class:`_Rollback` inside returns its refusal."""
+        """Like ``_write``, but a :class:`_Rollback` inside rolls back (to the operation's own
+        savepoint inside a batch) and returns its refusal."""
+        db = self._open_batch()
+        if db is None:
+            try:
+                return self._write(work)
+            except _Rollback as rollback:
+                return rollback.outcome
+        db.execute("SAVEPOINT ledger_op")
         try:
-            return self._write(work)
+            result = work(db)
         except _Rollback as rollback:
+            db.execute("ROLLBACK TO SAVEPOINT ledger_op")
+            db.execute("RELEASE SAVEPOINT ledger_op")
             return rollback.outcome
+        db.execute("RELEASE SAVEPOINT ledger_op")
+        return result
 
     def _read(self, work: Callable[[Db], T]) -> T:
+        db = self._open_batch()
+        if db is not None:
+            return work(db)
         with self._lock:
             return self._transaction(work, write=False)
+
+    def batch(self, work: Callable[[], T]) -> T:
+        if self._open_batch() is not None:
+            return work()  # already inside this thread's batch
+
+        def run(db: Db) -> T:
+            self._batch_db, self._batch_thread = db, threading.get_ident()
+            try:
+                return work()
+            finally:
+                self._batch_db = self._batch_thread = None
+
+        with self._lock:
+            return self._transaction(run, write=True, retry=False)
 
     # ---- the contract ----------------------------------------------------------------------
     def set_capacity(self, pool_id: str, resource: str, capacity: int) -> None:
@@ -232,12 +322,19 @@ class SqlLedger(abc.ABC):
         now: float,
         *,
         pool_id: str | None = None,
+        activate_ttl_s: float | None = None,
     ) -> Prepared | Refused:
         check_ttl(ttl_s, now)
+        if activate_ttl_s is not None:
+            check_ttl(activate_ttl_s, now)
         wanted = normalize_items(items)
         pool = pool_id if pool_id is not None else default_pool(wanted)
+
+        expires_at = now + (ttl_s if activate_ttl_s is None else activate_ttl_s)
         return self._atomic(
-            lambda db: self._prepare(db, admission_id, digest, pool, wanted, now + ttl_s, now)
+            lambda db: self._prepare(
+                db, admission_id, digest, pool, wanted, expires_at, now, activate_ttl_s is not None
+            )
         )
 
     def activate(
@@ -277,6 +374,31 @@ class SqlLedger(abc.ABC):
         rows = self._read(lambda db: db.execute(sql))
         return [(str(p), int(e), str(b)) for p, e, b in rows]
 
+    def record_decision(
+        self, admission_id: str, digest: str, outcome: str, at: float, record: str
+    ) -> bool:
+        t = self._t.decision
+        sql = (
+            f"INSERT INTO {t} (admission_id, digest, outcome, decided_at, record)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (admission_id) DO UPDATE SET"
+            " outcome = excluded.outcome, decided_at = excluded.decided_at,"
+            f" record = excluded.record WHERE {t}.digest = excluded.digest"
+            " RETURNING admission_id"
+        )
+        rows = self._write(lambda db: db.execute(sql, (admission_id, digest, outcome, at, record)))
+        return bool(rows)
+
+    def decision(self, admission_id: str) -> DecisionRow | None:
+        sql = (
+            f"SELECT admission_id, digest, outcome, decided_at, record FROM {self._t.decision}"
+            " WHERE admission_id = ?"
+        )
+        rows = self._read(lambda db: db.execute(sql, (admission_id,)))
+        if not rows:
+            return None
+        a, d, o, at, r = rows[0]
+        return DecisionRow(str(a), str(d), str(o), float(at), str(r))
+
     def usage(self) -> Usage:
         sql = f"SELECT pool_id, resource, used, capacity FROM {self._t.capacity}"
         rows = self._read(lambda db: db.execute(sql))
@@ -306,40 +428,43 @@ class SqlLedger(abc.ABC):
         items: tuple[Item, ...],
         expires_at: float,
         now: float,
+        activate: bool = False,
     ) -> Prepared | Refused:
+        """With ``activate`` the reservation passes PREPARING → ACTIVE inside this one
+        transaction: nobody can see it in between, so its row is written once, as ACTIVE
+        (no compare-and-set needed), and the log records both transitions."""
+        # Insert first: a fresh ID (the common case) costs no read. On a known ID — or a
+        # concurrent prepare of it that committed first (we waited on its key) — the insert
+        # does nothing and the fence drawn for it is simply skipped (a harmless gap).
+        fence = self._next_fence(db)
+        state = ReservationState.ACTIVE if activate else ReservationState.PREPARING
+        inserted = db.execute(
+            f"INSERT INTO {self._t.reservation} ({_RES_COLUMNS}, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (admission_id) DO NOTHING RETURNING admission_id",
+            (admission_id, digest, pool_id, state.value, fence, expires_at, now, now),
+        )
+        if inserted:
+            self._take(db, items)
+            if items:
+                db.execute(
+                    f"INSERT INTO {self._t.item} (admission_id, pool_id, resource, amount)"
+                    " VALUES " + ", ".join(["(?, ?, ?, ?)"] * len(items)),
+                    [value for item in items for value in (admission_id, *item)],
+                )
+            events = (
+                [LedgerEvent.PREPARED, LedgerEvent.ACTIVATED]
+                if activate
+                else [LedgerEvent.PREPARED]
+            )
+            self._append_log(db, now, admission_id, fence, *events)
+            reservation = Reservation(
+                admission_id, digest, pool_id, state, fence, items, expires_at, now
+            )
+            return Prepared(reservation, replayed=False)
         existing = self._select(db, admission_id)
         if existing is None:
-            fence = self._next_fence(db)
-            inserted = db.execute(
-                f"INSERT INTO {self._t.reservation} ({_RES_COLUMNS}, updated_at)"
-                " VALUES (?, ?, ?, 'PREPARING', ?, ?, ?, ?)"
-                " ON CONFLICT (admission_id) DO NOTHING RETURNING admission_id",
-                (admission_id, digest, pool_id, fence, expires_at, now, now),
-            )
-            if inserted:
-                self._take(db, items)
-                for item in items:
-                    db.execute(
-                        f"INSERT INTO {self._t.item} (admission_id, pool_id, resource, amount)"
-                        " VALUES (?, ?, ?, ?)",
-                        (admission_id, *item),
-                    )
-                self._append_log(db, now, admission_id, LedgerEvent.PREPARED, fence)
-                reservation = Reservation(
-                    admission_id,
-                    digest,
-                    pool_id,
-                    ReservationState.PREPARING,
-                    fence,
-                    items,
-                    expires_at,
-                    now,
-                )
-                return Prepared(reservation, replayed=False)
-            # A concurrent prepare of the same ID committed first (we waited on its key).
-            existing = self._select(db, admission_id)
-            if existing is None:
-                raise StoreError(f"reservation {admission_id!r} conflicted but is not there")
+            raise StoreError(f"reservation {admission_id!r} conflicted but is not there")
         if existing.digest != digest:
             return Refused(
                 LedgerReason.CONFLICT,
@@ -396,7 +521,7 @@ class SqlLedger(abc.ABC):
         if not rows:
             return self._why_not(db, admission_id, fence, now, "activate")
         (activated,) = self._with_items(db, rows)
-        self._append_log(db, now, admission_id, LedgerEvent.ACTIVATED, fence)
+        self._append_log(db, now, admission_id, fence, LedgerEvent.ACTIVATED)
         return activated
 
     def _release(self, db: Db, admission_id: str, fence: int, now: float) -> Reservation | Refused:
@@ -410,7 +535,7 @@ class SqlLedger(abc.ABC):
             return self._why_not(db, admission_id, fence, now, "release")
         (released,) = self._with_items(db, rows)
         self._give_back(db, [released])
-        self._append_log(db, now, admission_id, LedgerEvent.RELEASED, fence)
+        self._append_log(db, now, admission_id, fence, LedgerEvent.RELEASED)
         return released
 
     def _expire_due(self, db: Db, now: float) -> list[Reservation]:
@@ -432,7 +557,7 @@ class SqlLedger(abc.ABC):
         self._give_back(db, expired)
         for reservation in expired:
             self._append_log(
-                db, now, reservation.admission_id, LedgerEvent.EXPIRED, reservation.fence
+                db, now, reservation.admission_id, reservation.fence, LedgerEvent.EXPIRED
             )
         if expired:
             log.info("expired %d reservations", len(expired), extra={"now": now})
@@ -491,10 +616,20 @@ class SqlLedger(abc.ABC):
         )
 
     def _append_log(
-        self, db: Db, now: float, admission_id: str, event: LedgerEvent, fence: int
+        self, db: Db, now: float, admission_id: str, fence: int, *events: LedgerEvent
     ) -> None:
         db.execute(
-            f"INSERT INTO {self._t.log} (at, admission_id, event, state, fence)"
-            " VALUES (?, ?, ?, ?, ?)",
-            (now, admission_id, event.value, TRANSITIONS[event].target.value, fence),
+            f"INSERT INTO {self._t.log} (at, admission_id, event, state, fence) VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?)"] * len(events)),
+            [
+                value
+                for event in events
+                for value in (
+                    now,
+                    admission_id,
+                    event.value,
+                    TRANSITIONS[event].target.value,
+                    fence,
+                )
+            ],
         )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -415,4 +416,121 @@ def test_threads_sharing_one_store_never_overbook(pool: LedgerStore) -> None:
 
     assert admitted == 25
     assert pool.usage()[("pool-a", "model_slots")] == (25, 25)
+    assert_conserved(pool)
+
+
+# ---- prepare-and-activate, group commit, decision records -------------------------------------
+def test_prepare_with_activate_ttl_goes_straight_to_active_and_logs_both_steps(
+    pool: LedgerStore,
+) -> None:
+    held = prepared(pool.prepare("adm-1", "d", [SLOT, tokens(5)], TTL, T0, activate_ttl_s=90))
+
+    assert (held.state, held.expires_at) == (ReservationState.ACTIVE, T0 + 90)
+    assert pool.get("adm-1") == held
+    assert [(e.event, e.state) for e in pool.log()] == [
+        ("prepared", ReservationState.PREPARING),
+        ("activated", ReservationState.ACTIVE),
+    ]
+    assert pool.replay_log() == {"adm-1": (ReservationState.ACTIVE, held.fence)}
+    replayed = pool.prepare("adm-1", "d", [SLOT, tokens(5)], TTL, T0 + 1, activate_ttl_s=90)
+    assert isinstance(replayed, Prepared) and replayed.replayed and replayed.reservation == held
+    assert used(pool, "pool-a", "model_slots") == 1
+    assert_conserved(pool)
+
+
+def test_a_batch_commits_every_call_in_it_at_once(pool: LedgerStore) -> None:
+    def work() -> list[Reservation]:
+        first = prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0, activate_ttl_s=TTL))
+        second = prepared(pool.prepare("adm-2", "d", [SLOT], TTL, T0))
+        assert pool.get("adm-1") == first  # the batch reads its own writes
+        return [first, reservation(pool.activate("adm-2", second.fence, TTL, T0))]
+
+    first, second = pool.batch(work)
+
+    assert {r.state for r in (first, second)} == {ReservationState.ACTIVE}
+    assert [r.admission_id for r in pool.active()] == ["adm-1", "adm-2"]
+    assert used(pool, "pool-a", "model_slots") == 2
+    assert_conserved(pool)
+
+
+def test_a_refusal_inside_a_batch_rolls_back_only_its_own_call(pool: LedgerStore) -> None:
+    def work() -> list[Prepared | Refused]:
+        return [
+            pool.prepare("adm-1", "d", [SLOT], TTL, T0),
+            # takes the second slot, then misses on budget: only this call is undone
+            pool.prepare("adm-2", "d", [SLOT, tokens(5_000)], TTL, T0),
+            pool.prepare("adm-3", "d", [SLOT, tokens(10)], TTL, T0),
+        ]
+
+    one, two, three = pool.batch(work)
+
+    prepared(one)
+    refused(two, LedgerReason.TENANT_BUDGET)
+    prepared(three)
+    assert pool.get("adm-2") is None
+    assert used(pool, "pool-a", "model_slots") == 2
+    assert used(pool, "*", "tenant_tokens:acme") == 10
+    assert_conserved(pool)
+
+
+def test_a_batch_that_fails_keeps_nothing(pool: LedgerStore) -> None:
+    class Boom(Exception):
+        pass
+
+    def work() -> None:
+        prepared(pool.prepare("adm-1", "d", [SLOT, tokens(10)], TTL, T0, activate_ttl_s=TTL))
+        assert pool.record_decision("adm-1", "d", "admitted", T0, "{}")
+        raise Boom
+
+    with pytest.raises(Boom):
+        pool.batch(work)
+
+    assert pool.get("adm-1") is None and pool.decision("adm-1") is None
+    assert pool.log() == []
+    assert used(pool, "pool-a", "model_slots") == 0
+    assert_conserved(pool)
+    prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0))  # the store is usable afterwards
+
+
+def test_other_threads_wait_for_a_batch_and_then_see_all_of_it(pool: LedgerStore) -> None:
+    with ThreadPoolExecutor(max_workers=1) as reader:
+
+        def work() -> Future[list[Reservation]]:
+            prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0))
+            waiting = reader.submit(pool.active)
+            time.sleep(0.2)
+            assert not waiting.done(), "another thread read the ledger in the middle of a batch"
+            prepared(pool.prepare("adm-2", "d", [SLOT], TTL, T0))
+            return waiting
+
+        waiting = pool.batch(work)
+        assert [r.admission_id for r in waiting.result(timeout=10)] == ["adm-1", "adm-2"]
+
+
+def test_decisions_are_kept_per_admission_and_never_overwritten_by_another_digest(
+    pool: LedgerStore,
+) -> None:
+    assert pool.decision("adm-1") is None
+    assert pool.record_decision("adm-1", "d1", "deferred", T0, '{"n": 1}')
+    assert pool.record_decision("adm-1", "d1", "admitted", T0 + 1, '{"n": 2}')
+    assert not pool.record_decision("adm-1", "d2", "rejected", T0 + 2, '{"n": 3}')
+
+    row = pool.decision("adm-1")
+    assert row is not None
+    assert (row.digest, row.outcome, row.decided_at, row.record) == (
+        "d1",
+        "admitted",
+        T0 + 1,
+        '{"n": 2}',
+    )
+
+
+def test_maintain_can_run_while_decisions_go_on(pool: LedgerStore) -> None:
+    for n in range(50):
+        prepared(pool.prepare(f"adm-{n}", "d", [tokens(1)], TTL, T0, activate_ttl_s=TTL))
+    with ThreadPoolExecutor(max_workers=1) as other:
+        checkpoint = other.submit(pool.maintain)
+        prepared(pool.prepare("adm-last", "d", [tokens(1)], TTL, T0))
+        checkpoint.result()
+    assert used(pool, "*", "tenant_tokens:acme") == 51
     assert_conserved(pool)
