@@ -53,6 +53,7 @@ from mesh.wire.models import Message
 log = logging.getLogger(__name__)
 
 DEFAULT_EXCHANGE = ""
+_FAST_PROPERTIES = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
 _CONTROL_TIMEOUT_S = 5.0  # bound on channel operations that are not publishes
 
 
@@ -366,9 +367,12 @@ class AmqpTransport:
         try:
             if self._fast_channel is None:
                 self._fast_channel = await self._connection.channel(publisher_confirms=False)
-            target = await self._fast_channel.get_exchange(exchange, ensure=False)
-            msg = aio_pika.Message(body, content_type=c.CONTENT_TYPE)
-            await target.publish(msg, routing_key, mandatory=False)
+            # Straight to aiormq (the robust channel's current underlying channel): without
+            # confirms, aio-pika's Exchange and Message objects only add per-message work.
+            channel = await self._fast_channel.get_underlay_channel()
+            await channel.basic_publish(
+                body, exchange=exchange, routing_key=routing_key, properties=_FAST_PROPERTIES
+            )
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
             raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
 
