@@ -30,6 +30,7 @@ RK_WARNING: Final = "warning"  # warning.<kind>
 RK_RPC: Final = "rpc"  # rpc.<method>
 RK_GRANT: Final = "grant"  # grant.<pool_id>.<admission_id>: grant revocations (events exchange)
 EVENT_GRANT_REVOKED: Final = "grant_revoked"  # the OrchestrationEvent kind published on it
+EVENT_DESCRIPTOR_ACTIVE: Final = "descriptor_active"  # a pool's active epoch, on grant.<pool>
 
 # Headers.
 H_REASON: Final = "x-mesh-reason"  # reason code on a dead-lettered message

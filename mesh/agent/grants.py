@@ -13,7 +13,9 @@ whole check, pure and in this order:
 1. *foreign*: ``grant.pool_id`` is not this agent's pool (its ``deployment``);
 2. *expired*: ``now >= grant.expires_at``;
 3. *revoked*: the agent has seen a revocation of this admission at a fence ``>=``
-   ``grant.fence``.
+   ``grant.fence``;
+4. *stale epoch*: the grant was issued under a descriptor epoch older than the pool's active
+   one, as the manager last announced it.
 
 A failed check is a ``TaskResult`` with status ``error`` and
 :attr:`~mesh.wire.reasons.Reason.GRANT_INVALID`; the runtime logs it, counts it in
@@ -32,8 +34,16 @@ Each agent binds its control queue to ``grant.<its pool>.#`` and keeps the highe
 fence per admission in :class:`RevokedGrants`, bounded (oldest forgotten first). The feed is
 fire-and-forget and the ledger is the truth: a revocation that is lost or forgotten leaves a
 stale grant usable on this agent at most until its ``expires_at``, which the TTL check still
-enforces. The descriptor epoch and policy generation are not checked here: the agent does not
-know the active ones (the manager checks them at admission).
+enforces.
+
+Epochs. The manager announces each pool's active descriptor epoch on the same feed
+(``grant.<pool_id>``, kind ``descriptor_active``, ``detail = {pool_id, descriptor_epoch,
+policy_generation}``) when a descriptor is accepted or adopted, and again every
+``epoch_announce_interval_s`` so agents that start later learn it. Epochs only grow, so the
+agent keeps the highest it has heard; a grant issued under an older epoch was admitted against
+a descriptor that no longer holds, and is refused. Before the first announcement the agent
+cannot judge epochs and checks the rest (the manager checked epoch and generation at
+admission).
 """
 
 from __future__ import annotations
@@ -46,17 +56,25 @@ from mesh.wire.models import TaskGrant
 
 GRANT_REVOKED = c.EVENT_GRANT_REVOKED
 """The ``kind`` of the orchestration event that revokes a grant."""
+DESCRIPTOR_ACTIVE = c.EVENT_DESCRIPTOR_ACTIVE
+"""The ``kind`` of the orchestration event that announces a pool's active epoch."""
 
 DEFAULT_MAX_REVOKED = 10_000
 
 
 def check_grant(
-    grant: TaskGrant, *, pool_id: str, now: float, revoked_fence: int | None
+    grant: TaskGrant,
+    *,
+    pool_id: str,
+    now: float,
+    revoked_fence: int | None,
+    active_epoch: int | None = None,
 ) -> str | None:
     """``None`` if ``grant`` may be used by an agent of ``pool_id`` at ``now``; else why not.
 
     ``revoked_fence`` is the highest fence this agent has seen revoked for the grant's
-    admission (``None``: none seen).
+    admission (``None``: none seen); ``active_epoch`` the highest descriptor epoch announced
+    for the pool (``None``: none heard yet).
     """
     if grant.pool_id != pool_id:
         return (
@@ -72,6 +90,11 @@ def check_grant(
         return (
             f"grant {grant.admission_id} (fence {grant.fence}) was revoked "
             f"(released or expired at fence {revoked_fence})"
+        )
+    if active_epoch is not None and grant.descriptor_epoch < active_epoch:
+        return (
+            f"grant {grant.admission_id} was issued under descriptor epoch "
+            f"{grant.descriptor_epoch}; pool {pool_id!r} is at epoch {active_epoch}"
         )
     return None
 
@@ -101,6 +124,18 @@ class RevokedGrants:
 
     def __contains__(self, admission_id: object) -> bool:
         return admission_id in self._fences
+
+
+def parse_epoch(detail: dict[str, Any]) -> tuple[str, int] | None:
+    """``(pool_id, descriptor_epoch)`` from a ``descriptor_active`` event's detail, or
+    ``None`` if it does not hold them with the right types."""
+    pool_id = detail.get("pool_id")
+    epoch = detail.get("descriptor_epoch")
+    if not isinstance(pool_id, str) or not pool_id:
+        return None
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
+        return None
+    return pool_id, epoch
 
 
 def parse_revocation(detail: dict[str, Any]) -> tuple[str, str, int] | None:

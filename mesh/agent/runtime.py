@@ -27,10 +27,11 @@ may arrive twice but is never silently lost. A cancelled handler (the channel
 closed) acks nothing, and the broker redelivers the task.
 
 Tasks carrying an admission ``grant`` are revalidated at claim (before the handler runs)
-and at the consumption point (before the result is published): a foreign, expired or revoked
-grant answers ``GRANT_INVALID``, is logged, counted (``grants_refused``) and the task acked.
-The control queue is also bound to ``grant.<deployment>.#`` on the events exchange, where the
-manager announces revoked grants (``grant_revoked`` orchestration events); see
+and at the consumption point (before the result is published): a foreign, expired, revoked or
+stale-epoch grant answers ``GRANT_INVALID``, is logged, counted (``grants_refused``) and the
+task acked. The control queue is also bound to ``grant.<deployment>.#`` on the events exchange,
+where the manager announces revoked grants (``grant_revoked``) and the pool's active descriptor
+epoch (``descriptor_active``); see
 :mod:`mesh.agent.grants` for the rules. Tasks without a grant are not affected.
 
 Control messages (each acked; garbage dead-lettered):
@@ -69,7 +70,14 @@ from typing import Any, Literal
 from mesh import constants as c
 from mesh.agent.base import Agent
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
-from mesh.agent.grants import GRANT_REVOKED, RevokedGrants, check_grant, parse_revocation
+from mesh.agent.grants import (
+    DESCRIPTOR_ACTIVE,
+    GRANT_REVOKED,
+    RevokedGrants,
+    check_grant,
+    parse_epoch,
+    parse_revocation,
+)
 from mesh.agent.http import AgentHttpServer, default_drain_deadline_s
 from mesh.agent.processing import process_task
 from mesh.errors import (
@@ -207,6 +215,7 @@ class AgentRuntime:
         self._starting: asyncio.Task[Any] | None = None
         self._http: AgentHttpServer | None = None
         self._revoked = RevokedGrants()
+        self._active_epoch: int | None = None  # our pool's, as the manager last announced it
 
     # ---- public state ---------------------------------------------------------------------
     @property
@@ -512,7 +521,17 @@ class AgentRuntime:
             self._drain_complete.set()
 
     def _on_event(self, event: OrchestrationEvent) -> None:
-        """A ``grant_revoked`` event for our pool: remember the highest revoked fence."""
+        """A ``grant_revoked`` event for our pool: remember the highest revoked fence; a
+        ``descriptor_active`` one: remember the highest epoch."""
+        if event.kind == DESCRIPTOR_ACTIVE:
+            epoch = parse_epoch(event.detail)
+            if epoch is None or epoch[0] != self.agent.deployment:
+                self.counters["events_ignored"] += 1
+                return
+            if self._active_epoch is None or epoch[1] > self._active_epoch:
+                self._active_epoch = epoch[1]
+                log.info("descriptor epoch", extra=self._extra(descriptor_epoch=epoch[1]))
+            return
         parsed = parse_revocation(event.detail) if event.kind == GRANT_REVOKED else None
         if parsed is None or parsed[1] != self.agent.deployment:
             self.counters["events_ignored"] += 1
@@ -522,6 +541,11 @@ class AgentRuntime:
         self._revoked.revoke(admission_id, fence)
         self.counters["grants_revoked_seen"] += 1
         log.info("grant revoked", extra=self._extra(admission_id=admission_id, fence=fence))
+
+    @property
+    def active_epoch(self) -> int | None:
+        """Our pool's descriptor epoch as last announced by the manager (``None``: not yet)."""
+        return self._active_epoch
 
     def revoked_fence(self, admission_id: str) -> int | None:
         """The highest fence of ``admission_id`` this agent has seen revoked, or ``None``."""
@@ -536,6 +560,7 @@ class AgentRuntime:
             pool_id=self.agent.deployment,
             now=time.time(),
             revoked_fence=self._revoked.fence(grant.admission_id),
+            active_epoch=self._active_epoch,
         )
 
     def _grant_refused(

@@ -26,14 +26,28 @@ Refusals are values: ``rejected`` when retrying the same request cannot help (no
 pool, stale descriptor, conflict), ``deferred`` with ``retry_after_ms`` when capacity may free
 up. Expiry (``expire``) moves overdue reservations to EXPIRED under a new fence, so a stale
 holder can neither consume nor release a newer grant.
+
+Group commit. :meth:`Admitter.admit_many` decides a batch — whatever queued up while the
+previous batch ran — inside one ledger transaction (:meth:`LedgerStore.batch`), each decision
+and its record written before the single commit; nothing is replied before that commit. If the
+batch's transaction fails, the external grants it took are released and every request is
+decided again in a transaction of its own; a request whose own transaction fails gets
+``deferred`` / ``LEDGER_UNAVAILABLE`` (retrying the same admission ID is always safe).
+
+Each decision is recorded in the ledger (digest, outcome, the reply and the eligibility record
+behind it), so idempotent replies and ``explain`` survive a restart and are shared by every
+manager on one ledger; a bounded cache keeps the recent ones in memory.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import orjson
 
 from mesh.core.eligibility import (
     EligibilityResult,
@@ -42,8 +56,9 @@ from mesh.core.eligibility import (
     reservation_items,
     tenant_tokens_resource,
 )
+from mesh.errors import StoreError
 from mesh.ledger.model import TENANT_POOL, LedgerReason, Prepared, Refused, Reservation
-from mesh.ledger.store import LedgerStore
+from mesh.ledger.store import DecisionRow, LedgerStore
 from mesh.wire.admission import (
     AdmissionDecision,
     AdmissionGrant,
@@ -78,11 +93,43 @@ class AdmissionPolicy:
     retry_after_ms: int = 1_000  # hint on a capacity refusal (issue 4 measures it)
 
 
+DECISION_CACHE_SIZE = 4096
+"""Recent decisions kept in memory; older ones are read back from the ledger."""
+
+
 @dataclass(slots=True)
 class _Decided:
     digest: str
     decision: AdmissionDecision
     eligibility: dict[str, Any] | None = None
+    tenant: str | None = None
+
+    def to_json(self) -> str:
+        record = {
+            "decision": self.decision.model_dump(mode="json"),
+            "eligibility": self.eligibility,
+            "tenant": self.tenant,
+        }
+        return orjson.dumps(record).decode()
+
+    @classmethod
+    def from_row(cls, row: DecisionRow) -> _Decided:
+        record = orjson.loads(row.record)
+        return cls(
+            row.digest,
+            AdmissionDecision.model_validate(record["decision"]),
+            record.get("eligibility"),
+            record.get("tenant"),
+        )
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What one ``admit_many`` changed outside the ledger transaction, to undo or publish."""
+
+    decided: dict[str, _Decided] = field(default_factory=dict)
+    external: list[tuple[ExternalGrantor, str, str]] = field(default_factory=list)
+    budgets: set[str] = field(default_factory=set)  # tenants whose budget row it created
 
 
 @dataclass
@@ -95,8 +142,9 @@ class Admitter:
     grantors: Sequence[ExternalGrantor] = ()
     descriptors: dict[str, CapabilityDescriptor] = field(default_factory=dict)
     active_epochs: dict[str, int] = field(default_factory=dict)
-    decisions: dict[str, _Decided] = field(default_factory=dict)
+    decisions: OrderedDict[str, _Decided] = field(default_factory=OrderedDict)
     _budgets_set: set[str] = field(default_factory=set)
+    _batch: _Batch | None = None  # while ``admit_many`` runs
 
     # ---- descriptors ----------------------------------------------------------------------
     def publish_descriptor(self, descriptor: CapabilityDescriptor, now: float) -> str | None:
@@ -140,8 +188,57 @@ class Admitter:
 
     # ---- admission ------------------------------------------------------------------------
     def admit(self, request: AdmissionRequest, tenant: str, now: float) -> AdmissionDecision:
+        """Decide one request (one ledger transaction)."""
+        (decision,) = self.admit_many([(request, tenant)], now)
+        return decision
+
+    def admit_many(
+        self, requests: Sequence[tuple[AdmissionRequest, str]], now: float
+    ) -> list[AdmissionDecision]:
+        """Decide ``(request, authenticated tenant)`` pairs in order, in one ledger
+        transaction (group commit); one decision each, in the same order."""
+        if not requests:
+            return []
+        try:
+            return self._in_one_transaction(requests, now)
+        except StoreError as exc:
+            if len(requests) == 1:
+                log.warning("ledger unavailable", extra={"error": str(exc)})
+                return [_unavailable(requests[0][0].admission_id, exc)]
+            log.warning(
+                "a batch of admissions failed; deciding them one by one",
+                extra={"batch": len(requests), "error": str(exc)},
+            )
+        decisions = []
+        for pair in requests:
+            try:
+                decisions += self._in_one_transaction([pair], now)
+            except StoreError as exc:
+                decisions.append(_unavailable(pair[0].admission_id, exc))
+        return decisions
+
+    def _in_one_transaction(
+        self, requests: Sequence[tuple[AdmissionRequest, str]], now: float
+    ) -> list[AdmissionDecision]:
+        batch = self._batch = _Batch()
+        try:
+            decisions = self.ledger.batch(
+                lambda: [self._admit(request, tenant, now) for request, tenant in requests]
+            )
+        except BaseException:
+            for grantor, admission_id, grant_id in reversed(batch.external):
+                grantor.release(admission_id, grant_id)  # nothing of the batch was kept
+            raise
+        finally:
+            self._batch = None
+        for admission_id, decided in batch.decided.items():
+            self._remember(admission_id, decided)
+        self._budgets_set |= batch.budgets
+        return decisions
+
+    def _admit(self, request: AdmissionRequest, tenant: str, now: float) -> AdmissionDecision:
         digest = requirement_digest(request.requirements, tenant)
-        earlier = self._earlier_decision(request.admission_id, digest, now)
+        earlier = self._earlier_decision(request.admission_id, digest)
         if earlier is not None:
             return earlier
         eligibility = check_eligibility(
@@ -153,39 +250,68 @@ class Admitter:
             now=now,
         )
         decision = self._decide(request, tenant, digest, eligibility, now)
-        self.decisions[request.admission_id] = _Decided(digest, decision, eligibility.to_record())
+        self._record(_Decided(digest, decision, eligibility.to_record(), tenant), now)
         return decision
+
+    def _record(self, decided: _Decided, now: float) -> None:
+        """Write the decision in the current transaction; cache it once that commits."""
+        admission_id = decided.decision.admission_id
+        kept = self.ledger.record_decision(
+            admission_id, decided.digest, decided.decision.outcome, now, decided.to_json()
+        )
+        if kept and self._batch is not None:
+            self._batch.decided[admission_id] = decided
+
+    def _remember(self, admission_id: str, decided: _Decided) -> None:
+        self.decisions[admission_id] = decided
+        self.decisions.move_to_end(admission_id)
+        while len(self.decisions) > DECISION_CACHE_SIZE:
+            self.decisions.popitem(last=False)
+
+    def _lookup(self, admission_id: str) -> _Decided | None:
+        """The latest decision about ``admission_id``: this batch's, the cache's, or the
+        ledger's (made before a restart, or by another manager)."""
+        if self._batch is not None and admission_id in self._batch.decided:
+            return self._batch.decided[admission_id]
+        decided = self.decisions.get(admission_id)
+        if decided is not None:
+            return decided
+        row = self.ledger.decision(admission_id)
+        if row is None:
+            return None
+        try:
+            return _Decided.from_row(row)
+        except ValueError:
+            log.error("a stored decision no longer validates", extra={"admission": admission_id})
+            return None
 
     def explain(self, admission_id: str) -> dict[str, Any] | None:
         """The recorded decision and the eligibility record behind it (``mesh explain``)."""
-        decided = self.decisions.get(admission_id)
+        decided = self._lookup(admission_id)
         if decided is None:
             return None
         return {
             "decision": decided.decision.model_dump(mode="json"),
             "eligibility": decided.eligibility,
+            "tenant": decided.tenant,
         }
 
-    def _earlier_decision(
-        self, admission_id: str, digest: str, now: float
-    ) -> AdmissionDecision | None:
-        decided = self.decisions.get(admission_id)
-        reservation = self.ledger.get(admission_id)
-        known_digest = decided.digest if decided else reservation.digest if reservation else None
-        if known_digest is None:
+    def _earlier_decision(self, admission_id: str, digest: str) -> AdmissionDecision | None:
+        """The answer already given to this admission ID, if it still holds. A reservation
+        without a recorded decision (its manager stopped mid-way) is found by ``prepare``."""
+        decided = self._lookup(admission_id)
+        if decided is None:
             return None
-        if known_digest != digest:
+        if decided.digest != digest:
             return _refused(
                 admission_id,
                 AdmissionReason.CONFLICT,
                 "this admission ID was used with other requirements",
             )
-        if reservation is not None:
-            if decided is not None and decided.decision.outcome == "admitted":
-                return decided.decision
-            return self._replay(reservation, now)
-        # Rejected or deferred before: nothing was reserved, so decide again — a producer
-        # told to retry after ``retry_after_ms`` retries with the same admission ID.
+        if decided.decision.outcome == "admitted":
+            return decided.decision  # the same request: the same grant
+        # Rejected or deferred before: nothing was reserved, so decide again — a producer told
+        # to retry after ``retry_after_ms`` retries with the same admission ID.
         return None
 
     def _replay(self, reservation: Reservation, now: float) -> AdmissionDecision:
@@ -223,8 +349,14 @@ class Admitter:
             prepared = self.ledger.prepare(
                 request.admission_id, digest, items, self.policy.prepare_ttl_s, now,
                 pool_id=pool_id,
+                # Nothing outside the ledger to wait for: activate in the same statement batch.
+                activate_ttl_s=None if self.grantors else self.policy.grant_ttl_s,
             )  # fmt: skip
             if isinstance(prepared, Prepared):
+                if prepared.replayed:  # reserved before, by a manager that stopped mid-way
+                    return self._replay(prepared.reservation, now)
+                if prepared.reservation.state == "ACTIVE":
+                    return self._admitted(prepared.reservation, [])
                 return self._take_external_then_activate(prepared.reservation, now)
             if prepared.reason is LedgerReason.CONFLICT:
                 return _refused(request.admission_id, AdmissionReason.CONFLICT, prepared.detail)
@@ -259,6 +391,8 @@ class Admitter:
                     retry_after_ms=self.policy.retry_after_ms,
                 )
             taken.append((grantor, grant_id))
+            if self._batch is not None:
+                self._batch.external.append((grantor, reservation.admission_id, grant_id))
         active = self.ledger.activate(
             reservation.admission_id, reservation.fence, self.policy.grant_ttl_s, now
         )
@@ -272,6 +406,8 @@ class Admitter:
     ) -> None:
         for grantor, grant_id in reversed(taken):
             grantor.release(reservation.admission_id, grant_id)
+            if self._batch is not None:
+                self._batch.external.remove((grantor, reservation.admission_id, grant_id))
         self.ledger.release(reservation.admission_id, reservation.fence, now)
 
     def _admitted(self, reservation: Reservation, external: list[str]) -> AdmissionDecision:
@@ -290,12 +426,18 @@ class Admitter:
         )
 
     def _ensure_budget(self, tenant: str) -> None:
-        if tenant in self._budgets_set:
+        """Give a tenant seen for the first time the default budget (in the current
+        transaction: remembered only once that commits)."""
+        batch = self._batch
+        if tenant in self._budgets_set or (batch is not None and tenant in batch.budgets):
             return
         resource = tenant_tokens_resource(tenant)
         if (TENANT_POOL, resource) not in self.ledger.usage():
             self.ledger.set_capacity(TENANT_POOL, resource, self.policy.default_tenant_tokens)
-        self._budgets_set.add(tenant)
+        if batch is not None:
+            batch.budgets.add(tenant)
+        else:
+            self._budgets_set.add(tenant)
 
     def _by_preference(self, pools: Sequence[str]) -> list[str]:
         """Least-used model slots first (a fraction), then pool ID: spread the load."""
@@ -325,6 +467,16 @@ class Admitter:
     def expire(self, now: float) -> list[Reservation]:
         """Overdue reservations → EXPIRED under a higher fence."""
         return self.ledger.expire_due(now)
+
+
+def _unavailable(admission_id: str, exc: StoreError) -> AdmissionDecision:
+    return _refused(
+        admission_id,
+        AdmissionReason.LEDGER_UNAVAILABLE,
+        f"the reservation ledger failed: {exc}; retry with the same admission ID",
+        deferred=True,
+        retry_after_ms=1_000,
+    )
 
 
 def _refused(

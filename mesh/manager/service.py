@@ -66,8 +66,10 @@ from mesh.errors import (
     PublishUnroutable,
     TransportError,
 )
+from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore
 from mesh.manager.admission import Admitter, ExternalGrantor
+from mesh.manager.batching import GroupCommit
 from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
 from mesh.manager.journal import Journal, SqliteJournal
@@ -150,8 +152,15 @@ class ManagerService:
         self._owns_ledger = ledger is None
         self._grantors = grantors
         self.admitter: Admitter | None = None
-        # One worker thread: admissions are serialised, in arrival order, off the event loop.
+        # Admissions are decided in batches (group commit: one ledger transaction per batch),
+        # serialised in arrival order: on the loop itself for SQLite (``ledger_inline``), else
+        # on one worker thread. Housekeeping (open, checkpoint, close) always uses the thread.
         self._ledger_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._ledger_inline = False
+        self._epochs_announced_at = float("-inf")  # monotonic; announced on the first tick
+        self._admissions: GroupCommit[tuple[AdmissionRequest, str], AdmissionDecision] = (
+            GroupCommit(self._admit_batch, max_batch=settings.admission_batch)
+        )
         self._consumers: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -175,8 +184,11 @@ class ManagerService:
             self._journal = SqliteJournal(s.journal_path)
         if self._ledger is None:
             self._ledger = await self._in_ledger_thread(open_ledger, s.ledger_url)
+        self._ledger_inline = (
+            isinstance(self._ledger, SqliteLedger) if s.ledger_inline is None else s.ledger_inline
+        )
         self.admitter = Admitter(self._ledger, s.admission, self._grantors)
-        adopted = await self._in_ledger_thread(self.admitter.load_descriptors)
+        adopted = await self._on_ledger(self.admitter.load_descriptors)
         log.info("descriptors loaded from the ledger", extra={"pools": adopted})
         await self.transport.declare(self.topology.manager())
         await self._execute(
@@ -212,6 +224,7 @@ class ManagerService:
             self._ticker = None
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self._admissions.close()
         if self._owns_transport and self._transport is not None:
             await self._transport.close()
         if self._journal is not None:
@@ -406,6 +419,12 @@ class ManagerService:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._ledger_thread, partial(fn, *args))
 
+    async def _on_ledger(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run an admission-path call where the ledger's calls run (see ``ledger_inline``)."""
+        if self._ledger_inline:
+            return fn(*args)
+        return await self._in_ledger_thread(fn, *args)
+
     async def _admission(
         self,
         message: AdmissionRequest | AdmissionRelease | CapabilityDescriptor | ExplainRequest,
@@ -416,15 +435,15 @@ class ManagerService:
             raise LocalProtocolError("the manager is not started")
         now = self.clock.now().wall
         if isinstance(message, ExplainRequest):
-            return await self._in_ledger_thread(_explain, admitter, message.admission_id)
+            return await self._on_ledger(_explain, admitter, message.admission_id)
         if isinstance(message, CapabilityDescriptor):
             return await self._publish_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
-            reply = await self._in_ledger_thread(
+            reply = await self._on_ledger(
                 admitter.release, message.admission_id, message.fence, now
             )
             if reply.released:
-                held = await self._in_ledger_thread(admitter.ledger.get, message.admission_id)
+                held = await self._on_ledger(admitter.ledger.get, message.admission_id)
                 if held is not None:
                     await self._publish_revocation(
                         held.pool_id, message.admission_id, message.fence, "RELEASED", now
@@ -439,22 +458,41 @@ class ManagerService:
                 reason=AdmissionReason.INVALID_REQUEST,
                 detail="no authenticated producer: publish with user_id set to your broker user",
             )
-        decision = await self._in_ledger_thread(admitter.admit, message, tenant, now)
-        self.counters[f"admission.{decision.outcome}"] += 1
-        entry = LogEntry(
-            at=now,
-            kind="admission",
-            reason=decision.reason.value if decision.reason else decision.outcome,
-            detail={
-                "admission_id": decision.admission_id,
-                "outcome": decision.outcome,
-                "tenant": tenant,
-                "pool_id": decision.grant.pool_id if decision.grant else None,
-                "fence": decision.grant.fence if decision.grant else None,
-            },
-        )
-        await self._execute([AppendLog(entry)])
-        return decision
+        return await self._admissions.submit((message, tenant))
+
+    async def _admit_batch(
+        self, requests: list[tuple[AdmissionRequest, str]]
+    ) -> list[AdmissionDecision]:
+        """Decide every admission that queued up meanwhile: one ledger transaction, one
+        thread hand-off and one journal commit for the lot."""
+        admitter = self.admitter
+        if admitter is None:
+            raise LocalProtocolError("the manager is not started")
+        now = self.clock.now().wall
+        decisions = await self._on_ledger(admitter.admit_many, requests, now)
+        self.counters["admission_batches"] += 1
+        entries = []
+        for (_, tenant), decision in zip(requests, decisions, strict=True):
+            self.counters[f"admission.{decision.outcome}"] += 1
+            grant = decision.grant
+            entries.append(
+                AppendLog(
+                    LogEntry(
+                        at=now,
+                        kind="admission",
+                        reason=decision.reason.value if decision.reason else decision.outcome,
+                        detail={
+                            "admission_id": decision.admission_id,
+                            "outcome": decision.outcome,
+                            "tenant": tenant,
+                            "pool_id": grant.pool_id if grant else None,
+                            "fence": grant.fence if grant else None,
+                        },
+                    )
+                )
+            )
+        await self._execute(entries)
+        return decisions
 
     async def _publish_descriptor(
         self, admitter: Admitter, descriptor: CapabilityDescriptor, request: Delivery, now: float
@@ -469,10 +507,11 @@ class ManagerService:
                 reason=Reason.NOT_AUTHORIZED,
                 detail=f"descriptors are accepted only from {self.settings.operator_user!r}",
             )
-        problem = await self._in_ledger_thread(admitter.publish_descriptor, descriptor, now)
+        problem = await self._on_ledger(admitter.publish_descriptor, descriptor, now)
         if problem is not None:
             return Refusal(reason=Reason.SCHEMA_VIOLATION, detail=problem)
         self.counters["descriptors_published"] += 1
+        await self._announce_epochs([descriptor])
         entry = LogEntry(
             at=now,
             kind="descriptor",
@@ -484,11 +523,33 @@ class ManagerService:
             pool_id=descriptor.pool_id, descriptor_epoch=descriptor.descriptor_epoch
         )
 
+    async def _announce_epochs(self, descriptors: Sequence[CapabilityDescriptor]) -> None:
+        """Tell each pool's agents its active descriptor epoch (``grant.<pool>``), so they
+        refuse grants issued under an older one (:mod:`mesh.agent.grants`)."""
+        now = self.clock.now()
+        self._epochs_announced_at = now.mono
+        for descriptor in descriptors:
+            event = OrchestrationEvent(
+                at=now.wall,
+                kind=c.EVENT_DESCRIPTOR_ACTIVE,
+                reason=f"epoch {descriptor.descriptor_epoch}",
+                detail={
+                    "pool_id": descriptor.pool_id,
+                    "descriptor_epoch": descriptor.descriptor_epoch,
+                    "policy_generation": self.settings.admission.active_generation,
+                },
+            )
+            await self._publish_event(names.pool_grant_key(descriptor.pool_id), event)
+
     async def _expire_admissions(self) -> None:
         if self.admitter is None:
             return
-        await self._in_ledger_thread(self.admitter.load_descriptors)
-        expired = await self._in_ledger_thread(self.admitter.expire, self.clock.now().wall)
+        adopted = await self._on_ledger(self.admitter.load_descriptors)
+        due = self.clock.now().mono - self._epochs_announced_at
+        if adopted or due >= self.settings.epoch_announce_interval_s:
+            await self._announce_epochs(list(self.admitter.descriptors.values()))
+        expired = await self._on_ledger(self.admitter.expire, self.clock.now().wall)
+        await self._in_ledger_thread(self.admitter.ledger.maintain)  # off the commit path
         if expired:
             self.counters["admissions_expired"] += len(expired)
             await self._execute(

@@ -30,6 +30,16 @@ class ManagerSettings:
     # when several managers share one ledger.
     ledger_url: str = "sqlite:.mesh/ledger.sqlite3"
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    # At most this many admissions are decided in one ledger transaction (group commit); a
+    # batch holds what arrived while the previous one ran, so it never waits to fill up.
+    admission_batch: int = 64
+    # Decide admissions on the event loop itself instead of a worker thread. ``None``: yes for
+    # an SQLite ledger (a batch is a short local transaction, and a thread would fight the
+    # loop for the GIL on every statement), no for PostgreSQL (network round trips).
+    ledger_inline: bool | None = None
+    # How often every pool's active descriptor epoch is announced to its agents (also at once
+    # whenever a descriptor is accepted or adopted from the shared ledger).
+    epoch_announce_interval_s: float = 30.0
     # Descriptors are accepted only from this broker user (RabbitMQ validates user_id).
     operator_user: str = "mesh-operator"
 

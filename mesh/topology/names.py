@@ -71,6 +71,12 @@ def grant_key(pool_id: str, admission_id: str) -> str:
     return key
 
 
+def pool_grant_key(pool_id: str) -> str:
+    """``grant.<pool_id>``: news about every grant of one pool (its active descriptor epoch);
+    matched by :func:`grant_binding`, since ``#`` also matches no word at all."""
+    return f"{c.RK_GRANT}.{pool_id}"
+
+
 def grant_binding(pool_id: str) -> str:
     """The binding key for every grant revocation of one pool."""
     return f"{c.RK_GRANT}.{pool_id}.#"

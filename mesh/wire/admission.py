@@ -65,6 +65,7 @@ class AdmissionReason(StrEnum):
     STALE_FENCE = "STALE_FENCE"
     NOT_FOUND = "NOT_FOUND"
     EXTERNAL_GRANT_FAILED = "EXTERNAL_GRANT_FAILED"
+    LEDGER_UNAVAILABLE = "LEDGER_UNAVAILABLE"  # the store failed; retry the same admission ID
 
 
 # ---- field types --------------------------------------------------------------------------

@@ -4,6 +4,7 @@ claim and before its result, and hears the manager's revocations on the events e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -175,6 +176,68 @@ async def test_an_expired_reservation_revokes_its_grant_on_the_agent(
         lenient = grant.model_copy(update={"expires_at": time.time() + 60})
         refused = await send(producer, topology, runtime.agent_id, lenient)
         assert refused_for(refused, "revoked"), refused
+    finally:
+        await runtime.stop()
+        await manager.stop()
+
+
+async def test_a_grant_from_an_older_descriptor_epoch_is_refused_once_a_newer_one_is_active(
+    amqp_url: str, namespace: str, tmp_path: Path, producer: MeshClient, topology: Topology
+) -> None:
+    manager = await started_manager(amqp_url, namespace, tmp_path, grant_ttl_s=60)
+    runtime = calc_runtime(amqp_url, namespace, "calc-epochs")
+    try:
+        await runtime.start()
+        await producer.publish_descriptor(CALC)
+        await eventually(
+            lambda: runtime.active_epoch == CALC.descriptor_epoch,
+            what="the agent heard its pool's epoch",
+        )
+        decision = await producer.admit(CALC_REQUIREMENTS, admission_id="adm-old-epoch")
+        assert decision.grant is not None
+        old = TaskGrant.from_grant(decision.grant)
+        assert old.descriptor_epoch == CALC.descriptor_epoch
+        ok = await send(producer, topology, runtime.agent_id, old)
+        assert ok.status == "ok", ok
+
+        newer = CALC.model_copy(update={"descriptor_epoch": CALC.descriptor_epoch + 1})
+        assert (await producer.publish_descriptor(newer)).type == "mesh.descriptor-accepted.v1"
+        await eventually(
+            lambda: runtime.active_epoch == newer.descriptor_epoch,
+            what="the agent heard the new epoch",
+        )
+        stale = await send(producer, topology, runtime.agent_id, old)
+        assert refused_for(stale, f"epoch {newer.descriptor_epoch}"), stale
+
+        fresh_decision = await producer.admit(CALC_REQUIREMENTS, admission_id="adm-new-epoch")
+        assert fresh_decision.grant is not None
+        assert fresh_decision.grant.descriptor_epoch == newer.descriptor_epoch
+        current = await send(
+            producer, topology, runtime.agent_id, TaskGrant.from_grant(fresh_decision.grant)
+        )
+        assert current.status == "ok", current
+        assert runtime.counters["grants_refused"] == 1
+    finally:
+        await runtime.stop()
+        await manager.stop()
+
+
+async def test_an_agent_that_starts_later_learns_the_epoch_from_the_periodic_announcement(
+    amqp_url: str, namespace: str, tmp_path: Path, producer: MeshClient
+) -> None:
+    policy = AdmissionPolicy(active_generation=DESCRIPTOR.policy_generation)
+    settings = settings_for(amqp_url, namespace, tmp_path, admission=policy)
+    manager = await start_manager(
+        dataclasses.replace(settings, epoch_announce_interval_s=0.5, tick_interval_s=0.2)
+    )
+    runtime = calc_runtime(amqp_url, namespace, "calc-late")
+    try:
+        await producer.publish_descriptor(CALC)  # before the agent exists
+        await runtime.start()
+        await eventually(
+            lambda: runtime.active_epoch == CALC.descriptor_epoch,
+            what="the late agent heard the epoch",
+        )
     finally:
         await runtime.stop()
         await manager.stop()

@@ -112,6 +112,7 @@ def test_the_admission_reasons_are_the_documented_stable_strings() -> None:
         "STALE_FENCE",
         "NOT_FOUND",
         "EXTERNAL_GRANT_FAILED",
+        "LEDGER_UNAVAILABLE",
     }
 
 

@@ -268,3 +268,103 @@ def test_a_retry_finishes_an_admission_whose_manager_stopped_between_prepare_and
     assert retried.outcome == "admitted" and retried.grant is not None
     assert ledger.get("adm-1").state == "ACTIVE"  # type: ignore[union-attr]
     assert used(ledger)[("rag-eu", "model_slots")] == 1  # nothing taken twice
+
+
+# ---- group commit and recorded decisions ---------------------------------------------------
+def test_a_batch_is_decided_in_order_in_one_transaction(ledger: SqliteLedger) -> None:
+    a = admitter(ledger)
+    pairs = [(request(f"adm-{i}"), "tenant-a") for i in range(6)]
+    pairs.append((request("adm-0", estimated_tokens=1), "tenant-a"))  # reused ID, other payload
+
+    decisions = a.admit_many(pairs, T0)
+
+    assert [d.admission_id for d in decisions] == [p[0].admission_id for p in pairs]
+    assert [d.outcome for d in decisions] == ["admitted"] * 4 + ["deferred"] * 2 + ["rejected"]
+    assert decisions[-1].reason is AdmissionReason.CONFLICT
+    assert used(ledger)[("rag-eu", "model_slots")] == 4
+
+
+def test_a_failed_batch_is_decided_again_one_by_one_and_its_external_grants_released(
+    tmp_path: Path,
+) -> None:
+    from mesh.errors import StoreError
+
+    store = SqliteLedger(tmp_path / "ledger.sqlite3")
+    grantor = Grantor("gpu")
+    a = admitter(store, grantor)
+    real_batch = store.batch
+    calls: list[int] = []
+
+    def failing_batch(work):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) > 1:
+            return real_batch(work)
+
+        def then_fail():  # type: ignore[no-untyped-def]
+            work()  # every decision made, grants taken ...
+            raise StoreError("deadlock detected")  # ... and the transaction rolled back
+
+        return real_batch(then_fail)
+
+    store.batch = failing_batch  # type: ignore[method-assign]
+    try:
+        decisions = a.admit_many([(request(f"adm-{i}"), "tenant-a") for i in range(3)], T0)
+    finally:
+        store.close()
+
+    assert [d.outcome for d in decisions] == ["admitted"] * 3
+    assert len(calls) == 4  # the batch, then one transaction per request
+    assert sorted(grantor.held) == ["adm-0", "adm-1", "adm-2"]  # each held once, none leaked
+    assert grantor.requests.count("adm-0") == 2  # asked again after the failed batch
+
+
+def test_a_request_whose_own_transaction_fails_is_deferred_as_ledger_unavailable(
+    ledger: SqliteLedger,
+) -> None:
+    from mesh.errors import StoreError
+
+    a = admitter(ledger)
+
+    def broken(work):  # type: ignore[no-untyped-def]
+        raise StoreError("disk I/O error")
+
+    ledger.batch = broken  # type: ignore[method-assign]
+    (decision,) = a.admit_many([(request("adm-1"), "tenant-a")], T0)
+
+    assert decision.outcome == "deferred"
+    assert decision.reason is AdmissionReason.LEDGER_UNAVAILABLE
+    assert decision.retry_after_ms and "retry with the same admission ID" in decision.detail
+
+
+def test_decisions_and_their_eligibility_survive_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    other_region = request("adm-x", regions=["us-east-1"])
+    with SqliteLedger(path) as store:
+        a = admitter(store)
+        admitted = a.admit(request("adm-1"), "tenant-a", T0)
+        refused = a.admit(other_region, "tenant-a", T0)
+        before = a.explain("adm-x")
+
+    with SqliteLedger(path) as reopened:
+        fresh = Admitter(reopened, POLICY)  # empty cache: everything comes from the ledger
+        assert fresh.explain("adm-x") == before
+        assert before is not None and before["eligibility"]["pools"][0]["rule"] == "region_allowed"
+        assert fresh.explain("adm-1")["decision"] == admitted.model_dump(mode="json")  # type: ignore[index]
+        # The same request gets exactly the recorded grant, external IDs and epoch included.
+        assert fresh.admit(request("adm-1"), "tenant-a", T0 + 5) == admitted
+        again = fresh.admit(other_region, "tenant-a", T0 + 5)
+        assert (again.outcome, again.reason) == (refused.outcome, refused.reason)
+
+
+def test_the_decision_cache_is_bounded(
+    ledger: SqliteLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mesh.manager import admission
+
+    monkeypatch.setattr(admission, "DECISION_CACHE_SIZE", 3)
+    a = admitter(ledger)
+    for i in range(4):
+        a.admit(request(f"adm-{i}"), "tenant-a", T0)
+
+    assert list(a.decisions) == ["adm-1", "adm-2", "adm-3"]
+    assert a.explain("adm-0") is not None  # evicted from memory, still in the ledger

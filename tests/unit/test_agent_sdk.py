@@ -23,7 +23,7 @@ from mesh.agent import (
     capability,
     process_task,
 )
-from mesh.agent.grants import RevokedGrants, check_grant, parse_revocation
+from mesh.agent.grants import RevokedGrants, check_grant, parse_epoch, parse_revocation
 from mesh.errors import LocalProtocolError, PublishTimeout, PublishUnroutable
 from mesh.topology import BindingSpec, Declarations, Topology
 from mesh.transport import Delivery, Handler
@@ -946,6 +946,33 @@ def test_a_grant_at_or_past_its_expiry_is_expired(now: float) -> None:
 def test_a_grant_whose_fence_was_revoked_or_superseded_is_refused(revoked: int) -> None:
     problem = check_grant(GRANT, pool_id="toy", now=1000.0, revoked_fence=revoked)
     assert problem is not None and "revoked" in problem
+
+
+@pytest.mark.parametrize(("active", "ok"), [(None, True), (2, True), (3, True), (4, False)])
+def test_a_grant_issued_under_an_older_epoch_than_the_announced_one_is_refused(
+    active: int | None, ok: bool
+) -> None:
+    problem = check_grant(GRANT, pool_id="toy", now=1000.0, revoked_fence=None, active_epoch=active)
+    assert (problem is None) is ok
+    if not ok:
+        assert problem is not None and "epoch 3" in problem and "epoch 4" in problem
+
+
+@pytest.mark.parametrize(
+    ("detail", "parsed"),
+    [
+        ({"pool_id": "toy", "descriptor_epoch": 4, "policy_generation": 1}, ("toy", 4)),
+        ({"pool_id": "toy"}, None),
+        ({"pool_id": "", "descriptor_epoch": 4}, None),
+        ({"pool_id": "toy", "descriptor_epoch": True}, None),
+        ({"pool_id": "toy", "descriptor_epoch": 0}, None),
+        ({"pool_id": "toy", "descriptor_epoch": "4"}, None),
+    ],
+)
+def test_epoch_announcements_are_parsed_strictly(
+    detail: dict[str, object], parsed: tuple[str, int] | None
+) -> None:
+    assert parse_epoch(detail) == parsed
 
 
 def test_revoked_grants_keep_the_highest_fence_and_stay_bounded() -> None:

@@ -1,0 +1,76 @@
+"""Group commit for the event loop: many concurrent callers, one batch at a time.
+
+Each caller ``await``s :meth:`GroupCommit.submit` with one item. If no batch is running, a
+batch starts at once with whatever is queued (a lone request is never held back waiting for
+company: there is no timer). While a batch runs, new items queue; when it finishes, the next
+batch takes all of them, up to ``max_batch``. So under light load every item is its own batch,
+and under heavy load the batch size grows to the number of callers in flight — the cost of a
+batch (a thread hand-off, a transaction, an fsync) is shared by everyone who waited for it.
+
+Results go back to each caller in submission order. If ``run`` raises, every caller of that
+batch gets the exception; the next batch is unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from mesh.errors import LocalProtocolError
+
+I = TypeVar("I")  # noqa: E741 - the item type
+O = TypeVar("O")  # noqa: E741 - the result type
+
+
+class GroupCommit(Generic[I, O]):
+    """Coalesce concurrent ``submit`` calls into calls of ``run(items) -> results``."""
+
+    def __init__(self, run: Callable[[list[I]], Awaitable[list[O]]], *, max_batch: int = 64):
+        if max_batch < 1:
+            raise LocalProtocolError(f"max_batch must be at least 1, got {max_batch}")
+        self._run = run
+        self._max_batch = max_batch
+        self._queue: list[tuple[I, asyncio.Future[O]]] = []
+        self._drainer: asyncio.Task[None] | None = None
+        self.batches = 0  # batches run so far
+        self.items = 0  # items decided so far
+        self.largest = 0  # the largest batch so far
+
+    async def submit(self, item: I) -> O:
+        future: asyncio.Future[O] = asyncio.get_running_loop().create_future()
+        self._queue.append((item, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain(), name="group-commit")
+        return await future
+
+    async def close(self) -> None:
+        """Wait for the batches already queued to finish."""
+        if self._drainer is not None:
+            with contextlib.suppress(Exception):
+                await self._drainer
+
+    async def _drain(self) -> None:
+        while self._queue:
+            batch = self._queue[: self._max_batch]
+            del self._queue[: self._max_batch]
+            self.batches += 1
+            self.items += len(batch)
+            self.largest = max(self.largest, len(batch))
+            try:
+                results = await self._run([item for item, _ in batch])
+                if len(results) != len(batch):
+                    raise LocalProtocolError(
+                        f"a batch of {len(batch)} items returned {len(results)} results"
+                    )
+            except BaseException as exc:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():  # its caller may have been cancelled meanwhile
+                    future.set_result(result)
