@@ -21,11 +21,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from mesh import sqlite_wal
 from mesh.errors import StoreError
 from mesh.ledger.store import Db, SqlLedger, Tables
 
 T = TypeVar("T")
 
+# Every write touches as few b-tree pages as it can: each page a commit dirties is one more
+# WAL frame written, and at one admission per commit that is most of its cost. So tables keyed
+# by text are WITHOUT ROWID (the primary key *is* the table: no second b-tree); the log's seq
+# is a plain INTEGER PRIMARY KEY — rows are never deleted (the triggers), so a seq is never
+# reused and AUTOINCREMENT's extra bookkeeping row would buy nothing; and fences need no
+# UNIQUE index: they come from the one counter row, inside the single writer's transaction.
+# Files created by an earlier version keep their tables as they are; the SQL works on both.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS ledger_capacity (
     pool_id  TEXT    NOT NULL,
@@ -33,18 +41,18 @@ CREATE TABLE IF NOT EXISTS ledger_capacity (
     capacity INTEGER NOT NULL CHECK (capacity >= 0),
     used     INTEGER NOT NULL DEFAULT 0 CHECK (used >= 0),
     PRIMARY KEY (pool_id, resource)
-);
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS ledger_reservation (
     admission_id TEXT    PRIMARY KEY,
     digest       TEXT    NOT NULL,
     pool_id      TEXT    NOT NULL,
     state        TEXT    NOT NULL
                  CHECK (state IN ('PREPARING', 'ACTIVE', 'RELEASED', 'EXPIRED')),
-    fence        INTEGER NOT NULL UNIQUE,
+    fence        INTEGER NOT NULL,
     expires_at   REAL    NOT NULL,
     created_at   REAL    NOT NULL,
     updated_at   REAL    NOT NULL
-);
+) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS ledger_reservation_due ON ledger_reservation (expires_at)
     WHERE state IN ('PREPARING', 'ACTIVE');
 CREATE TABLE IF NOT EXISTS ledger_item (
@@ -53,9 +61,9 @@ CREATE TABLE IF NOT EXISTS ledger_item (
     resource     TEXT    NOT NULL,
     amount       INTEGER NOT NULL CHECK (amount > 0),
     PRIMARY KEY (admission_id, pool_id, resource)
-);
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS ledger_log (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq          INTEGER PRIMARY KEY,
     at           REAL    NOT NULL,
     admission_id TEXT    NOT NULL,
     event        TEXT    NOT NULL,
@@ -75,20 +83,15 @@ CREATE TABLE IF NOT EXISTS ledger_descriptor (
     pool_id TEXT    PRIMARY KEY,
     epoch   INTEGER NOT NULL,
     body    TEXT    NOT NULL
-);
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS ledger_decision (
     admission_id TEXT PRIMARY KEY,
     digest       TEXT NOT NULL,
     outcome      TEXT NOT NULL,
     decided_at   REAL NOT NULL,
     record       TEXT NOT NULL
-);
+) WITHOUT ROWID;
 """
-
-# SQLite checkpoints the WAL into the database file when a commit finds it this many pages long,
-# on that commit's path (an fsync the admission waits for). The manager checkpoints on its tick
-# instead (``maintain``); this is the backstop if nobody does.
-_WAL_AUTOCHECKPOINT_PAGES = 20_000
 
 
 class _SqliteDb:
@@ -120,16 +123,14 @@ class SqliteLedger(SqlLedger):
             )
         )
         self.path = Path(path)
-        self._checkpointer: sqlite3.Connection | None = None  # maintain's own connection
+        self._checkpointer = sqlite_wal.WalCheckpointer(path)
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._conn = sqlite3.connect(
                 str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
             )
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute(f"PRAGMA synchronous={synchronous}")
-            self._conn.execute(f"PRAGMA wal_autocheckpoint={_WAL_AUTOCHECKPOINT_PAGES}")
+            sqlite_wal.configure(self._conn, synchronous)
             self._conn.execute("PRAGMA foreign_keys=ON")
             self._conn.execute("BEGIN IMMEDIATE")
             for statement in _statements(_SCHEMA):
@@ -159,25 +160,13 @@ class SqliteLedger(SqlLedger):
         return int(fence)
 
     def maintain(self) -> None:
-        """Copy the WAL back into the database file as far as no reader needs it (PASSIVE:
-        never waits for readers or writers), so commits never pay for it. It runs on a
-        connection of its own, so decisions go on meanwhile — even from another thread."""
-        if str(self.path) == ":memory:":
-            return
-        try:
-            if self._checkpointer is None:
-                self._checkpointer = sqlite3.connect(
-                    str(self.path), isolation_level=None, check_same_thread=False
-                )
-            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        except sqlite3.Error as exc:
-            raise StoreError(f"ledger checkpoint failed on {self.path}: {exc}") from exc
+        """A PASSIVE WAL checkpoint on a connection of its own (:mod:`mesh.sqlite_wal`)."""
+        self._checkpointer.run()
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-            if self._checkpointer is not None:
-                self._checkpointer.close()
+            self._checkpointer.close()
 
 
 def _statements(script: str) -> list[str]:

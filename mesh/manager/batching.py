@@ -27,11 +27,18 @@ O = TypeVar("O")  # noqa: E741 - the result type
 class GroupCommit(Generic[I, O]):
     """Coalesce concurrent ``submit`` calls into calls of ``run(items) -> results``."""
 
-    def __init__(self, run: Callable[[list[I]], Awaitable[list[O]]], *, max_batch: int = 64):
+    def __init__(
+        self,
+        run: Callable[[list[I]], Awaitable[list[O]]],
+        *,
+        max_batch: int = 64,
+        max_yields: int = 4,
+    ):
         if max_batch < 1:
             raise LocalProtocolError(f"max_batch must be at least 1, got {max_batch}")
         self._run = run
         self._max_batch = max_batch
+        self._max_yields = max_yields
         self._queue: list[tuple[I, asyncio.Future[O]]] = []
         self._drainer: asyncio.Task[None] | None = None
         self.batches = 0  # batches run so far
@@ -45,6 +52,18 @@ class GroupCommit(Generic[I, O]):
             self._drainer = asyncio.create_task(self._drain(), name="group-commit")
         return await future
 
+    async def _gather(self) -> None:
+        """Let callers already scheduled on the loop join this batch: yield one loop iteration
+        at a time while the queue keeps growing (at most ``max_yields``; no timer, so an
+        idle loop adds only microseconds)."""
+        for _ in range(self._max_yields):
+            before = len(self._queue)
+            if before >= self._max_batch:
+                return
+            await asyncio.sleep(0)
+            if len(self._queue) == before:
+                return
+
     async def close(self) -> None:
         """Wait for the batches already queued to finish."""
         if self._drainer is not None:
@@ -53,6 +72,7 @@ class GroupCommit(Generic[I, O]):
 
     async def _drain(self) -> None:
         while self._queue:
+            await self._gather()
             batch = self._queue[: self._max_batch]
             del self._queue[: self._max_batch]
             self.batches += 1

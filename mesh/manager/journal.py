@@ -16,12 +16,13 @@ from typing import Protocol
 
 import orjson
 
+from mesh import sqlite_wal
 from mesh.errors import StoreError
 from mesh.wire.models import OrchestrationEvent
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS orchestration_log (
-    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq        INTEGER PRIMARY KEY, -- never reused: rows are never deleted (the triggers)
     at         REAL    NOT NULL,
     kind       TEXT    NOT NULL,
     agent_id   TEXT    NOT NULL DEFAULT '',
@@ -44,6 +45,7 @@ _COLUMNS = "seq, at, kind, agent_id, from_state, to_state, capability, reason, d
 class Journal(Protocol):
     def append_many(self, events: Iterable[OrchestrationEvent]) -> list[OrchestrationEvent]: ...
     def tail(self, limit: int = 50, *, agent_id: str | None = None) -> list[OrchestrationEvent]: ...
+    def maintain(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -56,9 +58,9 @@ class SqliteJournal:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
+            sqlite_wal.configure(self._db)
             self._db.executescript(_SCHEMA)
+            self._checkpointer = sqlite_wal.WalCheckpointer(path)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the journal at {path}: {exc}") from exc
 
@@ -99,8 +101,13 @@ class SqliteJournal:
     def count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM orchestration_log").fetchone()[0])
 
+    def maintain(self) -> None:
+        """A PASSIVE WAL checkpoint off the commit path (:mod:`mesh.sqlite_wal`)."""
+        self._checkpointer.run()
+
     def close(self) -> None:
         self._db.close()
+        self._checkpointer.close()
 
     def _transaction(self) -> _Tx:
         return _Tx(self._db)

@@ -476,22 +476,25 @@ class ManagerService:
             self.counters[f"admission.{decision.outcome}"] += 1
             grant = decision.grant
             entries.append(
-                AppendLog(
-                    LogEntry(
-                        at=now,
-                        kind="admission",
-                        reason=decision.reason.value if decision.reason else decision.outcome,
-                        detail={
-                            "admission_id": decision.admission_id,
-                            "outcome": decision.outcome,
-                            "tenant": tenant,
-                            "pool_id": grant.pool_id if grant else None,
-                            "fence": grant.fence if grant else None,
-                        },
-                    )
+                LogEntry(
+                    at=now,
+                    kind="admission",
+                    reason=decision.reason.value if decision.reason else decision.outcome,
+                    detail={
+                        "admission_id": decision.admission_id,
+                        "outcome": decision.outcome,
+                        "tenant": tenant,
+                        "pool_id": grant.pool_id if grant else None,
+                        "fence": grant.fence if grant else None,
+                    },
                 )
             )
-        await self._execute(entries)
+        # Every decision is journaled (``mesh log``) and recorded in the ledger (``mesh
+        # explain``); the live feed carries only the refusals — what someone following it can
+        # act on — so a busy mesh does not pay one more broker message per grant.
+        for event in self._append(entries):
+            if event.detail.get("outcome") != "admitted":
+                await self._publish_event(names.log_key(event.agent_id, event.kind), event)
         return decisions
 
     async def _publish_descriptor(
@@ -549,7 +552,10 @@ class ManagerService:
         if adopted or due >= self.settings.epoch_announce_interval_s:
             await self._announce_epochs(list(self.admitter.descriptors.values()))
         expired = await self._on_ledger(self.admitter.expire, self.clock.now().wall)
-        await self._in_ledger_thread(self.admitter.ledger.maintain)  # off the commit path
+        # WAL checkpoints off the commit path, on the worker thread (own connections).
+        await self._in_ledger_thread(self.admitter.ledger.maintain)
+        if self._journal is not None:
+            await self._in_ledger_thread(self._journal.maintain)
         if expired:
             self.counters["admissions_expired"] += len(expired)
             await self._execute(

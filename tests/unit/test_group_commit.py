@@ -37,8 +37,8 @@ async def test_items_arriving_while_a_batch_runs_form_the_next_batch() -> None:
     commit = GroupCommit(recorder.run)
     recorder.gate.clear()
     first = asyncio.create_task(commit.submit(1))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    for _ in range(20):
+        await asyncio.sleep(0)
     assert recorder.batches == [[1]]  # running, held at the gate
 
     rest = [asyncio.create_task(commit.submit(n)) for n in range(2, 7)]
@@ -49,6 +49,15 @@ async def test_items_arriving_while_a_batch_runs_form_the_next_batch() -> None:
     assert [await task for task in rest] == [20, 30, 40, 50, 60]
     assert recorder.batches == [[1], [2, 3, 4, 5, 6]]
     assert (commit.batches, commit.items, commit.largest) == (2, 6, 5)
+
+
+async def test_callers_scheduled_in_the_same_loop_iteration_share_one_batch() -> None:
+    recorder = Recorder()
+    commit = GroupCommit(recorder.run)
+    tasks = [asyncio.create_task(commit.submit(n)) for n in range(5)]
+
+    assert await asyncio.gather(*tasks) == [0, 10, 20, 30, 40]
+    assert recorder.batches == [[0, 1, 2, 3, 4]]
 
 
 async def test_a_batch_never_exceeds_max_batch() -> None:
