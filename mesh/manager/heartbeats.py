@@ -35,10 +35,13 @@ class HeartbeatSink:
         clock: Clock,
         on_commands: Callable[[list[Command]], None],
         counters: Counter[str] | None = None,
+        on_heartbeat: Callable[[Heartbeat, float], None] | None = None,
     ) -> None:
+        """``on_heartbeat(heartbeat, now_wall)`` sees every valid heartbeat (for metrics)."""
         self._core = core
         self._clock = clock
         self._on_commands = on_commands
+        self._on_heartbeat = on_heartbeat
         self.counters: Counter[str] = Counter() if counters is None else counters
 
     def __call__(self, body: bytes) -> None:
@@ -49,7 +52,10 @@ class HeartbeatSink:
             log.debug("bad heartbeat dropped", extra={"reason": exc.reason})
             return
         self.counters["heartbeats"] += 1
-        commands = self._core.handle(HeartbeatReceived(heartbeat), self._clock.now())
+        now = self._clock.now()
+        if self._on_heartbeat is not None:
+            self._on_heartbeat(heartbeat, now.wall)
+        commands = self._core.handle(HeartbeatReceived(heartbeat), now)
         if commands:
             self._on_commands(commands)
 

@@ -73,6 +73,7 @@ from mesh.manager.batching import GroupCommit
 from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
 from mesh.manager.journal import Journal, SqliteJournal
+from mesh.manager.observe import Observer, vhost_of
 from mesh.manager.settings import ManagerSettings, open_ledger
 from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
@@ -165,7 +166,26 @@ class ManagerService:
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._started_at = self.clock.now().mono
-        self.heartbeats = HeartbeatSink(self.core, self.clock, self._spawn, self.counters)
+        self.observer = Observer(
+            manager_id=settings.manager_id,
+            namespace=settings.namespace,
+            vhost=vhost_of(settings.amqp_url),
+            agents=lambda: self.core.status(self.clock.now()),
+            descriptors=lambda: self.admitter.descriptors if self.admitter else {},
+            active_epochs=lambda: self.admitter.active_epochs if self.admitter else {},
+            active_generation=settings.admission.active_generation,
+            counters=self.counters,
+            started_at=self._started_at,
+            management_url=settings.management_url,
+            queue_poll_interval_s=settings.queue_poll_interval_s,
+        )
+        self.heartbeats = HeartbeatSink(
+            self.core,
+            self.clock,
+            self._spawn,
+            self.counters,
+            on_heartbeat=lambda hb, now: self.observer.heartbeat(hb.sent_at, now),
+        )
 
     @property
     def transport(self) -> ManagerTransport:
@@ -208,6 +228,9 @@ class ManagerService:
         self.transport.on_disconnect(self._lost_broker)
         self.transport.on_reconnect(self._after_reconnect)
         self._ticker = asyncio.create_task(self._tick_forever(), name="manager-ticker")
+        if s.http_port is not None:
+            url = await self.observer.serve(s.http_host, s.http_port)
+            log.info("status page", extra={"url": url, "metrics": f"{url}metrics"})
         log.info("manager started", extra={"namespace": s.namespace, "manager_id": s.manager_id})
 
     async def stop(self) -> None:
@@ -225,6 +248,7 @@ class ManagerService:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self._admissions.close()
+        await self.observer.close()
         if self._owns_transport and self._transport is not None:
             await self._transport.close()
         if self._journal is not None:
@@ -258,6 +282,7 @@ class ManagerService:
             try:
                 await self._feed(Tick())
                 await self._expire_admissions()
+                await self._observe_tick()
             except TransportError as exc:
                 log.warning("tick commands not delivered", extra={"error": str(exc)})
             except Exception:  # the ticker must outlive any bug in one tick
@@ -335,6 +360,7 @@ class ManagerService:
 
     async def _dead_letter(self, delivery: Delivery, queue: str, exc: MessageRejected) -> None:
         self.counters["dead_lettered"] += 1
+        self.observer.dead_lettered(exc.reason)
         self.counters[f"dead_lettered.{exc.reason}"] += 1
         log.warning(
             "message dead-lettered",
@@ -439,10 +465,12 @@ class ManagerService:
         if isinstance(message, CapabilityDescriptor):
             return await self._publish_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
+            started = self.clock.now().mono
             reply = await self._on_ledger(
                 admitter.release, message.admission_id, message.fence, now
             )
             if reply.released:
+                self.observer.metrics.release_latency.observe(self.clock.now().mono - started)
                 held = await self._on_ledger(admitter.ledger.get, message.admission_id)
                 if held is not None:
                     await self._publish_revocation(
@@ -472,8 +500,12 @@ class ManagerService:
         decisions = await self._on_ledger(admitter.admit_many, requests, now)
         self.counters["admission_batches"] += 1
         entries = []
-        for (_, tenant), decision in zip(requests, decisions, strict=True):
+        for (request, tenant), decision in zip(requests, decisions, strict=True):
             self.counters[f"admission.{decision.outcome}"] += 1
+            record = admitter.explain(decision.admission_id)  # cached: just decided
+            self.observer.admitted(
+                now, request.requirements, decision, record["eligibility"] if record else None
+            )
             grant = decision.grant
             entries.append(
                 LogEntry(
@@ -525,6 +557,12 @@ class ManagerService:
         return DescriptorAccepted(
             pool_id=descriptor.pool_id, descriptor_epoch=descriptor.descriptor_epoch
         )
+
+    async def _observe_tick(self) -> None:
+        usage = None
+        if self.admitter is not None:
+            usage = await self._on_ledger(self.admitter.ledger.usage)
+        await self.observer.tick(usage)
 
     async def _announce_epochs(self, descriptors: Sequence[CapabilityDescriptor]) -> None:
         """Tell each pool's agents its active descriptor epoch (``grant.<pool>``), so they

@@ -40,6 +40,14 @@ class ManagerSettings:
     # How often every pool's active descriptor epoch is announced to its agents (also at once
     # whenever a descriptor is accepted or adopted from the shared ledger).
     epoch_announce_interval_s: float = 30.0
+    # The status page, /api/status and /metrics: served on this port when set (0: any free
+    # port, see ManagerService.web.url); not served when None.
+    http_port: int | None = None
+    http_host: str = "0.0.0.0"
+    # The RabbitMQ management API (http://user:pass@host:15672), polled for queue depths and
+    # ages every ``queue_poll_interval_s``; the status page links to its UI. None: not polled.
+    management_url: str | None = None
+    queue_poll_interval_s: float = 5.0
     # Descriptors are accepted only from this broker user (RabbitMQ validates user_id).
     operator_user: str = "mesh-operator"
 

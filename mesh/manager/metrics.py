@@ -1,0 +1,244 @@
+"""The manager's Prometheus metrics (``prometheus-client``), served on ``/metrics``.
+
+Theory of operation
+-------------------
+Two kinds of series, one registry per manager (tests run several managers in one process):
+
+* **Counters and histograms of events**, incremented where the event happens: admissions by
+  decision and reason, the eligibility rule that filtered each pool out, dead-lettered
+  messages by reason, heartbeat lag, the latency of a release.
+* **Gauges of state**, computed at scrape time by :class:`_StateCollector` from a
+  :class:`MeshView` (the live pool core, the admitter's descriptors, the last ledger-usage and
+  queue snapshots the manager's tick took). Nothing is cached between scrapes, so when the last
+  agent of a capability terminates, its series simply stop being reported.
+
+Label cardinality stays bounded: capabilities, pools, lifecycle states, reason codes, rule
+names, resources, tenants and queue names — never agent IDs or admission IDs. Capability labels
+come from what agents registered and descriptors declared; a request naming a capability
+nobody offers is counted under ``capability="(unknown)"``, so a producer cannot mint series.
+
+prometheus-client is the well-kept reference implementation of the exposition format
+(including the OpenMetrics variant and histogram buckets); writing that by hand would only be
+a way to get it subtly wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mesh.core.eligibility import RULE_NAMES
+from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
+from mesh.wire.models import AgentStatus
+
+UNKNOWN = "(unknown)"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStat:
+    """One queue as the broker's management API reported it."""
+
+    name: str
+    messages: int
+    oldest_age_s: float | None  # None: the broker did not report the head message's age
+
+
+@dataclass(slots=True)
+class MeshView:
+    """What the state gauges are computed from; the manager fills it in."""
+
+    agents: Callable[[], list[AgentStatus]]
+    descriptors: Callable[[], Mapping[str, CapabilityDescriptor]] = dict
+    active_epochs: Callable[[], Mapping[str, int]] = dict
+    active_generation: Callable[[], int] = lambda: 1
+    now: Callable[[], float] = lambda: 0.0
+    usage: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    queues: list[QueueStat] = field(default_factory=list)
+
+
+class ManagerMetrics:
+    """Every metric of one manager, on its own registry."""
+
+    def __init__(self, view: MeshView) -> None:
+        self.view = view
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.admissions = Counter(
+            "mesh_admissions",
+            "Admission decisions, by outcome and reason code.",
+            ["capability", "service_class", "decision", "reason"],
+            registry=r,
+        )
+        self.match_failures = Counter(
+            "mesh_match_failures",
+            "Pools filtered out of an admission, by the eligibility rule that filtered them.",
+            ["capability", "rule"],
+            registry=r,
+        )
+        self.dead_lettered = Counter(
+            "mesh_dead_lettered_messages",
+            "Messages the manager dead-lettered, by reason code.",
+            ["reason"],
+            registry=r,
+        )
+        self.heartbeat_lag = Histogram(
+            "mesh_heartbeat_lag_seconds",
+            "Delay between an agent sending a heartbeat and the manager handling it.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.release_latency = Histogram(
+            "mesh_admission_release_seconds",
+            "Time from a release (or cancellation) arriving to its reservation being released.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+            registry=r,
+        )
+        self.registry.register(_StateCollector(view))
+
+    def capability_label(self, capability: str) -> str:
+        """``capability`` if an agent or a descriptor offers it, else ``(unknown)``."""
+        for descriptor in self.view.descriptors().values():
+            if any(c.name == capability for c in descriptor.capabilities):
+                return capability
+        for agent in self.view.agents():
+            if any(c.name == capability for c in agent.capabilities):
+                return capability
+        return UNKNOWN
+
+    def admission(
+        self,
+        requirements: TaskRequirements | None,
+        decision: AdmissionDecision,
+        eligibility: Mapping[str, object] | None,
+    ) -> None:
+        """Count one decision and, from its eligibility record, every pool it filtered out."""
+        capability = (
+            self.capability_label(requirements.capability.name) if requirements else UNKNOWN
+        )
+        service_class = requirements.service_class if requirements else UNKNOWN
+        reason = decision.reason.value if decision.reason else "none"
+        self.admissions.labels(capability, service_class, decision.outcome, reason).inc()
+        pools = eligibility.get("pools") if eligibility else None
+        if isinstance(pools, list):
+            for pool in pools:
+                rule = pool.get("rule") if isinstance(pool, dict) else None
+                if rule in RULE_NAMES:
+                    self.match_failures.labels(capability, rule).inc()
+
+    def render(self) -> bytes:
+        """The exposition text of every metric."""
+        text: bytes = generate_latest(self.registry)
+        return text
+
+
+class _StateCollector(Collector):
+    """Gauges computed at scrape time from the manager's live state."""
+
+    def __init__(self, view: MeshView) -> None:
+        self.view = view
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # computed per scrape: nothing to describe up front
+
+    def collect(self) -> Iterator[Metric]:
+        view = self.view
+        agents = view.agents()
+        yield from _agent_gauges(agents)
+        yield _eligible_pools(
+            view.descriptors(), view.active_epochs(), view.active_generation(), view.now()
+        )
+        utilisation = GaugeMetricFamily(
+            "mesh_reservation_utilisation",
+            "Reserved share of each ledger counter of a pool (used / capacity).",
+            labels=["pool", "resource"],
+        )
+        tenant = GaugeMetricFamily(
+            "mesh_tenant_budget_utilisation",
+            "Reserved share of each tenant's token budget.",
+            labels=["tenant"],
+        )
+        for (pool, resource), (used, capacity) in sorted(view.usage.items()):
+            share = used / capacity if capacity else 0.0
+            if resource.startswith("tenant_tokens:"):
+                tenant.add_metric([resource.removeprefix("tenant_tokens:")], share)
+            else:
+                utilisation.add_metric([pool, resource], share)
+        yield utilisation
+        yield tenant
+        depth = GaugeMetricFamily(
+            "mesh_queue_messages", "Messages ready or unacked in each mesh queue.", labels=["queue"]
+        )
+        age = GaugeMetricFamily(
+            "mesh_queue_oldest_message_age_seconds",
+            "Age of the message at the head of each mesh queue (where the broker reports it).",
+            labels=["queue"],
+        )
+        for queue in view.queues:
+            depth.add_metric([queue.name], queue.messages)
+            if queue.oldest_age_s is not None:
+                age.add_metric([queue.name], queue.oldest_age_s)
+        yield depth
+        yield age
+
+
+def _agent_gauges(agents: list[AgentStatus]) -> Iterator[Metric]:
+    by_state: dict[tuple[str, str], int] = {}
+    in_flight: dict[str, int] = {}
+    capacity: dict[str, int] = {}
+    for agent in agents:
+        for cap in agent.capabilities:
+            key = (cap.name, agent.state)
+            by_state[key] = by_state.get(key, 0) + 1
+            if agent.state in ("Ready", "Busy"):
+                in_flight[cap.name] = in_flight.get(cap.name, 0) + cap.in_flight
+                capacity[cap.name] = capacity.get(cap.name, 0) + cap.max_concurrency
+    states = GaugeMetricFamily(
+        "mesh_agents", "Agents by capability and lifecycle state.", labels=["capability", "state"]
+    )
+    for (capability, state), n in sorted(by_state.items()):
+        states.add_metric([capability, state], n)
+    yield states
+    busy = GaugeMetricFamily(
+        "mesh_in_flight", "Tasks in flight on Ready and Busy agents.", labels=["capability"]
+    )
+    room = GaugeMetricFamily(
+        "mesh_capacity", "Concurrency of Ready and Busy agents.", labels=["capability"]
+    )
+    for capability in sorted(capacity):
+        busy.add_metric([capability], in_flight[capability])
+        room.add_metric([capability], capacity[capability])
+    yield busy
+    yield room
+
+
+def _eligible_pools(
+    descriptors: Mapping[str, CapabilityDescriptor],
+    epochs: Mapping[str, int],
+    generation: int,
+    now: float,
+) -> Metric:
+    """Pools whose descriptor is current (epoch, generation, not expired), per capability."""
+    counts: dict[str, int] = {}
+    for pool_id, descriptor in descriptors.items():
+        current = (
+            descriptor.descriptor_epoch == epochs.get(pool_id)
+            and descriptor.policy_generation == generation
+            and descriptor.expires_at > now
+        )
+        for capability in {c.name for c in descriptor.capabilities}:
+            counts.setdefault(capability, 0)
+            if current:
+                counts[capability] += 1
+    family = GaugeMetricFamily(
+        "mesh_eligible_pools",
+        "Pools with a current descriptor offering each capability.",
+        labels=["capability"],
+    )
+    for capability, n in sorted(counts.items()):
+        family.add_metric([capability], n)
+    return family

@@ -1,0 +1,278 @@
+"""What the manager shows operators: metrics, history, the status document, queue polling.
+
+:class:`Observer` is the one object :class:`~mesh.manager.service.ManagerService` talks to
+about observability. It owns the :class:`~mesh.manager.metrics.ManagerMetrics`, the
+:class:`~mesh.manager.web.StatusHistory` and, when a port is configured, the
+:class:`~mesh.manager.web.ManagerWeb` server. The service calls it at four points: every
+admission decision (``admitted``), every dead-lettered message, every tick (``tick``: a
+ledger-usage snapshot, a history sample, and every ``queue_poll_interval_s`` the queue
+depths from the RabbitMQ management API), and on ``/api/status`` (``document``).
+
+Reading the management API is best effort: a failure is logged once per outage and counted
+(``queue_poll_failed``); the previous depths are dropped rather than shown stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import aiohttp
+
+from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat
+from mesh.manager.web import ManagerWeb, Sample, StatusHistory, management_queue_url
+from mesh.topology import names
+from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
+from mesh.wire.models import AgentStatus
+
+log = logging.getLogger(__name__)
+
+
+def split_management_url(url: str) -> tuple[str, aiohttp.BasicAuth | None]:
+    """``http://user:pass@host:15672`` → (``http://host:15672``, its credentials)."""
+    parts = urlsplit(url)
+    auth = None
+    if parts.username is not None:
+        auth = aiohttp.BasicAuth(unquote(parts.username), unquote(parts.password or ""))
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme or "http", netloc, parts.path.rstrip("/"), "", "")), auth
+
+
+def vhost_of(amqp_url: str) -> str:
+    """The virtual host an AMQP URL names (``/`` when it names none)."""
+    path = urlsplit(amqp_url).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
+class Observer:
+    """Metrics, history and the status page of one manager."""
+
+    def __init__(
+        self,
+        *,
+        manager_id: str,
+        namespace: str,
+        vhost: str,
+        agents: Callable[[], list[AgentStatus]],
+        descriptors: Callable[[], Mapping[str, CapabilityDescriptor]],
+        active_epochs: Callable[[], Mapping[str, int]],
+        active_generation: int,
+        counters: Counter[str],
+        started_at: float,
+        management_url: str | None = None,
+        queue_poll_interval_s: float = 5.0,
+    ) -> None:
+        self.manager_id = manager_id
+        self.namespace = namespace
+        self.vhost = vhost
+        self.counters = counters
+        self.started_at = started_at
+        self.history = StatusHistory()
+        self.view = MeshView(
+            agents=agents,
+            descriptors=descriptors,
+            active_epochs=active_epochs,
+            active_generation=lambda: active_generation,
+            now=time.time,
+        )
+        self.metrics = ManagerMetrics(self.view)
+        self.management_url = management_url
+        self.queue_poll_interval_s = queue_poll_interval_s
+        self._api: str | None = None
+        self._auth: aiohttp.BasicAuth | None = None
+        if management_url:
+            self._api, self._auth = split_management_url(management_url)
+        self._session: aiohttp.ClientSession | None = None
+        self._polled_at = float("-inf")
+        self._poll_failing = False
+        self.web: ManagerWeb | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def serve(self, host: str, port: int) -> str:
+        """Start the HTTP server; its URL."""
+        self.web = ManagerWeb(self.metrics, self.document, host=host, port=port)
+        await self.web.start()
+        return self.web.url
+
+    async def close(self) -> None:
+        if self.web is not None:
+            await self.web.close()
+            self.web = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- events -----------------------------------------------------------------------------
+    def admitted(
+        self,
+        at: float,
+        requirements: TaskRequirements | None,
+        decision: AdmissionDecision,
+        eligibility: Mapping[str, object] | None,
+    ) -> None:
+        self.metrics.admission(requirements, decision, eligibility)
+        if decision.outcome != "admitted":
+            reason = decision.reason.value if decision.reason else decision.outcome
+            self.history.refusal(
+                at, decision.admission_id, decision.outcome, reason, decision.detail or ""
+            )
+
+    def dead_lettered(self, reason: str) -> None:
+        self.metrics.dead_lettered.labels(reason).inc()
+
+    def heartbeat(self, sent_at: float, now: float) -> None:
+        self.metrics.heartbeat_lag.observe(max(0.0, now - sent_at))
+
+    async def tick(self, usage: dict[tuple[str, str], tuple[int, int]] | None) -> None:
+        """Once per manager tick: the ledger usage snapshot, queues when due, a sample."""
+        if usage is not None:
+            self.view.usage = usage
+        if (
+            self._api is not None
+            and time.monotonic() - self._polled_at >= self.queue_poll_interval_s
+        ):
+            self._polled_at = time.monotonic()
+            self.view.queues = await self._poll_queues()
+        agents = self.view.agents()
+        self.history.sample(
+            Sample(
+                at=time.time(),
+                admitted=self.counters["admission.admitted"],
+                refused=self.counters["admission.rejected"] + self.counters["admission.deferred"],
+                queue_messages=sum(q.messages for q in self.view.queues),
+                agents_ready=sum(1 for a in agents if a.state in ("Ready", "Busy")),
+            )
+        )
+
+    async def _poll_queues(self) -> list[QueueStat]:
+        assert self._api is not None
+        url = f"{self._api}/api/queues/{quote(self.vhost, safe='')}"
+        params = {"columns": "name,messages,head_message_timestamp"}
+        try:
+            if self._session is None:
+                self._session = aiohttp.ClientSession(
+                    auth=self._auth, timeout=aiohttp.ClientTimeout(total=3)
+                )
+            async with self._session.get(url, params=params) as response:
+                response.raise_for_status()
+                rows = await response.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.counters["queue_poll_failed"] += 1
+            if not self._poll_failing:
+                log.warning("cannot read queue depths", extra={"url": url, "error": str(exc)})
+            self._poll_failing = True
+            return []
+        self._poll_failing = False
+        return queue_stats(rows, f"{self.namespace}.", time.time())
+
+    # ---- the status document ----------------------------------------------------------------
+    def document(self) -> dict[str, Any]:
+        """Everything ``/api/status`` shows (and the page draws)."""
+        view = self.view
+        agents = view.agents()
+        descriptors = view.descriptors()
+        epochs = view.active_epochs()
+        ui = self._api  # the management UI lives where its API does
+        pools: dict[str, dict[str, Any]] = {}
+        for pool_id, descriptor in sorted(descriptors.items()):
+            pools[pool_id] = {
+                "pool_id": pool_id,
+                "descriptor_epoch": descriptor.descriptor_epoch,
+                "active_epoch": epochs.get(pool_id),
+                "expires_at": descriptor.expires_at,
+                "capabilities": sorted({c.name for c in descriptor.capabilities}),
+                "agents": {},
+            }
+        for agent in agents:
+            pool = pools.setdefault(
+                agent.deployment,
+                {
+                    "pool_id": agent.deployment,
+                    "descriptor_epoch": None,
+                    "active_epoch": None,
+                    "expires_at": None,
+                    "capabilities": [],
+                    "agents": {},
+                },
+            )
+            pool["agents"][agent.state] = pool["agents"].get(agent.state, 0) + 1
+        capabilities: dict[str, dict[str, int]] = {}
+        for agent in agents:
+            for cap in agent.capabilities:
+                row = capabilities.setdefault(
+                    cap.name, {"in_flight": 0, "capacity": 0, "agents": 0}
+                )
+                row["agents"] += 1
+                if agent.state in ("Ready", "Busy"):
+                    row["in_flight"] += cap.in_flight
+                    row["capacity"] += cap.max_concurrency
+        return {
+            "manager_id": self.manager_id,
+            "namespace": self.namespace,
+            "uptime_s": time.monotonic() - self.started_at,
+            "management_ui": ui,
+            "pools": list(pools.values()),
+            "agents": [
+                {
+                    "agent_id": a.agent_id,
+                    "deployment": a.deployment,
+                    "state": a.state,
+                    "in_flight": a.in_flight,
+                    "capacity": sum(c.max_concurrency for c in a.capabilities),
+                    "capabilities": [c.name for c in a.capabilities],
+                    "last_heartbeat_age_s": a.last_heartbeat_age_s,
+                    "task_queue": names.agent_task_queue(self.namespace, a.agent_id),
+                    "task_queue_url": management_queue_url(
+                        ui, self.vhost, names.agent_task_queue(self.namespace, a.agent_id)
+                    ),
+                }
+                for a in agents
+            ],
+            "capabilities": [
+                {"capability": name, **row} for name, row in sorted(capabilities.items())
+            ],
+            "queues": [
+                {
+                    "name": q.name,
+                    "messages": q.messages,
+                    "oldest_age_s": q.oldest_age_s,
+                    "url": management_queue_url(ui, self.vhost, q.name),
+                }
+                for q in view.queues
+            ],
+            "reservations": [
+                {"pool": pool, "resource": resource, "used": used, "capacity": capacity}
+                for (pool, resource), (used, capacity) in sorted(view.usage.items())
+            ],
+            "recent_refusals": list(self.history.refusals),
+            "history": [
+                {
+                    "at": s.at,
+                    "admitted": s.admitted,
+                    "refused": s.refused,
+                    "queue_messages": s.queue_messages,
+                    "agents_ready": s.agents_ready,
+                }
+                for s in self.history.samples
+            ],
+            "counters": dict(sorted(self.counters.items())),
+        }
+
+
+def queue_stats(rows: Sequence[Mapping[str, Any]], prefix: str, now: float) -> list[QueueStat]:
+    """The namespace's queues from a management API ``/api/queues`` answer."""
+    stats = []
+    for row in rows:
+        name = row.get("name")
+        if not isinstance(name, str) or not name.startswith(prefix):
+            continue
+        messages = row.get("messages")
+        head = row.get("head_message_timestamp")
+        age = max(0.0, now - float(head)) if isinstance(head, int | float) else None
+        stats.append(QueueStat(name, int(messages) if isinstance(messages, int) else 0, age))
+    return sorted(stats, key=lambda q: q.name)
