@@ -14,6 +14,7 @@ Reading the management API is best effort: a failure is logged once per outage a
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from collections import Counter
@@ -32,12 +33,13 @@ from mesh.wire.models import AgentStatus
 log = logging.getLogger(__name__)
 
 
-def split_management_url(url: str) -> tuple[str, aiohttp.BasicAuth | None]:
-    """``http://user:pass@host:15672`` → (``http://host:15672``, its credentials)."""
+def split_management_url(url: str) -> tuple[str, dict[str, str]]:
+    """``http://user:pass@host:15672`` → (``http://host:15672``, its Authorization header)."""
     parts = urlsplit(url)
-    auth = None
+    auth = {}
     if parts.username is not None:
-        auth = aiohttp.BasicAuth(unquote(parts.username), unquote(parts.password or ""))
+        token = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        auth["Authorization"] = "Basic " + base64.b64encode(token).decode()
     host = parts.hostname or "127.0.0.1"
     netloc = f"{host}:{parts.port}" if parts.port else host
     return urlunsplit((parts.scheme or "http", netloc, parts.path.rstrip("/"), "", "")), auth
@@ -84,7 +86,7 @@ class Observer:
         self.management_url = management_url
         self.queue_poll_interval_s = queue_poll_interval_s
         self._api: str | None = None
-        self._auth: aiohttp.BasicAuth | None = None
+        self._auth: dict[str, str] = {}
         if management_url:
             self._api, self._auth = split_management_url(management_url)
         self._session: aiohttp.ClientSession | None = None
@@ -156,7 +158,7 @@ class Observer:
         try:
             if self._session is None:
                 self._session = aiohttp.ClientSession(
-                    auth=self._auth, timeout=aiohttp.ClientTimeout(total=3)
+                    headers=self._auth, timeout=aiohttp.ClientTimeout(total=3)
                 )
             async with self._session.get(url, params=params) as response:
                 response.raise_for_status()

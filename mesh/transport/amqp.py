@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -341,6 +342,9 @@ class AmqpTransport:
             user_id=user_id,
             headers=dict(headers) if headers else None,
             delivery_mode=DeliveryMode.PERSISTENT if persistent else DeliveryMode.NOT_PERSISTENT,
+            # Whole seconds (AMQP's resolution): the management API reports the head message's
+            # timestamp per queue, which is how the manager shows the oldest message's age.
+            timestamp=int(time.time()) if persistent else None,
         )
         target = await self._exchange(exchange)
         timeout = self.publish_timeout_s if timeout_s is None else timeout_s
