@@ -10,24 +10,45 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
+import textwrap
+import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from datetime import datetime
+from datetime import time as dt_time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mesh import constants as c
 from mesh import logs
 from mesh.errors import BrokerUnavailable, MeshError, RequestTimeout
 from mesh.scaler.base import Scaler
+from mesh.topology import names
+from mesh.wire.admission import AdmissionDecision, ExplainReply
 from mesh.wire.models import OrchestrationEvent, Refusal, StatusReply
+
+if TYPE_CHECKING:
+    from mesh.manager.journal import SqliteJournal
 
 SCHEMAS_DIR = Path("schemas")
 
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
 
 
 # ---- shared helpers -------------------------------------------------------------------------
@@ -85,6 +106,9 @@ def cmd_manager(args: argparse.Namespace) -> int:
             pool=PoolSettings(scaling=policies),
             ledger_url=args.ledger,
             operator_user=args.operator_user,
+            http_port=None if args.http_port < 0 else args.http_port,
+            http_host=args.http_host,
+            management_url=args.management_url or None,
         )
         scaler = _build_scaler(args)
         stop = asyncio.Event()
@@ -196,6 +220,121 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 # ---- mesh log -------------------------------------------------------------------------------
 
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_CLOCK_TIME = re.compile(r"\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?")
+
+
+def parse_duration(text: str) -> float:
+    """``30s``, ``10m``, ``2h``, ``1d``, ``1w``, ``250ms`` or a sum like ``1h30m`` → seconds.
+
+    Raises :class:`ValueError` for anything else (a bare number has no unit: ambiguous).
+    """
+    compact = text.strip().lower()
+    parts = _DURATION_PART.findall(compact)
+    if not compact or "".join(n + u for n, u in parts) != compact:
+        raise ValueError(f"{text!r} is not a duration (like 30s, 10m, 2h, 1d, 1h30m)")
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+def parse_when(text: str, *, now: float) -> float:
+    """A point in time as Unix seconds: a duration ago (``10m`` = ten minutes before
+    ``now``), an ISO-8601 timestamp (``2026-11-30T13:05:00Z``, ``2026-11-30 13:05``,
+    ``2026-11-30``) or a clock time today (``13:05``, ``13:05:30``). Without an offset,
+    timestamps are local time, as ``mesh log`` prints them. Raises :class:`ValueError`."""
+    stripped = text.strip()
+    with contextlib.suppress(ValueError):
+        return now - parse_duration(stripped)
+    try:
+        if _CLOCK_TIME.fullmatch(stripped):
+            today = datetime.fromtimestamp(now).date()
+            moment = datetime.combine(today, dt_time.fromisoformat(stripped.zfill(5)))
+        else:
+            moment = datetime.fromisoformat(stripped)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is neither a duration (30s, 10m, 2h, 1d) "
+            "nor an ISO-8601 timestamp (2026-11-30T13:05:00Z, 13:05)"
+        ) from None
+    return moment.timestamp()  # a naive datetime is taken as local time
+
+
+@dataclass(frozen=True, slots=True)
+class LogFilter:
+    """What ``mesh log`` shows: every filter given must match. ``agent_id=""`` is the entries
+    about no agent (``-`` on the command line and in routing keys)."""
+
+    agent_id: str | None = None
+    capability: str | None = None
+    kinds: tuple[str, ...] = ()
+    since: float | None = None
+    until: float | None = None
+
+    def matches(self, ev: OrchestrationEvent) -> bool:
+        """The journal query's ``WHERE``, for events from the live feed."""
+        return (
+            (self.agent_id is None or ev.agent_id == self.agent_id)
+            and (self.capability is None or ev.capability == self.capability)
+            and (not self.kinds or ev.kind in self.kinds)
+            and (self.since is None or ev.at >= self.since)
+            and (self.until is None or ev.at < self.until)
+        )
+
+    def binding_keys(self) -> tuple[str, ...]:
+        """The narrowest bindings on the events exchange: ``log.<agent>.<kind>``
+        (:func:`mesh.topology.names.log_key`) carries the agent and the kind; capability
+        and time are filtered by :meth:`matches`, and so is a value that is not one
+        routing-key word (it would bind something else)."""
+        agent = self.agent_id if self.agent_id is None or _one_word(self.agent_id) else None
+        kinds = self.kinds if all(map(_one_word, self.kinds)) else ()
+        if agent is None:
+            if not kinds:
+                return (f"{c.RK_LOG}.#",)
+            return tuple(f"{c.RK_LOG}.*.{kind}" for kind in kinds)
+        if not kinds:
+            return (f"{c.RK_LOG}.{agent or '-'}.#",)
+        return tuple(names.log_key(agent, kind) for kind in kinds)
+
+    def query(self, journal: SqliteJournal, limit: int | None) -> list[OrchestrationEvent]:
+        return journal.query(
+            agent_id=self.agent_id,
+            capability=self.capability,
+            kinds=self.kinds,
+            since=self.since,
+            until=self.until,
+            limit=limit,
+        )
+
+
+def _one_word(value: str) -> bool:
+    """Whether ``value`` is one routing-key word ('' is the "no agent" word ``-``)."""
+    return not any(ch in value for ch in ".*#")
+
+
+def log_filter(args: argparse.Namespace, now: float) -> LogFilter:
+    """The filter the ``mesh log`` flags describe; :class:`ValueError` names the bad flag."""
+    since = until = None
+    if args.since is not None:
+        try:
+            since = parse_when(args.since, now=now)
+        except ValueError as exc:
+            raise ValueError(f"--since: {exc}") from None
+    if args.until is not None:
+        try:
+            until = parse_when(args.until, now=now)
+        except ValueError as exc:
+            raise ValueError(f"--until: {exc}") from None
+    if since is not None and until is not None and since >= until:
+        raise ValueError(f"--since {args.since} is not before --until {args.until}")
+    agent = args.agent
+    return LogFilter(
+        agent_id="" if agent == "-" else agent,
+        capability=args.capability,
+        kinds=tuple(dict.fromkeys(args.kinds)),
+        since=since,
+        until=until,
+    )
+
 
 def format_event(ev: OrchestrationEvent) -> str:
     when = datetime.fromtimestamp(ev.at).strftime("%H:%M:%S.%f")[:-3]
@@ -206,12 +345,30 @@ def format_event(ev: OrchestrationEvent) -> str:
         parts.append(ev.capability)
     if ev.reason:
         parts.append(f"({ev.reason})")
+    admission = ev.detail.get("admission_id")
+    if admission:  # the handle for `mesh explain`
+        parts.append(f"admission {admission}")
     return " ".join(p for p in parts if p)
 
 
+def _print_event(ev: OrchestrationEvent, as_json: bool) -> None:
+    print(ev.model_dump_json() if as_json else format_event(ev), flush=True)
+
+
+DEFAULT_LOG_LINES = 50
+
+
 def cmd_log(args: argparse.Namespace) -> int:
+    try:
+        flt = log_filter(args, time.time())
+    except ValueError as exc:
+        print(f"mesh log: {exc}", file=sys.stderr)
+        return 2
     if args.follow:
-        return _run(_follow_log(args))
+        if flt.until is not None and flt.until <= time.time():
+            print("mesh log: --until is already past: nothing live to follow", file=sys.stderr)
+            return 2
+        return _run(_follow_log(args, flt))
     from mesh.manager.journal import SqliteJournal
 
     path = Path(args.journal)
@@ -222,16 +379,22 @@ def cmd_log(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    journal = SqliteJournal(path)
+    limit = DEFAULT_LOG_LINES if args.limit is None else args.limit or None
     try:
-        for ev in journal.tail(args.lines, agent_id=args.agent):
-            print(format_event(ev))
-    finally:
-        journal.close()
+        journal = SqliteJournal(path)
+        try:
+            events = flt.query(journal, limit)
+        finally:
+            journal.close()
+    except MeshError as exc:
+        print(f"mesh: {exc}", file=sys.stderr)
+        return 1
+    for ev in events:
+        _print_event(ev, args.json)
     return 0
 
 
-async def _follow_log(args: argparse.Namespace) -> int:
+async def _follow_log(args: argparse.Namespace, flt: LogFilter) -> int:
     import uuid
 
     from mesh.topology import Topology
@@ -243,27 +406,52 @@ async def _follow_log(args: argparse.Namespace) -> int:
     topology = Topology(namespace=args.namespace)
     queue = f"{args.namespace}.log-tail.{uuid.uuid4().hex[:8]}"
     await transport.declare_reply_queue(queue)
-    key = f"{c.RK_LOG}.{args.agent or '*'}.#"
-    await transport.declare(
-        topology.shared()
-        + Declarations(bindings=(BindingSpec(queue, topology.events_exchange, key),))
-    )
+    keys = flt.binding_keys()
+    bindings = tuple(BindingSpec(queue, topology.events_exchange, key) for key in keys)
+    await transport.declare(topology.shared() + Declarations(bindings=bindings))
     stop = asyncio.Event()
     _stop_on_signals(stop)
+    if flt.until is not None:
+        asyncio.get_running_loop().call_later(flt.until - time.time(), stop.set)
+    shown = 0
 
     async def show(delivery: Any) -> None:
+        nonlocal shown
         ev = decode(delivery.body)
-        if isinstance(ev, OrchestrationEvent):
-            print(format_event(ev), flush=True)
+        if stop.is_set() or not isinstance(ev, OrchestrationEvent) or not flt.matches(ev):
+            return
+        _print_event(ev, args.json)
+        shown += 1
+        if args.limit and shown >= args.limit:
+            stop.set()
 
     consumer = await transport.consume(queue, show, no_ack=True)
-    print(f"following {topology.events_exchange} ({key}); Ctrl-C to stop", file=sys.stderr)
+    note = ""
+    if not flt.kinds or "admission" in flt.kinds:
+        note = " (admissions appear live only when refused or deferred)"
+    print(
+        f"following {topology.events_exchange} ({', '.join(keys)}){note}; Ctrl-C to stop",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         await stop.wait()
     finally:
         await consumer.cancel()
         await transport.close()
     return 0
+
+
+# ---- mesh top -------------------------------------------------------------------------------
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from mesh.top import run_top
+
+    try:
+        return run_top(args.url, interval_s=args.interval, once=args.once)
+    except KeyboardInterrupt:
+        return 0
 
 
 # ---- mesh explain ---------------------------------------------------------------------------
@@ -275,40 +463,125 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if args.json:
             print(reply.model_dump_json(indent=2))
         else:
-            print(render_explain(reply))
+            print(render_explain(reply, now=time.time()))
         return 0 if reply.found else 1
 
     return _run(_with_client(args, explain))
 
 
-def render_explain(reply: Any) -> str:
+def _wrapped(label: str, text: str, width: int = 100) -> str:
+    """``label`` then ``text``, wrapped at ``width`` under the text's first column."""
+    indent = " " * len(label)
+    return textwrap.fill(
+        text, width, initial_indent=label, subsequent_indent=indent, break_on_hyphens=False
+    )
+
+
+def _when(at: Any) -> str:
+    if not isinstance(at, int | float):
+        return "-"
+    return datetime.fromtimestamp(at).isoformat(sep=" ", timespec="milliseconds")
+
+
+def _relative(at: Any, now: float | None) -> str:
+    if now is None or not isinstance(at, int | float):
+        return ""
+    delta = at - now
+    return f" (in {delta:.1f} s)" if delta >= 0 else f" ({-delta:.1f} s ago)"
+
+
+def render_explain(reply: ExplainReply, *, now: float | None = None) -> str:
+    """``mesh explain``: the decision, every pool considered with the rule that filtered it,
+    and the reservation. ``now`` adds "in 12.0 s" / "3.0 s ago" to the reservation's times."""
     if not reply.found:
         return f"no admission {reply.admission_id!r} is known to this manager or its ledger"
     lines = [f"admission {reply.admission_id}"]
-    decision = reply.decision
-    if decision is not None:
-        why = decision.reason.value if decision.reason else ""
-        lines.append(f"  decision     {decision.outcome} {why} {decision.detail}".rstrip())
-        if decision.grant is not None:
-            g = decision.grant
-            lines.append(
-                f"  grant        pool {g.pool_id} · epoch {g.descriptor_epoch} · "
-                f"generation {g.policy_generation} · fence {g.fence}"
-            )
-    record = reply.eligibility
-    if record is not None:
-        lines.append(f"  generation   {record.get('active_generation')} (active when decided)")
-        for pool in record.get("pools", []):
-            rule = pool.get("rule") or "eligible"
-            detail = f" — {pool['detail']}" if pool.get("detail") else ""
-            lines.append(
-                f"  pool {pool.get('pool_id'):<14} epoch {pool.get('descriptor_epoch')}"
-                f"/{pool.get('active_epoch')}  {rule}{detail}"
-            )
-    if reply.reservation is not None:
-        r = reply.reservation
-        lines.append(f"  reservation  {r['state']} · fence {r['fence']} · pool {r['pool_id']}")
+    lines += _explain_decision(reply.decision)
+    if reply.eligibility is not None:
+        lines += _explain_eligibility(reply.eligibility)
+    elif reply.decision is None:
+        lines.append("  no decision is recorded (its manager stopped before recording it)")
+    lines += _explain_reservation(reply.reservation, now)
     return "\n".join(lines)
+
+
+def _explain_decision(decision: AdmissionDecision | None) -> list[str]:
+    if decision is None:
+        return []
+    reason = f" {decision.reason.value}" if decision.reason else ""
+    lines = [f"  outcome      {decision.outcome}{reason}"]
+    if decision.detail:
+        lines.append(_wrapped("  detail       ", decision.detail))
+    if decision.retry_after_ms is not None:
+        lines.append(f"  retry after  {decision.retry_after_ms} ms")
+    if decision.allowed_degradations:
+        lines.append(f"  degradations {', '.join(decision.allowed_degradations)}")
+    if decision.grant is not None:
+        g = decision.grant
+        lines.append(
+            f"  grant        pool {g.pool_id} · descriptor epoch {g.descriptor_epoch} · "
+            f"policy generation {g.policy_generation} · fence {g.fence}"
+        )
+        if g.grant_ids:
+            lines.append(f"  grant ids    {', '.join(g.grant_ids)}")
+    return lines
+
+
+def _explain_eligibility(record: dict[str, Any]) -> list[str]:
+    pools: list[dict[str, Any]] = list(record.get("pools") or [])
+    generation = record.get("active_generation")
+    eligible = [str(p.get("pool_id")) for p in pools if p.get("rule") is None]
+    lines = [
+        f"  decided at   {_when(record.get('now'))} (now = {record.get('now')!r})",
+        f"  generation   {generation} (the active policy generation)",
+        _wrapped(
+            "  rules        ",
+            f"{' → '.join(record.get('rules') or ['?'])} (the first that fails filters the pool)",
+        ),
+        f"  pools        {len(pools)} considered, {len(eligible)} eligible"
+        + (f": {', '.join(eligible)}" if eligible else ""),
+    ]
+    if not pools:
+        return [*lines, "  (no pool had a descriptor)"]
+    width = max(len("POOL"), *(len(str(p.get("pool_id"))) for p in pools))
+    lines += ["", f"  {'POOL':<{width}}  {'EPOCH':>5}  {'ACTIVE':>6}  {'GENERATION':>10}  VERDICT"]
+    for pool in pools:
+        epoch, active = pool.get("descriptor_epoch"), pool.get("active_epoch")
+        own = pool.get("policy_generation")
+        gen = f"{own}" if own == generation else f"{own}≠{generation}"
+        verdict = pool.get("rule") or "eligible"
+        if pool.get("detail"):
+            verdict += f" — {pool['detail']}"
+        shown_active = "-" if active is None else str(active)
+        lines.append(
+            f"  {pool.get('pool_id')!s:<{width}}  {epoch!s:>5}  {shown_active:>6}"
+            f"  {gen:>10}  {verdict}"
+        )
+    return lines
+
+
+def _explain_reservation(held: dict[str, Any] | None, now: float | None) -> list[str]:
+    if held is None:
+        return ["", "  reservation  none (nothing was reserved, or it is no longer stored)"]
+    state = held.get("state")
+    lines = [
+        "",
+        f"  reservation  {state} · fence {held.get('fence')} · pool {held.get('pool_id')}",
+        f"    created    {_when(held.get('created_at'))}{_relative(held.get('created_at'), now)}",
+        f"    expires    {_when(held.get('expires_at'))}{_relative(held.get('expires_at'), now)}",
+    ]
+    released_at = held.get("released_at", held.get("updated_at"))
+    if state == "RELEASED":
+        when = _when(released_at) if released_at is not None else "(time not in the reply)"
+        lines.append(f"    released   {when}")
+    elif state == "EXPIRED":
+        expired_at = held.get("expires_at") if released_at is None else released_at
+        lines.append(f"    expired    {_when(expired_at)}")
+    items = held.get("items") or []
+    if items:
+        listed = " · ".join(f"{pool}/{resource} {amount}" for pool, resource, amount in items)
+        lines.append(f"    items      {listed}")
+    return lines
 
 
 # ---- mesh descriptor ------------------------------------------------------------------------
@@ -417,6 +690,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="the broker user whose descriptors are accepted (env MESH_OPERATOR_USER)",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        default=int(_env("MESH_HTTP_PORT", "8090")),
+        help="serve the status page, /api/status and /metrics here; 0 any free port, -1 off "
+        "(env MESH_HTTP_PORT, default 8090)",
+    )
+    p.add_argument(
+        "--http-host", default=_env("MESH_HTTP_HOST", "0.0.0.0"), help="address to serve on"
+    )
+    p.add_argument(
+        "--management-url",
+        default=os.environ.get("MESH_MANAGEMENT_URL", ""),
+        help="RabbitMQ management API (http://user:pass@host:15672) for queue depths on the "
+        "status page and in /metrics (env MESH_MANAGEMENT_URL; off when empty)",
+    )
+    p.add_argument(
         "--scaler",
         choices=("none", "local", "kubernetes"),
         default=_env("MESH_SCALER", "none"),
@@ -484,12 +773,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("log", help="the orchestration log")
-    p.add_argument("-n", "--lines", type=int, default=50)
+    p = sub.add_parser("log", help="the orchestration log, filtered")
+    p.add_argument(
+        "-n",
+        "--limit",
+        "--lines",
+        dest="limit",
+        type=_count,
+        default=None,
+        help=f"the newest N matching entries (default {DEFAULT_LOG_LINES}; 0: all); "
+        "with -f: stop after N",
+    )
     p.add_argument("-f", "--follow", action="store_true", help="follow live events via the broker")
-    p.add_argument("--agent", help="only this agent")
+    p.add_argument("--agent", help="only this agent ('-': entries about no agent)")
+    p.add_argument("--capability", help="only entries about this capability")
+    p.add_argument(
+        "--kind",
+        dest="kinds",
+        action="append",
+        default=[],
+        help="only this kind (repeatable): registered, ready, acquired, lost, admission, …",
+    )
+    p.add_argument(
+        "--since", help="from this time: 10m, 2h, 30s ago, or ISO-8601 (2026-11-30T13:05)"
+    )
+    p.add_argument("--until", help="before this time (same forms as --since)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--journal", default=journal_default)
     p.set_defaults(func=cmd_log)
+
+    p = sub.add_parser("top", help="a live view: pools, agents, capacity, queues, refusals")
+    p.add_argument(
+        "--url",
+        default=_env("MESH_MANAGER_URL", "http://127.0.0.1:8090/"),
+        help="the manager's HTTP address (mesh manager --http-port; env MESH_MANAGER_URL; "
+        "default %(default)s)",
+    )
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("drain", help="drain an agent: no new work, in-flight finishes, then exit")
     p.add_argument("agent_id")

@@ -18,6 +18,7 @@ import itertools
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -76,6 +78,7 @@ class DemoSettings:
     # deployment (= sample) -> replicas the manager keeps
     replicas: tuple[tuple[str, int], ...] = (("calc", 2), ("textstats", 1), ("echo", 1))
     heartbeat_interval_s: float = 5.0
+    http_port: int = 8090  # the manager's status page; another free port if this one is taken
 
     @property
     def agent_count(self) -> int:
@@ -215,6 +218,26 @@ async def _follow_events(client: MeshClient) -> None:
     await client.transport.consume(queue, show, no_ack=True)
 
 
+def _free_port(preferred: int) -> int:
+    """``preferred`` if nothing listens there, else a port the OS says is free now."""
+    for port in (preferred, 0):
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(probe.getsockname()[1])
+    raise MeshError("no free TCP port for the manager's status page")
+
+
+def management_url_for(amqp_url: str) -> str:
+    """The RabbitMQ management API next to an AMQP broker: same host and credentials, :15672."""
+    parts = urlsplit(amqp_url)
+    user = parts.username or "guest"
+    password = parts.password or "guest"
+    return f"http://{user}:{password}@{parts.hostname or '127.0.0.1'}:15672"
+
+
 async def _start_mesh(
     s: DemoSettings, procs: Processes, client: MeshClient, stop: asyncio.Event
 ) -> list[str] | None:
@@ -226,6 +249,7 @@ async def _start_mesh(
         plan = ", ".join(f"{n} x {name}" for name, n in s.replicas)
         say(f"starting the manager with the local-process scaler ({plan})")
         say(f"process logs: {procs.log_dir}/")
+        port = _free_port(s.http_port)
         procs.start(
             "manager",
             "manager",
@@ -235,7 +259,13 @@ async def _start_mesh(
             "--scaling", str(scaling),
             "--agent-log-dir", str(procs.log_dir),
             "--agent-heartbeat-interval", str(s.heartbeat_interval_s),
+            "--http-port", str(port),
+            "--management-url", management_url_for(s.amqp_url),
         )  # fmt: skip
+        say(
+            f"status page: http://127.0.0.1:{port}/ (metrics at /metrics; "
+            f"`mesh top --url http://127.0.0.1:{port}/` in another terminal)"
+        )
     try:
         await _wait_for(lambda: _manager_answers(client), 20, stop)
     except TimeoutError:

@@ -121,6 +121,7 @@ class Reservation:
     items: tuple[Item, ...]
     expires_at: float
     created_at: float
+    updated_at: float | None = None  # the last state change (release, expiry…), when known
 
     @property
     def holding(self) -> bool:

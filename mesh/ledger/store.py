@@ -86,7 +86,7 @@ T = TypeVar("T")
 Usage = dict[tuple[str, str], tuple[int, int]]
 
 _HOLDING = "(" + ", ".join(f"'{state}'" for state in sorted(HOLDING_STATES)) + ")"
-_RES_COLUMNS = "admission_id, digest, pool_id, state, fence, expires_at, created_at"
+_RES_COLUMNS = "admission_id, digest, pool_id, state, fence, expires_at, created_at, updated_at"
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +439,7 @@ class SqlLedger(abc.ABC):
         fence = self._next_fence(db)
         state = ReservationState.ACTIVE if activate else ReservationState.PREPARING
         inserted = db.execute(
-            f"INSERT INTO {self._t.reservation} ({_RES_COLUMNS}, updated_at)"
+            f"INSERT INTO {self._t.reservation} ({_RES_COLUMNS})"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (admission_id) DO NOTHING RETURNING admission_id",
             (admission_id, digest, pool_id, state.value, fence, expires_at, now, now),
@@ -459,7 +459,7 @@ class SqlLedger(abc.ABC):
             )
             self._append_log(db, now, admission_id, fence, *events)
             reservation = Reservation(
-                admission_id, digest, pool_id, state, fence, items, expires_at, now
+                admission_id, digest, pool_id, state, fence, items, expires_at, now, now
             )
             return Prepared(reservation, replayed=False)
         existing = self._select(db, admission_id)
@@ -609,8 +609,9 @@ class SqlLedger(abc.ABC):
                     items=tuple(items[str(a)]),
                     expires_at=float(e),
                     created_at=float(c),
+                    updated_at=float(u),
                 )
-                for a, d, p, s, f, e, c in rows
+                for a, d, p, s, f, e, c, u in rows
             ),
             key=lambda r: r.fence,
         )

@@ -10,7 +10,7 @@ ledger (see the admission issue).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -91,11 +91,50 @@ class SqliteJournal:
 
     def tail(self, limit: int = 50, *, agent_id: str | None = None) -> list[OrchestrationEvent]:
         """The last ``limit`` entries, oldest first."""
-        where, params = ("WHERE agent_id = ?", (agent_id,)) if agent_id else ("", ())
-        rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM orchestration_log {where} ORDER BY seq DESC LIMIT ?",
-            (*params, limit),
-        ).fetchall()
+        return self.query(agent_id=agent_id or None, limit=limit)
+
+    def query(
+        self,
+        *,
+        agent_id: str | None = None,
+        capability: str | None = None,
+        kinds: Collection[str] = (),
+        since: float | None = None,
+        until: float | None = None,
+        limit: int | None = 50,
+    ) -> list[OrchestrationEvent]:
+        """The last ``limit`` entries (``None``: all) that match every filter given, oldest
+        first. ``agent_id=""`` selects the entries about no agent; ``kinds`` matches any of
+        them; the time window is ``since <= at < until``.
+
+        Parameterised SQL only. Newest first by ``seq`` with a ``LIMIT``, so SQLite walks the
+        primary key (or ``orchestration_log_agent`` when ``agent_id`` is given) backwards and
+        stops at the ``limit``-th match.
+        """
+        clauses: list[str] = []
+        params: list[object] = []
+        for clause, value in (
+            ("agent_id = ?", agent_id),
+            ("capability = ?", capability),
+            ("at >= ?", since),
+            ("at < ?", until),
+        ):
+            if value is not None:
+                clauses.append(clause)
+                params.append(value)
+        if kinds:
+            wanted = sorted(set(kinds))
+            clauses.append(f"kind IN ({', '.join('?' * len(wanted))})")
+            params += wanted
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        sql = f"SELECT {_COLUMNS} FROM orchestration_log {where} ORDER BY seq DESC"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        try:
+            rows = self._db.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"journal query failed: {exc}") from exc
         return [_row_to_event(row) for row in reversed(rows)]
 
     def count(self) -> int:

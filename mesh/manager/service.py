@@ -756,6 +756,9 @@ def _explain(admitter: Admitter, admission_id: str) -> ExplainReply:
             "pool_id": reservation.pool_id,
             "expires_at": reservation.expires_at,
             "created_at": reservation.created_at,
+            "updated_at": reservation.updated_at,
+            # When it stopped holding: released by its holder, or expired by the sweep.
+            "released_at": None if reservation.holding else reservation.updated_at,
             "items": [list(item) for item in reservation.items],
         }
     )
@@ -767,4 +770,5 @@ def _explain(admitter: Admitter, admission_id: str) -> ExplainReply:
         decision=AdmissionDecision.model_validate(record["decision"]),
         eligibility=record["eligibility"],
         reservation=held,
+        tenant=record.get("tenant"),
     )

@@ -106,6 +106,9 @@ class ManagerWeb:
         self._runner: web.AppRunner | None = None
         app = web.Application()
         app.router.add_get("/", self._page)
+        # The page's script and style sheet (static/status.js, static/status.css).
+        static = resources.files("mesh.manager").joinpath("static")
+        app.router.add_static("/static/", str(static))
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/api/status", self._status)
         self.app = app

@@ -409,6 +409,9 @@ class ExplainReply(Message):
     decision: AdmissionDecision | None = None
     eligibility: dict[str, Any] | None = None
     reservation: dict[str, Any] | None = None
+    tenant: str | None = Field(
+        default=None, max_length=255, description="The authenticated producer it was decided for."
+    )
 
 
 ADMISSION_MESSAGE_TYPES: tuple[type[Message], ...] = (

@@ -362,7 +362,7 @@ def test_manager_service_selects_the_manager_pod() -> None:
     service = one("Service", "mesh-manager")
     labels = manager()["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
-    assert [p["port"] for p in service["spec"]["ports"]] == [9090]
+    assert [p["port"] for p in service["spec"]["ports"]] == [8090]
     for other in deployments().values():
         if other is not manager():
             other_labels = other["spec"]["template"]["metadata"]["labels"]

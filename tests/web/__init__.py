@@ -1,0 +1,1 @@
+"""Browser tests: the manager's status page in a real headless Chromium (selenium)."""
