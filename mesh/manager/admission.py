@@ -66,6 +66,7 @@ from mesh.wire.admission import (
     AdmissionReleaseReply,
     AdmissionRequest,
     CapabilityDescriptor,
+    TaskRequirements,
     requirement_digest,
 )
 
@@ -103,12 +104,14 @@ class _Decided:
     decision: AdmissionDecision
     eligibility: dict[str, Any] | None = None
     tenant: str | None = None
+    estimate: dict[str, Any] | None = None  # what settlement compares actual cost with
 
     def to_json(self) -> str:
         record = {
             "decision": self.decision.model_dump(mode="json"),
             "eligibility": self.eligibility,
             "tenant": self.tenant,
+            "estimate": self.estimate,
         }
         return orjson.dumps(record).decode()
 
@@ -120,6 +123,7 @@ class _Decided:
             AdmissionDecision.model_validate(record["decision"]),
             record.get("eligibility"),
             record.get("tenant"),
+            record.get("estimate"),
         )
 
 
@@ -250,7 +254,8 @@ class Admitter:
             now=now,
         )
         decision = self._decide(request, tenant, digest, eligibility, now)
-        self._record(_Decided(digest, decision, eligibility.to_record(), tenant), now)
+        estimate = _estimate(request.requirements)
+        self._record(_Decided(digest, decision, eligibility.to_record(), tenant, estimate), now)
         return decision
 
     def _record(self, decided: _Decided, now: float) -> None:
@@ -294,6 +299,7 @@ class Admitter:
             "decision": decided.decision.model_dump(mode="json"),
             "eligibility": decided.eligibility,
             "tenant": decided.tenant,
+            "estimate": decided.estimate,
         }
 
     def _earlier_decision(self, admission_id: str, digest: str) -> AdmissionDecision | None:
@@ -467,6 +473,17 @@ class Admitter:
     def expire(self, now: float) -> list[Reservation]:
         """Overdue reservations → EXPIRED under a higher fence."""
         return self.ledger.expire_due(now)
+
+
+def _estimate(requirements: TaskRequirements) -> dict[str, Any]:
+    """The requirements' cost estimates, kept with the decision for settlement."""
+    return {
+        "capability": requirements.capability.name,
+        "service_class": requirements.service_class,
+        "estimated_tokens": requirements.estimated_tokens,
+        "estimated_duration_s": requirements.estimated_duration_s,
+        "deadline": requirements.deadline,
+    }
 
 
 def _unavailable(admission_id: str, exc: StoreError) -> AdmissionDecision:

@@ -6,7 +6,9 @@ Two kinds of series, one registry per manager (tests run several managers in one
 
 * **Counters and histograms of events**, incremented where the event happens: admissions by
   decision and reason, the eligibility rule that filtered each pool out, dead-lettered
-  messages by reason, heartbeat lag, the latency of a release.
+  messages by reason, heartbeat lag, the latency of a release, and at settlement the
+  estimated-to-actual cost ratio and deadline misses (from what the holder reports when it
+  releases: the manager does not see task results).
 * **Gauges of state**, computed at scrape time by :class:`_StateCollector` from a
   :class:`MeshView` (the live pool core, the admitter's descriptors, the last ledger-usage and
   queue snapshots the manager's tick took). Nothing is cached between scrapes, so when the last
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -98,6 +101,26 @@ class ManagerMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
             registry=r,
         )
+        self.cost_ratio = Histogram(
+            "mesh_cost_estimate_ratio",
+            "Estimated / actual cost of settled admissions, as the holder reported it at "
+            "release (measure: tokens or duration); above 1 over-estimates.",
+            ["capability", "service_class", "measure"],
+            buckets=(0.125, 0.25, 0.5, 0.8, 1.0, 1.25, 2.0, 4.0, 8.0),
+            registry=r,
+        )
+        self.deadline_misses = Counter(
+            "mesh_deadline_misses",
+            "Settled admissions whose work finished after the requirements' deadline.",
+            ["capability", "service_class"],
+            registry=r,
+        )
+        self.settlements = Counter(
+            "mesh_settlements",
+            "Admissions given back: completed (actual cost reported) or cancelled.",
+            ["capability", "service_class", "how"],
+            registry=r,
+        )
         self.registry.register(_StateCollector(view))
 
     def capability_label(self, capability: str) -> str:
@@ -129,6 +152,33 @@ class ManagerMetrics:
                 rule = pool.get("rule") if isinstance(pool, dict) else None
                 if rule in RULE_NAMES:
                     self.match_failures.labels(capability, rule).inc()
+
+    def settled(
+        self,
+        estimate: Mapping[str, Any] | None,
+        actual_tokens: int | None,
+        actual_duration_s: float | None,
+        finished_at: float | None,
+    ) -> None:
+        """One release: completed (with actuals) or cancelled; ratios and deadline misses."""
+        estimate = estimate or {}
+        capability = self.capability_label(str(estimate.get("capability", "")))
+        service_class = str(estimate.get("service_class") or UNKNOWN)
+        completed = actual_tokens is not None or actual_duration_s is not None
+        self.settlements.labels(
+            capability, service_class, "completed" if completed else "cancelled"
+        ).inc()
+        pairs = (
+            ("tokens", estimate.get("estimated_tokens"), actual_tokens),
+            ("duration", estimate.get("estimated_duration_s"), actual_duration_s),
+        )
+        for measure, estimated, actual in pairs:
+            if isinstance(estimated, int | float) and actual:
+                ratio = estimated / actual
+                self.cost_ratio.labels(capability, service_class, measure).observe(ratio)
+        deadline = estimate.get("deadline")
+        if isinstance(deadline, int | float) and finished_at is not None and finished_at > deadline:
+            self.deadline_misses.labels(capability, service_class).inc()
 
     def render(self) -> bytes:
         """The exposition text of every metric."""

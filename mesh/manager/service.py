@@ -471,6 +471,13 @@ class ManagerService:
             )
             if reply.released:
                 self.observer.metrics.release_latency.observe(self.clock.now().mono - started)
+                record = await self._on_ledger(admitter.explain, message.admission_id)
+                self.observer.metrics.settled(
+                    record.get("estimate") if record else None,
+                    message.actual_tokens,
+                    message.actual_duration_s,
+                    message.finished_at,
+                )
                 held = await self._on_ledger(admitter.ledger.get, message.admission_id)
                 if held is not None:
                     await self._publish_revocation(

@@ -262,12 +262,27 @@ class MeshClient:
         )
         return _expect(await self.request(request, timeout_s=timeout_s), AdmissionDecision)
 
-    async def release_admission(self, grant: AdmissionGrant) -> AdmissionReleaseReply:
-        """Settle a phase: give the grant's reservations back (fenced: a stale grant cannot)."""
-        reply = await self.request(
-            AdmissionRelease(admission_id=grant.admission_id, fence=grant.fence)
+    async def release_admission(
+        self,
+        grant: AdmissionGrant,
+        *,
+        actual_tokens: int | None = None,
+        actual_duration_s: float | None = None,
+        finished_at: float | None = None,
+    ) -> AdmissionReleaseReply:
+        """Settle a phase: give the grant's reservations back (fenced: a stale grant cannot).
+
+        Report what the work really cost when it completed (the manager's metrics compare it
+        with the estimates and the deadline); without it the release counts as a cancellation.
+        """
+        release = AdmissionRelease(
+            admission_id=grant.admission_id,
+            fence=grant.fence,
+            actual_tokens=actual_tokens,
+            actual_duration_s=actual_duration_s,
+            finished_at=finished_at,
         )
-        return _expect(reply, AdmissionReleaseReply)
+        return _expect(await self.request(release), AdmissionReleaseReply)
 
     async def publish_descriptor(
         self, descriptor: CapabilityDescriptor

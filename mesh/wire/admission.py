@@ -354,12 +354,21 @@ class AdmissionDecision(Message):
 
 
 class AdmissionRelease(Message):
-    """Holder -> manager: give the grant back. Only the current fence may release it."""
+    """Holder -> manager: give the grant back. Only the current fence may release it.
+
+    Settlement may report what the phase really cost; the manager compares it with the
+    requirements' estimates (``mesh_cost_estimate_ratio``) and the deadline
+    (``mesh_deadline_misses_total``). A release without them is a cancellation."""
 
     TYPE = "mesh.admission-release.v1"
     type: Literal["mesh.admission-release.v1"] = "mesh.admission-release.v1"
     admission_id: Identifier
     fence: PositiveInt
+    actual_tokens: Count | None = Field(default=None, description="Tokens the phase used.")
+    actual_duration_s: float | None = Field(
+        default=None, ge=0, description="How long the phase's work took."
+    )
+    finished_at: Timestamp | None = Field(default=None, description="When the work finished.")
 
 
 class AdmissionReleaseReply(Message):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -176,6 +177,32 @@ async def test_metrics_follow_agents_admissions_refusals_and_drains(
         queues = {labels["queue"] for labels in names_with(series, "mesh_queue_messages")}
         assert f"{namespace}.manager.rpc" in queues
         assert all(q.startswith(f"{namespace}.") for q in queues)  # only this mesh's queues
+
+        # Settlement: a completed phase reports its actual cost (here half the estimated
+        # tokens, finished after its deadline); a release without actuals is a cancellation.
+        timed = CALC_REQUIREMENTS.model_copy(update={"deadline": time.time() + 30})
+        late = await client.admit(timed, admission_id="adm-metrics-late")
+        assert late.grant is not None and granted.grant is not None
+        assert timed.deadline is not None
+        done = await client.release_admission(
+            late.grant,
+            actual_tokens=timed.estimated_tokens // 2,
+            actual_duration_s=timed.estimated_duration_s * 4,
+            finished_at=timed.deadline + 5,
+        )
+        cancelled = await client.release_admission(granted.grant)
+        assert done.released and cancelled.released
+        series = await scrape(url)
+        tokens = dict(labels, measure="tokens")
+        assert value(series, "mesh_cost_estimate_ratio_count", **tokens) == 1
+        assert value(series, "mesh_cost_estimate_ratio_sum", **tokens) == pytest.approx(2.0)
+        if timed.estimated_duration_s:
+            duration = dict(labels, measure="duration")
+            assert value(series, "mesh_cost_estimate_ratio_sum", **duration) == pytest.approx(0.25)
+        assert value(series, "mesh_deadline_misses_total", **labels) == 1
+        assert value(series, "mesh_settlements_total", **labels, how="completed") == 1
+        assert value(series, "mesh_settlements_total", **labels, how="cancelled") == 1
+        assert value(series, "mesh_admission_release_seconds_count") == 2
 
         # Heartbeats arrive and their lag is observed.
         async def heartbeats_seen() -> bool:

@@ -56,6 +56,8 @@ def exported() -> tuple[set[str], dict[str, set[str]]]:
     metrics.dead_lettered.labels("MALFORMED_JSON").inc()
     metrics.heartbeat_lag.observe(0.01)
     metrics.release_latency.observe(0.002)
+    estimate = {"capability": "math.evaluate", "service_class": "batch", "deadline": 10.0}
+    metrics.settled(dict(estimate, estimated_tokens=100), 50, None, 20.0)
     names: set[str] = set()
     labels: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
