@@ -17,6 +17,8 @@ from mesh.errors import StoreError
 
 AUTOCHECKPOINT_PAGES = 20_000
 """The backstop: a commit checkpoints itself only once the WAL is this long (~80 MB)."""
+WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
+"""After a checkpoint lets the WAL start over, its file is cut back to this size on disk."""
 
 
 def configure(conn: sqlite3.Connection, synchronous: str = "NORMAL") -> None:
@@ -24,6 +26,7 @@ def configure(conn: sqlite3.Connection, synchronous: str = "NORMAL") -> None:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={synchronous}")
     conn.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
+    conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
 
 
 class WalCheckpointer:

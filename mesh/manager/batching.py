@@ -33,12 +33,19 @@ class GroupCommit(Generic[I, O]):
         *,
         max_batch: int = 64,
         max_yields: int = 4,
+        linger_s: float = 0.0,
+        busy_gap_s: float = 0.005,
     ):
         if max_batch < 1:
             raise LocalProtocolError(f"max_batch must be at least 1, got {max_batch}")
+        if linger_s < 0 or busy_gap_s < 0:
+            raise LocalProtocolError("linger_s and busy_gap_s must not be negative")
         self._run = run
         self._max_batch = max_batch
         self._max_yields = max_yields
+        self._linger_s = linger_s
+        self._busy_gap_s = busy_gap_s
+        self._last_batch_end = float("-inf")  # loop time
         self._queue: list[tuple[I, asyncio.Future[O]]] = []
         self._drainer: asyncio.Task[None] | None = None
         self.batches = 0  # batches run so far
@@ -54,8 +61,15 @@ class GroupCommit(Generic[I, O]):
 
     async def _gather(self) -> None:
         """Let callers already scheduled on the loop join this batch: yield one loop iteration
-        at a time while the queue keeps growing (at most ``max_yields``; no timer, so an
-        idle loop adds only microseconds)."""
+        at a time while the queue keeps growing (at most ``max_yields``). Under load — the
+        previous batch ended less than ``busy_gap_s`` ago — first linger ``linger_s`` for
+        company (PostgreSQL's ``commit_delay`` idea: when the process is busy anyway, a
+        short wait costs no CPU and shares one commit among more requests); an idle
+        manager never lingers."""
+        loop = asyncio.get_running_loop()
+        busy = loop.time() - self._last_batch_end < self._busy_gap_s
+        if self._linger_s and busy and len(self._queue) < self._max_batch:
+            await asyncio.sleep(self._linger_s)
         for _ in range(self._max_yields):
             before = len(self._queue)
             if before >= self._max_batch:
@@ -91,6 +105,8 @@ class GroupCommit(Generic[I, O]):
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 continue
+            finally:
+                self._last_batch_end = asyncio.get_running_loop().time()
             for (_, future), result in zip(batch, results, strict=True):
                 if not future.done():  # its caller may have been cancelled meanwhile
                     future.set_result(result)

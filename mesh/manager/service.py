@@ -160,7 +160,11 @@ class ManagerService:
         self._ledger_inline = False
         self._epochs_announced_at = float("-inf")  # monotonic; announced on the first tick
         self._admissions: GroupCommit[tuple[AdmissionRequest, str], AdmissionDecision] = (
-            GroupCommit(self._admit_batch, max_batch=settings.admission_batch)
+            GroupCommit(
+                self._admit_batch,
+                max_batch=settings.admission_batch,
+                linger_s=settings.admission_linger_s,
+            )
         )
         self._consumers: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None

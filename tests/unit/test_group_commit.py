@@ -119,3 +119,31 @@ def test_max_batch_must_be_positive() -> None:
 
     with pytest.raises(LocalProtocolError):
         GroupCommit(run, max_batch=0)
+
+
+async def test_an_idle_group_commit_never_lingers() -> None:
+    recorder = Recorder()
+    commit = GroupCommit(recorder.run, linger_s=5.0)
+
+    assert await asyncio.wait_for(commit.submit(1), timeout=1) == 10  # no 5 s wait
+
+
+async def test_under_load_a_batch_lingers_for_company() -> None:
+    recorder = Recorder()
+    commit = GroupCommit(recorder.run, linger_s=0.3, busy_gap_s=60.0)
+    await commit.submit(0)  # a batch just ended: the next one is "under load"
+
+    first = asyncio.create_task(commit.submit(1))
+    await asyncio.sleep(0.05)  # arrives while the batch lingers
+    second = asyncio.create_task(commit.submit(2))
+
+    assert await asyncio.wait_for(asyncio.gather(first, second), timeout=5) == [10, 20]
+    assert recorder.batches == [[0], [1, 2]]
+
+
+def test_negative_linger_is_refused() -> None:
+    async def run(items: list[int]) -> list[int]:
+        return items
+
+    with pytest.raises(LocalProtocolError):
+        GroupCommit(run, linger_s=-1)
