@@ -99,7 +99,9 @@ DECISION_CACHE_SIZE = 4096
 
 
 @dataclass(slots=True)
-class _Decided:
+class DecisionRecord:
+    """The latest decision about an admission ID, with what it was decided from."""
+
     digest: str
     decision: AdmissionDecision
     eligibility: dict[str, Any] | None = None
@@ -116,7 +118,7 @@ class _Decided:
         return orjson.dumps(record).decode()
 
     @classmethod
-    def from_row(cls, row: DecisionRow) -> _Decided:
+    def from_row(cls, row: DecisionRow) -> DecisionRecord:
         record = orjson.loads(row.record)
         return cls(
             row.digest,
@@ -131,7 +133,7 @@ class _Decided:
 class _Batch:
     """What one ``admit_many`` changed outside the ledger transaction, to undo or publish."""
 
-    decided: dict[str, _Decided] = field(default_factory=dict)
+    decided: dict[str, DecisionRecord] = field(default_factory=dict)
     external: list[tuple[ExternalGrantor, str, str]] = field(default_factory=list)
     budgets: set[str] = field(default_factory=set)  # tenants whose budget row it created
 
@@ -146,7 +148,7 @@ class Admitter:
     grantors: Sequence[ExternalGrantor] = ()
     descriptors: dict[str, CapabilityDescriptor] = field(default_factory=dict)
     active_epochs: dict[str, int] = field(default_factory=dict)
-    decisions: OrderedDict[str, _Decided] = field(default_factory=OrderedDict)
+    decisions: OrderedDict[str, DecisionRecord] = field(default_factory=OrderedDict)
     _budgets_set: set[str] = field(default_factory=set)
     _batch: _Batch | None = None  # while ``admit_many`` runs
 
@@ -255,10 +257,12 @@ class Admitter:
         )
         decision = self._decide(request, tenant, digest, eligibility, now)
         estimate = _estimate(request.requirements)
-        self._record(_Decided(digest, decision, eligibility.to_record(), tenant, estimate), now)
+        self._record(
+            DecisionRecord(digest, decision, eligibility.to_record(), tenant, estimate), now
+        )
         return decision
 
-    def _record(self, decided: _Decided, now: float) -> None:
+    def _record(self, decided: DecisionRecord, now: float) -> None:
         """Write the decision in the current transaction; cache it once that commits."""
         admission_id = decided.decision.admission_id
         kept = self.ledger.record_decision(
@@ -267,13 +271,13 @@ class Admitter:
         if kept and self._batch is not None:
             self._batch.decided[admission_id] = decided
 
-    def _remember(self, admission_id: str, decided: _Decided) -> None:
+    def _remember(self, admission_id: str, decided: DecisionRecord) -> None:
         self.decisions[admission_id] = decided
         self.decisions.move_to_end(admission_id)
         while len(self.decisions) > DECISION_CACHE_SIZE:
             self.decisions.popitem(last=False)
 
-    def _lookup(self, admission_id: str) -> _Decided | None:
+    def recorded(self, admission_id: str) -> DecisionRecord | None:
         """The latest decision about ``admission_id``: this batch's, the cache's, or the
         ledger's (made before a restart, or by another manager)."""
         if self._batch is not None and admission_id in self._batch.decided:
@@ -285,14 +289,14 @@ class Admitter:
         if row is None:
             return None
         try:
-            return _Decided.from_row(row)
+            return DecisionRecord.from_row(row)
         except ValueError:
             log.error("a stored decision no longer validates", extra={"admission": admission_id})
             return None
 
     def explain(self, admission_id: str) -> dict[str, Any] | None:
         """The recorded decision and the eligibility record behind it (``mesh explain``)."""
-        decided = self._lookup(admission_id)
+        decided = self.recorded(admission_id)
         if decided is None:
             return None
         return {
@@ -305,7 +309,7 @@ class Admitter:
     def _earlier_decision(self, admission_id: str, digest: str) -> AdmissionDecision | None:
         """The answer already given to this admission ID, if it still holds. A reservation
         without a recorded decision (its manager stopped mid-way) is found by ``prepare``."""
-        decided = self._lookup(admission_id)
+        decided = self.recorded(admission_id)
         if decided is None:
             return None
         if decided.digest != digest:

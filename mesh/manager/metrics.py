@@ -56,6 +56,10 @@ class MeshView:
     """What the state gauges are computed from; the manager fills it in."""
 
     agents: Callable[[], list[AgentStatus]]
+    # Whether a registered agent offers this capability (the pool core's index: O(1)).
+    offers: Callable[[str], bool] = lambda _: False
+    # Agents Ready or Busy now, counted without building a status row per agent.
+    ready_agents: Callable[[], int] = lambda: 0
     descriptors: Callable[[], Mapping[str, CapabilityDescriptor]] = dict
     active_epochs: Callable[[], Mapping[str, int]] = dict
     active_generation: Callable[[], int] = lambda: 1
@@ -124,12 +128,12 @@ class ManagerMetrics:
         self.registry.register(_StateCollector(view))
 
     def capability_label(self, capability: str) -> str:
-        """``capability`` if an agent or a descriptor offers it, else ``(unknown)``."""
+        """``capability`` if an agent or a descriptor offers it, else ``(unknown)``. On the
+        admission path: the index lookup is O(1), and pools are few."""
+        if self.view.offers(capability):
+            return capability
         for descriptor in self.view.descriptors().values():
             if any(c.name == capability for c in descriptor.capabilities):
-                return capability
-        for agent in self.view.agents():
-            if any(c.name == capability for c in agent.capabilities):
                 return capability
         return UNKNOWN
 
@@ -236,17 +240,37 @@ class _StateCollector(Collector):
         yield age
 
 
+@dataclass(slots=True)
+class CapabilityLoad:
+    """One capability across agents: how many offer it, and in-flight against concurrency
+    on those that take work (Ready or Busy)."""
+
+    agents: int = 0
+    taking_work: int = 0  # of them Ready or Busy
+    in_flight: int = 0
+    capacity: int = 0
+
+
+def load_by_capability(agents: Iterable[AgentStatus]) -> dict[str, CapabilityLoad]:
+    """:class:`CapabilityLoad` per capability, by name (the gauges and ``/api/status``)."""
+    loads: dict[str, CapabilityLoad] = {}
+    for agent in agents:
+        for cap in agent.capabilities:
+            load = loads.setdefault(cap.name, CapabilityLoad())
+            load.agents += 1
+            if agent.state in ("Ready", "Busy"):
+                load.taking_work += 1
+                load.in_flight += cap.in_flight
+                load.capacity += cap.max_concurrency
+    return dict(sorted(loads.items()))
+
+
 def _agent_gauges(agents: list[AgentStatus]) -> Iterator[Metric]:
     by_state: dict[tuple[str, str], int] = {}
-    in_flight: dict[str, int] = {}
-    capacity: dict[str, int] = {}
     for agent in agents:
         for cap in agent.capabilities:
             key = (cap.name, agent.state)
             by_state[key] = by_state.get(key, 0) + 1
-            if agent.state in ("Ready", "Busy"):
-                in_flight[cap.name] = in_flight.get(cap.name, 0) + cap.in_flight
-                capacity[cap.name] = capacity.get(cap.name, 0) + cap.max_concurrency
     states = GaugeMetricFamily(
         "mesh_agents", "Agents by capability and lifecycle state.", labels=["capability", "state"]
     )
@@ -259,9 +283,10 @@ def _agent_gauges(agents: list[AgentStatus]) -> Iterator[Metric]:
     room = GaugeMetricFamily(
         "mesh_capacity", "Concurrency of Ready and Busy agents.", labels=["capability"]
     )
-    for capability in sorted(capacity):
-        busy.add_metric([capability], in_flight[capability])
-        room.add_metric([capability], capacity[capability])
+    for capability, load in load_by_capability(agents).items():
+        if load.taking_work:
+            busy.add_metric([capability], load.in_flight)
+            room.add_metric([capability], load.capacity)
     yield busy
     yield room
 

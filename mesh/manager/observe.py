@@ -24,7 +24,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import aiohttp
 
-from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat
+from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat, load_by_capability
 from mesh.manager.web import ManagerWeb, Sample, StatusHistory, management_queue_url
 from mesh.topology import names
 from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
@@ -66,6 +66,8 @@ class Observer:
         active_generation: int,
         counters: Counter[str],
         started_at: float,
+        offers: Callable[[str], bool] = lambda _: False,
+        ready_agents: Callable[[], int] = lambda: 0,
         management_url: str | None = None,
         queue_poll_interval_s: float = 5.0,
     ) -> None:
@@ -77,6 +79,8 @@ class Observer:
         self.history = StatusHistory()
         self.view = MeshView(
             agents=agents,
+            offers=offers,
+            ready_agents=ready_agents,
             descriptors=descriptors,
             active_epochs=active_epochs,
             active_generation=lambda: active_generation,
@@ -140,14 +144,13 @@ class Observer:
         ):
             self._polled_at = time.monotonic()
             self.view.queues = await self._poll_queues()
-        agents = self.view.agents()
         self.history.sample(
             Sample(
                 at=time.time(),
                 admitted=self.counters["admission.admitted"],
                 refused=self.counters["admission.rejected"] + self.counters["admission.deferred"],
                 queue_messages=sum(q.messages for q in self.view.queues),
-                agents_ready=sum(1 for a in agents if a.state in ("Ready", "Busy")),
+                agents_ready=self.view.ready_agents(),
             )
         )
 
@@ -203,16 +206,6 @@ class Observer:
                 },
             )
             pool["agents"][agent.state] = pool["agents"].get(agent.state, 0) + 1
-        capabilities: dict[str, dict[str, int]] = {}
-        for agent in agents:
-            for cap in agent.capabilities:
-                row = capabilities.setdefault(
-                    cap.name, {"in_flight": 0, "capacity": 0, "agents": 0}
-                )
-                row["agents"] += 1
-                if agent.state in ("Ready", "Busy"):
-                    row["in_flight"] += cap.in_flight
-                    row["capacity"] += cap.max_concurrency
         return {
             "manager_id": self.manager_id,
             "namespace": self.namespace,
@@ -236,7 +229,13 @@ class Observer:
                 for a in agents
             ],
             "capabilities": [
-                {"capability": name, **row} for name, row in sorted(capabilities.items())
+                {
+                    "capability": name,
+                    "in_flight": load.in_flight,
+                    "capacity": load.capacity,
+                    "agents": load.agents,
+                }
+                for name, load in load_by_capability(agents).items()
             ],
             "queues": [
                 {

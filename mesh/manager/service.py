@@ -57,6 +57,7 @@ from mesh.core.events import (
     SendToAgent,
     Tick,
 )
+from mesh.core.lifecycle import AgentState
 from mesh.core.pool import PoolCore
 from mesh.errors import (
     LocalProtocolError,
@@ -124,6 +125,9 @@ _RPC_TYPES = (
 )
 
 
+_TAKING_WORK = frozenset({AgentState.READY, AgentState.BUSY})
+
+
 class ManagerService:
     """Runs the pool manager against a broker until stopped."""
 
@@ -175,6 +179,10 @@ class ManagerService:
             namespace=settings.namespace,
             vhost=vhost_of(settings.amqp_url),
             agents=lambda: self.core.status(self.clock.now()),
+            offers=lambda capability: capability in self.core.index,
+            ready_agents=lambda: sum(
+                1 for a in self.core.agents.values() if a.state in _TAKING_WORK
+            ),
             descriptors=lambda: self.admitter.descriptors if self.admitter else {},
             active_epochs=lambda: self.admitter.active_epochs if self.admitter else {},
             active_generation=settings.admission.active_generation,
@@ -475,9 +483,9 @@ class ManagerService:
             )
             if reply.released:
                 self.observer.metrics.release_latency.observe(self.clock.now().mono - started)
-                record = await self._on_ledger(admitter.explain, message.admission_id)
+                record = await self._on_ledger(admitter.recorded, message.admission_id)
                 self.observer.metrics.settled(
-                    record.get("estimate") if record else None,
+                    record.estimate if record else None,
                     message.actual_tokens,
                     message.actual_duration_s,
                     message.finished_at,
@@ -513,9 +521,9 @@ class ManagerService:
         entries = []
         for (request, tenant), decision in zip(requests, decisions, strict=True):
             self.counters[f"admission.{decision.outcome}"] += 1
-            record = admitter.explain(decision.admission_id)  # cached: just decided
+            record = admitter.recorded(decision.admission_id)  # in memory: just decided
             self.observer.admitted(
-                now, request.requirements, decision, record["eligibility"] if record else None
+                now, request.requirements, decision, record.eligibility if record else None
             )
             grant = decision.grant
             entries.append(
@@ -756,7 +764,7 @@ def _to_wire(entry: LogEntry) -> OrchestrationEvent:
 
 
 def _explain(admitter: Admitter, admission_id: str) -> ExplainReply:
-    record = admitter.explain(admission_id)
+    record = admitter.recorded(admission_id)
     reservation = admitter.ledger.get(admission_id)
     held = (
         None
@@ -778,8 +786,8 @@ def _explain(admitter: Admitter, admission_id: str) -> ExplainReply:
     return ExplainReply(
         admission_id=admission_id,
         found=True,
-        decision=AdmissionDecision.model_validate(record["decision"]),
-        eligibility=record["eligibility"],
+        decision=record.decision,
+        eligibility=record.eligibility,
         reservation=held,
-        tenant=record.get("tenant"),
+        tenant=record.tenant,
     )
