@@ -155,6 +155,7 @@ class PostgresLedger(SqlLedger):
         }
         self._max_attempts = max_attempts
         self._fence_sql = f"SELECT nextval('\"{schema}\".ledger_fence')"
+        self._fences_sql = f"SELECT nextval('\"{schema}\".ledger_fence') FROM generate_series(1, ?)"
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
         with self._lock:
             self._transaction(self._create_schema, write=True)
@@ -195,6 +196,10 @@ class PostgresLedger(SqlLedger):
     def _next_fence(self, db: Db) -> int:
         ((fence,),) = db.execute(self._fence_sql)
         return int(fence)
+
+    def _next_fences(self, db: Db, count: int) -> list[int]:
+        rows = db.execute(self._fences_sql, (count,))
+        return sorted(int(fence) for (fence,) in rows)
 
     def close(self) -> None:
         with self._lock:

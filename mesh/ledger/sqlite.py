@@ -7,9 +7,10 @@ serialised for the whole read-check-write, and the conditional counters of
 Reads use a deferred ``BEGIN`` and, thanks to WAL, never block the writer.
 
 Fences come from a one-row counter (``ledger_fence``) incremented inside the same
-transaction, so a rolled-back ``prepare`` leaves no gap (a ``prepare`` of a known ID skips
-one). ``ledger_log`` is made append-only by triggers. The WAL is checkpointed by ``maintain``
-(the manager's tick), not on the commit path of a decision. ``synchronous=NORMAL`` (the
+transaction (a planned batch draws a block with one statement); a fence drawn but not used —
+a ``prepare`` of a known ID, a refusal in a planned batch — is a harmless gap.
+``ledger_log`` is made append-only by triggers. The WAL is checkpointed by ``maintain`` (the
+manager's tick), not on the commit path of a decision. ``synchronous=NORMAL`` (the
 default, as for the journal) keeps every committed decision across a crash of the process;
 ``synchronous="FULL"`` also survives power loss, at one fsync per commit.
 """
@@ -158,6 +159,10 @@ class SqliteLedger(SqlLedger):
     def _next_fence(self, db: Db) -> int:
         ((fence,),) = db.execute("UPDATE ledger_fence SET last = last + 1 RETURNING last")
         return int(fence)
+
+    def _next_fences(self, db: Db, count: int) -> list[int]:
+        ((last,),) = db.execute("UPDATE ledger_fence SET last = last + ? RETURNING last", (count,))
+        return list(range(int(last) - count + 1, int(last) + 1))
 
     def maintain(self) -> None:
         """A PASSIVE WAL checkpoint on a connection of its own (:mod:`mesh.sqlite_wal`)."""

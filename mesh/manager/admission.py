@@ -206,7 +206,7 @@ class Admitter:
         if not requests:
             return []
         try:
-            return self._in_one_transaction(requests, now)
+            return self._in_one_transaction(requests, now, planned=True)
         except StoreError as exc:
             if len(requests) == 1:
                 log.warning("ledger unavailable", extra={"error": str(exc)})
@@ -218,18 +218,21 @@ class Admitter:
         decisions = []
         for pair in requests:
             try:
-                decisions += self._in_one_transaction([pair], now)
+                decisions += self._in_one_transaction([pair], now, planned=False)
             except StoreError as exc:
                 decisions.append(_unavailable(pair[0].admission_id, exc))
         return decisions
 
     def _in_one_transaction(
-        self, requests: Sequence[tuple[AdmissionRequest, str]], now: float
+        self, requests: Sequence[tuple[AdmissionRequest, str]], now: float, *, planned: bool
     ) -> list[AdmissionDecision]:
+        """``planned``: let the ledger read the IDs' rows up front and write in bulk (its
+        fast path); the one-by-one retry after a failed batch takes the plain path."""
         batch = self._batch = _Batch()
         try:
             decisions = self.ledger.batch(
-                lambda: [self._admit(request, tenant, now) for request, tenant in requests]
+                lambda: [self._admit(request, tenant, now) for request, tenant in requests],
+                plan=[request.admission_id for request, _ in requests] if planned else (),
             )
         except BaseException:
             for grantor, admission_id, grant_id in reversed(batch.external):

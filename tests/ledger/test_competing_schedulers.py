@@ -30,6 +30,7 @@ TIME_BUDGET_S = 30.0
 
 SCHEDULER = r"""
 import json, sys
+from mesh.errors import StoreError
 from mesh.ledger import PostgresLedger, Prepared, Refused, Reservation, SqliteLedger
 
 config = json.loads(sys.argv[1])
@@ -41,7 +42,33 @@ print("ready", flush=True)
 sys.stdin.readline()  # the start signal: both schedulers race from here
 
 won, replayed, activated, refused, not_activated = [], [], [], {}, {}
-for admission_id, digest, items in config["requests"]:
+failed_batches = 0
+
+
+def count(outcome):
+    if isinstance(outcome, Refused):
+        refused[outcome.reason] = refused.get(outcome.reason, 0) + 1
+        return
+    (replayed if outcome.replayed else won).append(outcome.reservation.admission_id)
+    if outcome.reservation.state == "ACTIVE" and not outcome.replayed:
+        activated.append(outcome.reservation.admission_id)
+
+
+size = config.get("batch", 0)
+for at in range(0, len(config["requests"]) if size else 0, size or 1):
+    # As the manager's admitter: a planned batch, and after a failed one each request again
+    # in its own plain transaction.
+    chunk = config["requests"][at : at + size]
+    prepare = lambda a, d, items: ledger.prepare(a, d, items, 60.0, config["now"],
+                                                 activate_ttl_s=60.0)
+    try:
+        outcomes = ledger.batch(lambda: [prepare(*r) for r in chunk], plan=[r[0] for r in chunk])
+    except StoreError:
+        failed_batches += 1
+        outcomes = [prepare(*r) for r in chunk]
+    for outcome in outcomes:
+        count(outcome)
+for admission_id, digest, items in [] if size else config["requests"]:
     prepared = ledger.prepare(admission_id, digest, items, 60.0, config["now"])
     if isinstance(prepared, Refused):
         refused[prepared.reason] = refused.get(prepared.reason, 0) + 1
@@ -54,14 +81,18 @@ for admission_id, digest, items in config["requests"]:
         not_activated[active.reason] = not_activated.get(active.reason, 0) + 1
 ledger.close()
 print(json.dumps({"won": won, "replayed": replayed, "activated": activated,
-                  "refused": refused, "not_activated": not_activated}), flush=True)
+                  "refused": refused, "not_activated": not_activated,
+                  "failed_batches": failed_batches}), flush=True)
 """
 
 Request = tuple[str, str, list[tuple[str, str, int]]]
 
 
-def race(factory: LedgerFactory, *request_lists: list[Request]) -> list[dict[str, Any]]:
-    """Run one scheduler process per request list, started together; their reports."""
+def race(
+    factory: LedgerFactory, *request_lists: list[Request], batch: int = 0
+) -> list[dict[str, Any]]:
+    """Run one scheduler process per request list, started together; their reports. With
+    ``batch``, each decides its requests ``batch`` at a time in planned batches."""
     procs = []
     for n, requests in enumerate(request_lists):
         config = {
@@ -71,6 +102,7 @@ def race(factory: LedgerFactory, *request_lists: list[Request]) -> list[dict[str
             "name": f"scheduler-{n}",
             "now": NOW,
             "requests": requests,
+            "batch": batch,
         }
         procs.append(
             subprocess.Popen(
@@ -218,3 +250,37 @@ def test_two_schedulers_admitting_the_same_ids_decide_each_once(
     assert set(reports[1]["replayed"]) == set(reports[0]["won"])
     assert ledger.usage()[("pool-a", "model_slots")] == (50, 50)
     assert_counters_conserved(ledger)
+
+
+@pytest.mark.timeout(120)
+def test_two_schedulers_deciding_in_planned_batches_never_both_win_a_unit(
+    ledger_factory: LedgerFactory, ledger: LedgerStore
+) -> None:
+    # As two managers' group commits: each takes 16 requests per planned batch (counters read
+    # once, taken at the end by the batch's total). On PostgreSQL the batches interleave: a
+    # counter moved under a batch fails it and its requests are decided again one by one.
+    ledger.set_capacity("pool-a", "model_slots", 60)
+    ledger.set_capacity("pool-a", "sandboxes", 45)
+
+    def requests(tag: str) -> list[Request]:
+        return [
+            (
+                f"{tag}-{i}",
+                f"digest-{tag}-{i}",
+                [("pool-a", "model_slots", 1)] + ([("pool-a", "sandboxes", 1)] if i % 2 else []),
+            )
+            for i in range(ATTEMPTS)
+        ]
+
+    shared = requests("both")[:40]  # the same 40 admissions reach both schedulers, too
+    reports = race(ledger_factory, requests("a") + shared, shared[::-1] + requests("b"), batch=16)
+
+    winners = granted(reports)
+    assert len(winners) == len(set(winners)) == 60  # every slot granted once, no more
+    replayed = [a for r in reports for a in r["replayed"]]
+    assert set(replayed) <= set(winners) & {a for a, _, _ in shared}
+    assert ledger.usage()[("pool-a", "model_slots")] == (60, 60)
+    used_sandboxes = ledger.usage()[("pool-a", "sandboxes")][0]
+    assert used_sandboxes == sum(1 for a in winners if int(a.rsplit("-", 1)[1]) % 2)
+    assert_counters_conserved(ledger)
+    print(f"failed batches (decided again one by one): {[r['failed_batches'] for r in reports]}")

@@ -68,6 +68,13 @@ def reservation(outcome: Reservation | Refused) -> Reservation:
     return outcome
 
 
+# A batch runs plain, or planned (the admission IDs it will prepare announced up front: the
+# store reads their rows first and writes in bulk at the end); the outcome must not differ.
+PLANNED = pytest.mark.parametrize(
+    "plan", [[], ["adm-1", "adm-2", "adm-3"]], ids=["plain", "planned"]
+)
+
+
 @pytest.fixture
 def pool(ledger: LedgerStore) -> LedgerStore:
     """The ledger with pool-a's counters and tenant acme's budget."""
@@ -438,14 +445,15 @@ def test_prepare_with_activate_ttl_goes_straight_to_active_and_logs_both_steps(
     assert_conserved(pool)
 
 
-def test_a_batch_commits_every_call_in_it_at_once(pool: LedgerStore) -> None:
+@PLANNED
+def test_a_batch_commits_every_call_in_it_at_once(pool: LedgerStore, plan: list[str]) -> None:
     def work() -> list[Reservation]:
         first = prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0, activate_ttl_s=TTL))
         second = prepared(pool.prepare("adm-2", "d", [SLOT], TTL, T0))
         assert pool.get("adm-1") == first  # the batch reads its own writes
         return [first, reservation(pool.activate("adm-2", second.fence, TTL, T0))]
 
-    first, second = pool.batch(work)
+    first, second = pool.batch(work, plan=plan)
 
     assert {r.state for r in (first, second)} == {ReservationState.ACTIVE}
     assert [r.admission_id for r in pool.active()] == ["adm-1", "adm-2"]
@@ -453,7 +461,53 @@ def test_a_batch_commits_every_call_in_it_at_once(pool: LedgerStore) -> None:
     assert_conserved(pool)
 
 
-def test_a_refusal_inside_a_batch_rolls_back_only_its_own_call(pool: LedgerStore) -> None:
+def test_a_planned_batch_replays_known_ids_and_reads_what_it_has_not_written_yet(
+    pool: LedgerStore,
+) -> None:
+    before = prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0, activate_ttl_s=TTL))
+    assert pool.record_decision("adm-1", "d", "admitted", T0, '{"n": 1}')
+
+    def work() -> list[object]:
+        return [
+            pool.prepare("adm-1", "d", [SLOT], TTL, T0 + 1, activate_ttl_s=TTL),  # replayed
+            pool.prepare("adm-1", "other", [SLOT], TTL, T0 + 1),  # conflict
+            pool.prepare("adm-2", "d", [SLOT, tokens(10)], TTL, T0 + 1, activate_ttl_s=TTL),
+            pool.prepare("adm-2", "d", [SLOT, tokens(10)], TTL, T0 + 1),  # its own, replayed
+            pool.prepare("adm-9", "d", [SLOT], TTL, T0 + 1),  # not announced; no slot left
+            pool.record_decision("adm-1", "other", "rejected", T0 + 1, "{}"),  # not kept
+            pool.record_decision("adm-2", "d", "admitted", T0 + 1, '{"n": 2}'),
+            pool.decision("adm-2"),  # recorded in this batch, not yet written
+            pool.usage()[("pool-a", "model_slots")],  # a read writes what is pending first
+        ]
+
+    again, conflict, fresh, own, none_left, kept1, kept2, row, slots = pool.batch(
+        work, plan=["adm-1", "adm-1", "adm-2"]
+    )
+
+    assert isinstance(again, Prepared) and again.replayed and again.reservation == before
+    refused(conflict, LedgerReason.CONFLICT)
+    adm2 = prepared(fresh)
+    assert adm2.state is ReservationState.ACTIVE and adm2.fence > before.fence
+    assert isinstance(own, Prepared) and own.replayed and own.reservation == adm2
+    refused(none_left, LedgerReason.CAPACITY)
+    assert (kept1, kept2) == (False, True)
+    assert row is not None and (row.digest, row.record) == ("d", '{"n": 2}')
+    assert slots == (2, 2)
+    assert pool.get("adm-2") == adm2 and pool.get("adm-9") is None
+    stored = pool.decision("adm-1")
+    assert stored is not None and stored.record == '{"n": 1}'
+    assert pool.replay_log() == {
+        "adm-1": (ReservationState.ACTIVE, before.fence),
+        "adm-2": (ReservationState.ACTIVE, adm2.fence),
+    }
+    assert used(pool, "*", "tenant_tokens:acme") == 10
+    assert_conserved(pool)
+
+
+@PLANNED
+def test_a_refusal_inside_a_batch_rolls_back_only_its_own_call(
+    pool: LedgerStore, plan: list[str]
+) -> None:
     def work() -> list[Prepared | Refused]:
         return [
             pool.prepare("adm-1", "d", [SLOT], TTL, T0),
@@ -462,7 +516,7 @@ def test_a_refusal_inside_a_batch_rolls_back_only_its_own_call(pool: LedgerStore
             pool.prepare("adm-3", "d", [SLOT, tokens(10)], TTL, T0),
         ]
 
-    one, two, three = pool.batch(work)
+    one, two, three = pool.batch(work, plan=plan)
 
     prepared(one)
     refused(two, LedgerReason.TENANT_BUDGET)
@@ -473,7 +527,8 @@ def test_a_refusal_inside_a_batch_rolls_back_only_its_own_call(pool: LedgerStore
     assert_conserved(pool)
 
 
-def test_a_batch_that_fails_keeps_nothing(pool: LedgerStore) -> None:
+@PLANNED
+def test_a_batch_that_fails_keeps_nothing(pool: LedgerStore, plan: list[str]) -> None:
     class Boom(Exception):
         pass
 
@@ -483,7 +538,7 @@ def test_a_batch_that_fails_keeps_nothing(pool: LedgerStore) -> None:
         raise Boom
 
     with pytest.raises(Boom):
-        pool.batch(work)
+        pool.batch(work, plan=plan)
 
     assert pool.get("adm-1") is None and pool.decision("adm-1") is None
     assert pool.log() == []
@@ -492,7 +547,10 @@ def test_a_batch_that_fails_keeps_nothing(pool: LedgerStore) -> None:
     prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0))  # the store is usable afterwards
 
 
-def test_other_threads_wait_for_a_batch_and_then_see_all_of_it(pool: LedgerStore) -> None:
+@PLANNED
+def test_other_threads_wait_for_a_batch_and_then_see_all_of_it(
+    pool: LedgerStore, plan: list[str]
+) -> None:
     with ThreadPoolExecutor(max_workers=1) as reader:
 
         def work() -> Future[list[Reservation]]:
@@ -503,7 +561,7 @@ def test_other_threads_wait_for_a_batch_and_then_see_all_of_it(pool: LedgerStore
             prepared(pool.prepare("adm-2", "d", [SLOT], TTL, T0))
             return waiting
 
-        waiting = pool.batch(work)
+        waiting = pool.batch(work, plan=plan)
         assert [r.admission_id for r in waiting.result(timeout=10)] == ["adm-1", "adm-2"]
 
 

@@ -196,6 +196,56 @@ class LedgerMachine(RuleBasedStateMachine):
         self.now += elapse
         outcome = self.store.prepare(admission_id, digest, items, ttl, self.now)
         event(f"prepare: {describe(outcome)}")
+        self.check_prepared(admission_id, digest, items, ttl, outcome, activated=False)
+
+    @rule(
+        calls=st.lists(
+            st.tuples(
+                st.sampled_from(ADMISSION_IDS),
+                st.sampled_from(["d1", "d2"]),
+                items_strategy,
+                st.booleans(),
+            ),
+            min_size=1,
+            max_size=4,
+        ),
+        announced=st.integers(0, 4),
+        ttl=st.integers(1, 8),
+        elapse=ELAPSE,
+    )
+    def prepare_in_a_planned_batch(
+        self,
+        calls: list[tuple[str, str, tuple[Item, ...], bool]],
+        announced: int,
+        ttl: int,
+        elapse: int,
+    ) -> None:
+        """Several prepares (some activated at once) in one planned batch; the plan announces
+        the first ``announced`` IDs (the others are read when they come)."""
+        self.now += elapse
+        outcomes = self.store.batch(
+            lambda: [
+                self.store.prepare(
+                    a, d, items, ttl, self.now, activate_ttl_s=ttl + 1 if activate else None
+                )
+                for a, d, items, activate in calls
+            ],
+            plan=[a for a, _, _, _ in calls[:announced]],
+        )
+        for (a, d, items, activate), outcome in zip(calls, outcomes, strict=True):
+            event(f"planned prepare: {describe(outcome)}")
+            self.check_prepared(a, d, items, ttl, outcome, activated=activate)
+
+    def check_prepared(
+        self,
+        admission_id: str,
+        digest: str,
+        items: tuple[Item, ...],
+        ttl: int,
+        outcome: Prepared | Refused,
+        *,
+        activated: bool,
+    ) -> None:
         existing = self.model.reservations.get(admission_id)
         if existing is not None and existing.digest != digest:
             assert isinstance(outcome, Refused) and outcome.reason is LedgerReason.CONFLICT
@@ -210,9 +260,9 @@ class LedgerMachine(RuleBasedStateMachine):
             self.model.reservations[admission_id] = Held(
                 digest,
                 items,
-                ReservationState.PREPARING,
+                ReservationState.ACTIVE if activated else ReservationState.PREPARING,
                 outcome.reservation.fence,
-                self.now + ttl,
+                self.now + ttl + (1 if activated else 0),
             )
             self.expect(outcome.reservation, admission_id)
 

@@ -295,16 +295,16 @@ def test_a_failed_batch_is_decided_again_one_by_one_and_its_external_grants_rele
     real_batch = store.batch
     calls: list[int] = []
 
-    def failing_batch(work):  # type: ignore[no-untyped-def]
-        calls.append(1)
+    def failing_batch(work, plan=()):  # type: ignore[no-untyped-def]
+        calls.append(len(plan))
         if len(calls) > 1:
-            return real_batch(work)
+            return real_batch(work, plan=plan)
 
         def then_fail():  # type: ignore[no-untyped-def]
             work()  # every decision made, grants taken ...
             raise StoreError("deadlock detected")  # ... and the transaction rolled back
 
-        return real_batch(then_fail)
+        return real_batch(then_fail, plan=plan)
 
     store.batch = failing_batch  # type: ignore[method-assign]
     try:
@@ -313,7 +313,8 @@ def test_a_failed_batch_is_decided_again_one_by_one_and_its_external_grants_rele
         store.close()
 
     assert [d.outcome for d in decisions] == ["admitted"] * 3
-    assert len(calls) == 4  # the batch, then one transaction per request
+    # the planned batch, then one plain transaction per request
+    assert calls == [3, 0, 0, 0]
     assert sorted(grantor.held) == ["adm-0", "adm-1", "adm-2"]  # each held once, none leaked
     assert grantor.requests.count("adm-0") == 2  # asked again after the failed batch
 
@@ -325,7 +326,7 @@ def test_a_request_whose_own_transaction_fails_is_deferred_as_ledger_unavailable
 
     a = admitter(ledger)
 
-    def broken(work):  # type: ignore[no-untyped-def]
+    def broken(work, plan=()):  # type: ignore[no-untyped-def]
         raise StoreError("disk I/O error")
 
     ledger.batch = broken  # type: ignore[method-assign]
