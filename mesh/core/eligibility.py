@@ -44,7 +44,26 @@ evaluated in ``pool_id`` order, details built from sorted values. Re-running
 that, together with :meth:`EligibilityResult.to_record`, a JSON-ready dict.
 
 ``allowed_fallbacks`` never widens anything: a fallback is just another pool that must pass
-every rule (:func:`fallback_pools`).
+every rule (:func:`fallback_pools`), and it may stand in for the pool the task would have had
+(its *primary*) only if it gives the task nothing that pool would not (:func:`widening`, in
+the fixed order of :data:`WIDENING_RULES`):
+
+``result_schema``
+    It produces the task's result schema version, as the primary does.
+``regions``
+    It processes data only where the primary does or the task explicitly allows (its
+    ``regions``): no cross-region move that was not allowed. A task that names no region
+    allows no move: its fallbacks stay in the primary's regions.
+``classifications``
+    It may receive no label the primary may not.
+``tenants``
+    It is shared with no tenant the primary is not: a dedicated pool is never swapped for a
+    shared one, and a shared pool with a tenant list never for one open to anyone.
+``tools``
+    It has no tool the primary lacks, and each shared tool at the same major version (the
+    same semantics).
+``sandbox``
+    A task that needs a sandbox gets the primary's kind of sandbox.
 
 Finally, :func:`reservation_items` and :func:`capacities` name the ledger's counters for a
 reservation: ``model_slots``, ``sandboxes`` and ``tool:<name>`` per pool, and
@@ -435,6 +454,62 @@ def fallback_pools(
         ):
             out.append(pool_id)
     return tuple(out)
+
+
+WIDENING_RULES = ("result_schema", "regions", "classifications", "tenants", "tools", "sandbox")
+
+
+def widening(
+    primary: CapabilityDescriptor, backup: CapabilityDescriptor, requirements: TaskRequirements
+) -> tuple[str, str] | None:
+    """The first rule by which ``backup`` would give the task more than ``primary`` does, as
+    ``(rule, detail)``; ``None`` if it may stand in (module docstring, :data:`WIDENING_RULES`)."""
+    result = parse_version(requirements.result_schema_version)
+    if not all(
+        parse_spec(d.result_schema_range).contains(result, prereleases=True)
+        for d in (primary, backup)
+    ):
+        return "result_schema", (
+            f"result schema {requirements.result_schema_version} is not produced by both "
+            f"{primary.pool_id} ({primary.result_schema_range}) and {backup.pool_id} "
+            f"({backup.result_schema_range})"
+        )
+    allowed_regions = {*requirements.regions, *primary.regions}
+    if extra := sorted(set(backup.regions) - allowed_regions):
+        return "regions", f"{backup.pool_id} processes data in {extra}, not allowed"
+    if extra := sorted(set(backup.data_classifications) - set(primary.data_classifications)):
+        return "classifications", f"{backup.pool_id} may receive {extra}; {primary.pool_id} not"
+    if (why := _tenants_wider(primary, backup)) is not None:
+        return "tenants", why
+    primary_tools = {t.name: t.version for t in primary.tools}
+    for tool in sorted(backup.tools, key=lambda t: t.name):
+        if tool.name not in primary_tools:
+            return "tools", f"{backup.pool_id} has tool {tool.name}; {primary.pool_id} has not"
+        if parse_version(tool.version).major != parse_version(primary_tools[tool.name]).major:
+            return "tools", (
+                f"{tool.name} is {tool.version} on {backup.pool_id} but "
+                f"{primary_tools[tool.name]} on {primary.pool_id} (another major version)"
+            )
+    if requirements.needs_sandbox and backup.sandbox.kind != primary.sandbox.kind:
+        return "sandbox", (
+            f"{backup.pool_id} runs {backup.sandbox.kind} sandboxes, "
+            f"{primary.pool_id} {primary.sandbox.kind}"
+        )
+    return None
+
+
+def _tenants_wider(primary: CapabilityDescriptor, backup: CapabilityDescriptor) -> str | None:
+    """Why ``backup`` is open to a tenant ``primary`` is not; ``None`` if it is no wider."""
+    p, b = primary.tenant_isolation, backup.tenant_isolation
+    if p.mode == "shared" and not p.tenants:
+        return None  # the primary is open to anyone: nothing is wider
+    if b.mode == "shared" and not b.tenants:
+        return f"{backup.pool_id} is shared with any tenant; {primary.pool_id} is not"
+    if p.mode == "dedicated" and b.mode == "shared":
+        return f"{backup.pool_id} is shared; {primary.pool_id} is dedicated"
+    if extra := sorted(set(b.tenants) - set(p.tenants)):
+        return f"{backup.pool_id} serves tenants {extra}; {primary.pool_id} does not"
+    return None
 
 
 # ---- what a reservation takes -------------------------------------------------------------

@@ -53,8 +53,10 @@ from mesh.core.eligibility import (
     EligibilityResult,
     capacities,
     check_eligibility,
+    fallback_pools,
     reservation_items,
     tenant_tokens_resource,
+    widening,
 )
 from mesh.errors import StoreError
 from mesh.ledger.model import TENANT_POOL, LedgerReason, Prepared, Refused, Reservation
@@ -352,9 +354,17 @@ class Admitter:
         if denial is not None:
             filtered = ", ".join(f"{v.pool_id}: {v.rule}" for v in eligibility.filtered)
             return _refused(request.admission_id, denial, filtered or "no pool is described")
+        plan = self._pools(request.requirements, eligibility)
+        if not plan:
+            return _refused(
+                request.admission_id,
+                AdmissionReason.NO_ELIGIBLE_POOL,
+                "only pools named in allowed_fallbacks are eligible; a fallback stands in for "
+                f"an eligible primary pool ({', '.join(eligibility.eligible)})",
+            )
         self._ensure_budget(tenant)
         shortage: Refused | None = None
-        for pool_id in self._by_preference(eligibility.eligible):
+        for pool_id, fallback_for in plan:
             items = [
                 (TENANT_POOL if resource.startswith("tenant_tokens:") else pool_id, resource, n)
                 for resource, n in reservation_items(request.requirements, tenant)
@@ -369,8 +379,8 @@ class Admitter:
                 if prepared.replayed:  # reserved before, by a manager that stopped mid-way
                     return self._replay(prepared.reservation, now)
                 if prepared.reservation.state == "ACTIVE":
-                    return self._admitted(prepared.reservation, [])
-                return self._take_external_then_activate(prepared.reservation, now)
+                    return self._admitted(prepared.reservation, [], fallback_for)
+                return self._take_external_then_activate(prepared.reservation, now, fallback_for)
             if prepared.reason is LedgerReason.CONFLICT:
                 return _refused(request.admission_id, AdmissionReason.CONFLICT, prepared.detail)
             shortage = prepared
@@ -386,8 +396,30 @@ class Admitter:
             allowed_degradations=list(request.requirements.allowed_degradations),
         )
 
+    def _pools(
+        self, requirements: TaskRequirements, eligibility: EligibilityResult
+    ) -> list[tuple[str, str | None]]:
+        """The pools to try, in order, as ``(pool_id, the primary it stands in for)``.
+
+        Primaries — eligible pools the task does not name as fallbacks — come first, least
+        used first. Then the task's ``allowed_fallbacks`` that are eligible, in its order, each
+        only if it gives the task nothing the preferred primary would not
+        (:func:`~mesh.core.eligibility.widening`). Without an eligible primary, a fallback has
+        nothing to stand in for: the list is empty.
+        """
+        named = set(requirements.allowed_fallbacks)
+        primaries = self._by_preference([p for p in eligibility.eligible if p not in named])
+        if not primaries:
+            return []
+        primary = self.descriptors[primaries[0]]
+        plan: list[tuple[str, str | None]] = [(p, None) for p in primaries]
+        for pool_id in fallback_pools(requirements, eligibility, self.descriptors):
+            if widening(primary, self.descriptors[pool_id], requirements) is None:
+                plan.append((pool_id, primary.pool_id))
+        return plan
+
     def _take_external_then_activate(
-        self, reservation: Reservation, now: float
+        self, reservation: Reservation, now: float, fallback_for: str | None = None
     ) -> AdmissionDecision:
         taken: list[tuple[ExternalGrantor, str]] = []
         for grantor in sorted(self.grantors, key=lambda g: g.name):  # one global fixed order
@@ -412,7 +444,7 @@ class Admitter:
         if isinstance(active, Refused):
             self._compensate(reservation, taken, now)
             return _refused(reservation.admission_id, AdmissionReason.STALE_FENCE, active.detail)
-        return self._admitted(active, [grant_id for _, grant_id in taken])
+        return self._admitted(active, [grant_id for _, grant_id in taken], fallback_for)
 
     def _compensate(
         self, reservation: Reservation, taken: list[tuple[ExternalGrantor, str]], now: float
@@ -423,7 +455,9 @@ class Admitter:
                 self._batch.external.remove((grantor, reservation.admission_id, grant_id))
         self.ledger.release(reservation.admission_id, reservation.fence, now)
 
-    def _admitted(self, reservation: Reservation, external: list[str]) -> AdmissionDecision:
+    def _admitted(
+        self, reservation: Reservation, external: list[str], fallback_for: str | None = None
+    ) -> AdmissionDecision:
         descriptor = self.descriptors.get(reservation.pool_id)
         grant = AdmissionGrant(
             admission_id=reservation.admission_id,
@@ -433,6 +467,7 @@ class Admitter:
             fence=reservation.fence,
             grant_ids=[f"ledger:{reservation.admission_id}:{reservation.fence}", *external],
             expires_at=reservation.expires_at,
+            fallback_for=fallback_for,
         )
         return AdmissionDecision(
             admission_id=reservation.admission_id, outcome="admitted", grant=grant

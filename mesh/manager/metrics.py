@@ -87,6 +87,12 @@ class ManagerMetrics:
             ["capability", "rule"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "mesh_fallback_grants",
+            "Grants on a fallback pool standing in for a full primary (rate against admissions).",
+            ["capability"],
+            registry=r,
+        )
         self.dead_lettered = Counter(
             "mesh_dead_lettered_messages",
             "Messages the manager dead-lettered, by reason code.",
@@ -150,6 +156,8 @@ class ManagerMetrics:
         service_class = requirements.service_class if requirements else UNKNOWN
         reason = decision.reason.value if decision.reason else "none"
         self.admissions.labels(capability, service_class, decision.outcome, reason).inc()
+        if decision.grant is not None and decision.grant.fallback_for is not None:
+            self.fallbacks.labels(capability).inc()
         pools = eligibility.get("pools") if eligibility else None
         if isinstance(pools, list):
             for pool in pools:

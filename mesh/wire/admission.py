@@ -321,6 +321,10 @@ class AdmissionGrant(WireModel):
         default_factory=list, max_length=64, description="Ledger and external grant IDs."
     )
     expires_at: Timestamp
+    fallback_for: PoolId | None = Field(
+        default=None,
+        description="Set when a fallback pool was granted: the primary pool it stands in for.",
+    )
 
 
 class AdmissionDecision(Message):

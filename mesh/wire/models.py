@@ -231,6 +231,10 @@ class TaskGrant(WireModel):
         default_factory=list, max_length=64, description="Ledger and external grant IDs."
     )
     expires_at: Timestamp
+    fallback_for: AgentId | None = Field(
+        default=None,
+        description="Set when a fallback pool was granted: the primary pool it stands in for.",
+    )
 
     @classmethod
     def from_grant(cls, grant: BaseModel) -> TaskGrant:

@@ -632,10 +632,11 @@ def test_fallbacks_never_widen_what_a_task_may_use(s: Scenario) -> None:
 
 
 def test_the_scenarios_return_some_fallbacks_and_refuse_others() -> None:
-    # Guards the property above against passing vacuously.
+    # Guards the property above against passing vacuously. Derandomised: a fixed sample, so
+    # the guard cannot flake (at 60 random examples it fell short about one run in six).
     seen: Counter[str] = Counter()
 
-    @settings(max_examples=60, deadline=None, database=None)
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True)
     @given(scenarios())
     def tally(s: Scenario) -> None:
         result = s.check()
@@ -647,8 +648,9 @@ def test_the_scenarios_return_some_fallbacks_and_refuse_others() -> None:
 
     tally()
 
-    assert seen["returned"] >= 5
-    assert seen["refused"] >= 5
+    print(dict(seen))
+    assert seen["returned"] >= 10
+    assert seen["refused"] >= 10
 
 
 @SCENARIOS
