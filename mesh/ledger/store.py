@@ -222,9 +222,9 @@ class _Plan:
     planned: int  # how many prepares the caller announced (the size of a fence block)
     known: dict[str, Reservation | None]  # reservations by admission ID; None: there is none
     decisions: dict[str, DecisionRow | None]  # recorded decisions, the batch's own included
-    # [used, capacity, row exists] of each counter as this transaction sees it, pending takes
-    # included
-    counters: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    # (used, capacity) of each counter as this transaction sees it, pending takes included;
+    # None: no row (capacity 0)
+    counters: dict[tuple[str, str], tuple[int, int] | None] = field(default_factory=dict)
     taken: dict[tuple[str, str], int] = field(default_factory=dict)  # not yet written
     fences: list[int] = field(default_factory=list)  # drawn, not yet used (reversed)
     reservations: list[tuple[object, ...]] = field(default_factory=list)
@@ -435,14 +435,6 @@ class SqlLedger(abc.ABC):
     def record_decision(
         self, admission_id: str, digest: str, outcome: str, at: float, record: str
     ) -> bool:
-        t = self._t.decision
-        sql = (
-            f"INSERT INTO {t} (admission_id, digest, outcome, decided_at, record)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (admission_id) DO UPDATE SET"
-            " outcome = excluded.outcome, decided_at = excluded.decided_at,"
-            f" record = excluded.record WHERE {t}.digest = excluded.digest"
-            " RETURNING admission_id"
-        )
         db, plan = self._open_batch(), self._plan
         if db is not None and plan is not None:
             if admission_id not in plan.decisions:
@@ -453,8 +445,25 @@ class SqlLedger(abc.ABC):
             plan.recorded[admission_id] = (admission_id, digest, outcome, at, record)
             plan.decisions[admission_id] = DecisionRow(admission_id, digest, outcome, at, record)
             return True
-        rows = self._write(lambda db: db.execute(sql, (admission_id, digest, outcome, at, record)))
-        return bool(rows)
+        row = (admission_id, digest, outcome, at, record)
+        return self._write(lambda db: self._upsert_decisions(db, [row])) == 1
+
+    def _upsert_decisions(self, db: Db, rows: Sequence[tuple[object, ...]]) -> int:
+        """Write decision rows; a row for an ID stored with another digest is not kept. Returns
+        how many were kept."""
+        t, kept = self._t.decision, 0
+        for chunk in _chunks(rows, 100):
+            kept += len(
+                db.execute(
+                    f"INSERT INTO {t} (admission_id, digest, outcome, decided_at, record) VALUES "
+                    + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
+                    + " ON CONFLICT (admission_id) DO UPDATE SET outcome = excluded.outcome,"
+                    " decided_at = excluded.decided_at, record = excluded.record"
+                    f" WHERE {t}.digest = excluded.digest RETURNING admission_id",
+                    [value for row in chunk for value in row],
+                )
+            )
+        return kept
 
     def decision(self, admission_id: str) -> DecisionRow | None:
         plan = self._plan
@@ -558,13 +567,28 @@ class SqlLedger(abc.ABC):
 
     def _take(self, db: Db, items: tuple[Item, ...]) -> None:
         for pool_id, resource, amount in items:
-            taken = db.execute(
+            if not self._increment(db, pool_id, resource, amount):
+                raise _Rollback(
+                    self._shortage(pool_id, resource, amount, self._counter(db, pool_id, resource))
+                )
+
+    def _increment(self, db: Db, pool_id: str, resource: str, amount: int) -> bool:
+        """The conditional increment (module docstring); False if it would pass capacity."""
+        return bool(
+            db.execute(
                 f"UPDATE {self._t.capacity} SET used = used + ?"
                 " WHERE pool_id = ? AND resource = ? AND used + ? <= capacity RETURNING used",
                 (amount, pool_id, resource, amount),
             )
-            if not taken:
-                raise _Rollback(self._shortage(db, pool_id, resource, amount))
+        )
+
+    def _counter(self, db: Db, pool_id: str, resource: str) -> tuple[int, int] | None:
+        """``(used, capacity)`` of a counter; ``None`` if it has no row (capacity 0)."""
+        rows = db.execute(
+            f"SELECT used, capacity FROM {self._t.capacity} WHERE pool_id = ? AND resource = ?",
+            (pool_id, resource),
+        )
+        return (int(rows[0][0]), int(rows[0][1])) if rows else None
 
     # ---- a planned batch (module docstring) -------------------------------------------------
     def _read_plan(self, db: Db, ids: Sequence[str]) -> _Plan:
@@ -602,29 +626,15 @@ class SqlLedger(abc.ABC):
             return self._known(existing, admission_id, digest)
         counters = []
         for pool, resource, amount in items:
-            counter = plan.counters.get((pool, resource))
-            if counter is None:
-                rows = db.execute(
-                    f"SELECT used, capacity FROM {self._t.capacity}"
-                    " WHERE pool_id = ? AND resource = ?",
-                    (pool, resource),
-                )
-                # [used, capacity, 1]; a resource without a row has capacity 0: [0, 0, 0]
-                counter = plan.counters[(pool, resource)] = (
-                    [int(rows[0][0]), int(rows[0][1]), 1] if rows else [0, 0, 0]
-                )
-            used, capacity, configured = counter
-            if used + amount > capacity:
-                left = (
-                    f"{max(capacity - used, 0)} of {capacity} left"
-                    if configured
-                    else "no capacity is configured"
-                )
-                detail = f"{pool}/{resource}: needs {amount}, {left}"
-                return Refused(shortage_reason(resource), detail)
-            counters.append((counter, (pool, resource), amount))
-        for counter, key, amount in counters:
-            counter[0] += amount
+            key = (pool, resource)
+            if key not in plan.counters:
+                plan.counters[key] = self._counter(db, pool, resource)
+            counter = plan.counters[key]
+            if counter is None or counter[0] + amount > counter[1]:
+                return self._shortage(pool, resource, amount, counter)
+            counters.append((key, amount, counter))
+        for key, amount, (used, capacity) in counters:
+            plan.counters[key] = (used + amount, capacity)
             plan.taken[key] = plan.taken.get(key, 0) + amount
         if not plan.fences:
             block = max(plan.planned - plan.prepared, 1)
@@ -665,11 +675,7 @@ class SqlLedger(abc.ABC):
         # Counters first, in the one global order, each by the batch's total: the same
         # conditional increment as ``_take``, so a counter moved under the batch fails it.
         for (pool_id, resource), amount in sorted(plan.taken.items()):
-            if not db.execute(
-                f"UPDATE {self._t.capacity} SET used = used + ?"
-                " WHERE pool_id = ? AND resource = ? AND used + ? <= capacity RETURNING used",
-                (amount, pool_id, resource, amount),
-            ):
+            if not self._increment(db, pool_id, resource, amount):
                 raise StoreError(
                     f"counter {pool_id}/{resource} changed under a batch (another writer);"
                     " decide its calls again one by one"
@@ -680,21 +686,11 @@ class SqlLedger(abc.ABC):
         self._insert_rows(db, self._t.log, "at, admission_id, event, state, fence", plan.log)
         plan.reservations, plan.items, plan.log = [], [], []
         rows = list(plan.recorded.values())
-        t = self._t.decision
-        for chunk in _chunks(rows, 100):
-            kept = db.execute(
-                f"INSERT INTO {t} (admission_id, digest, outcome, decided_at, record) VALUES "
-                + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
-                + " ON CONFLICT (admission_id) DO UPDATE SET outcome = excluded.outcome,"
-                " decided_at = excluded.decided_at, record = excluded.record"
-                f" WHERE {t}.digest = excluded.digest RETURNING admission_id",
-                [value for row in chunk for value in row],
+        if self._upsert_decisions(db, rows) != len(rows):
+            raise StoreError(
+                "a decision of this batch was recorded meanwhile for another digest"
+                " (another manager); decide its calls again one by one"
             )
-            if len(kept) != len(chunk):
-                raise StoreError(
-                    "a decision of this batch was recorded meanwhile for another digest"
-                    " (another manager); decide its calls again one by one"
-                )
         plan.recorded.clear()
 
     def _insert_rows(
@@ -709,14 +705,13 @@ class SqlLedger(abc.ABC):
                 [value for row in chunk for value in row],
             )
 
-    def _shortage(self, db: Db, pool_id: str, resource: str, amount: int) -> Refused:
-        rows = db.execute(
-            f"SELECT used, capacity FROM {self._t.capacity} WHERE pool_id = ? AND resource = ?",
-            (pool_id, resource),
-        )
-        if rows:
-            used, capacity = rows[0]
-            left = f"{max(int(capacity) - int(used), 0)} of {capacity} left"
+    @staticmethod
+    def _shortage(
+        pool_id: str, resource: str, amount: int, counter: tuple[int, int] | None
+    ) -> Refused:
+        if counter is not None:
+            used, capacity = counter
+            left = f"{max(capacity - used, 0)} of {capacity} left"
         else:
             left = "no capacity is configured"
         return Refused(shortage_reason(resource), f"{pool_id}/{resource}: needs {amount}, {left}")

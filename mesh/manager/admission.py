@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -354,17 +354,9 @@ class Admitter:
         if denial is not None:
             filtered = ", ".join(f"{v.pool_id}: {v.rule}" for v in eligibility.filtered)
             return _refused(request.admission_id, denial, filtered or "no pool is described")
-        plan = self._pools(request.requirements, eligibility)
-        if not plan:
-            return _refused(
-                request.admission_id,
-                AdmissionReason.NO_ELIGIBLE_POOL,
-                "only pools named in allowed_fallbacks are eligible; a fallback stands in for "
-                f"an eligible primary pool ({', '.join(eligibility.eligible)})",
-            )
         self._ensure_budget(tenant)
         shortage: Refused | None = None
-        for pool_id, fallback_for in plan:
+        for pool_id, fallback_for in self._pools(request.requirements, eligibility):
             items = [
                 (TENANT_POOL if resource.startswith("tenant_tokens:") else pool_id, resource, n)
                 for resource, n in reservation_items(request.requirements, tenant)
@@ -386,7 +378,13 @@ class Admitter:
             shortage = prepared
             if prepared.reason is LedgerReason.TENANT_BUDGET:
                 break  # the budget is the tenant's, whichever pool
-        assert shortage is not None
+        if shortage is None:  # no primary: nothing for a fallback to stand in for
+            return _refused(
+                request.admission_id,
+                AdmissionReason.NO_ELIGIBLE_POOL,
+                "only pools named in allowed_fallbacks are eligible; a fallback stands in for "
+                f"an eligible primary pool ({', '.join(eligibility.eligible)})",
+            )
         return AdmissionDecision(
             admission_id=request.admission_id,
             outcome="deferred",
@@ -398,25 +396,26 @@ class Admitter:
 
     def _pools(
         self, requirements: TaskRequirements, eligibility: EligibilityResult
-    ) -> list[tuple[str, str | None]]:
-        """The pools to try, in order, as ``(pool_id, the primary it stands in for)``.
+    ) -> Iterator[tuple[str, str | None]]:
+        """The pools to try, in order, as ``(pool_id, the primary it stands in for)``; the
+        fallbacks are checked only once every primary is full.
 
         Primaries — eligible pools the task does not name as fallbacks — come first, least
         used first. Then the task's ``allowed_fallbacks`` that are eligible, in its order, each
         only if it gives the task nothing the preferred primary would not
         (:func:`~mesh.core.eligibility.widening`). Without an eligible primary, a fallback has
-        nothing to stand in for: the list is empty.
+        nothing to stand in for: nothing is tried.
         """
         named = set(requirements.allowed_fallbacks)
         primaries = self._by_preference([p for p in eligibility.eligible if p not in named])
         if not primaries:
-            return []
+            return
+        for pool_id in primaries:
+            yield pool_id, None
         primary = self.descriptors[primaries[0]]
-        plan: list[tuple[str, str | None]] = [(p, None) for p in primaries]
         for pool_id in fallback_pools(requirements, eligibility, self.descriptors):
             if widening(primary, self.descriptors[pool_id], requirements) is None:
-                plan.append((pool_id, primary.pool_id))
-        return plan
+                yield pool_id, primary.pool_id
 
     def _take_external_then_activate(
         self, reservation: Reservation, now: float, fallback_for: str | None = None

@@ -88,8 +88,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from mesh import constants as c
 from mesh.errors import LocalProtocolError, PublishNacked, PublishUnroutable, TransportError
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, ExchangeType, QueueSpec
+from mesh.transport import dead_letters
 from mesh.transport.amqp import DEFAULT_EXCHANGE, Delivery, Handler
-from mesh.transport.dead_letters import dead_letter_headers
 from mesh.transport.ports import ClientTransport, ManagerTransport
 from mesh.wire.codec import encode
 from mesh.wire.models import Message
@@ -962,25 +962,15 @@ class InMemoryTransport:
         reason: str,
         detail: str,
     ) -> None:
-        """Republish a refused message to the dead-letter exchange with its reason, confirmed.
-
-        The caller acks the original afterwards. Routing key: the source queue's name.
-        """
-        headers = dead_letter_headers(
-            delivery.headers,
-            routing_key=delivery.routing_key,
-            exchange=delivery.exchange,
+        """Republish a refused message to the dead-letter exchange with its reason, confirmed
+        (:func:`mesh.transport.dead_letters.republish`)."""
+        await dead_letters.republish(
+            self,
+            delivery,
+            dead_letter_exchange=dead_letter_exchange,
+            source_queue=source_queue,
             reason=reason,
             detail=detail,
-            source_queue=source_queue,
-        )
-        await self.publish(
-            dead_letter_exchange,
-            source_queue,
-            delivery.body,
-            headers=headers,
-            correlation_id=delivery.correlation_id,
-            persistent=True,
         )
 
     # ---- consuming ------------------------------------------------------------------------

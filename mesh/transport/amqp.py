@@ -47,7 +47,7 @@ from mesh.errors import (
     TransportError,
 )
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec
-from mesh.transport.dead_letters import dead_letter_headers
+from mesh.transport import dead_letters
 from mesh.wire.codec import encode
 from mesh.wire.models import Message
 
@@ -424,25 +424,15 @@ class AmqpTransport:
         reason: str,
         detail: str,
     ) -> None:
-        """Republish a refused message to the dead-letter exchange with its reason, confirmed.
-
-        The caller acks the original afterwards. Routing key: the source queue's name.
-        """
-        headers = dead_letter_headers(
-            delivery.headers,
-            routing_key=delivery.routing_key,
-            exchange=delivery.exchange,
+        """Republish a refused message to the dead-letter exchange with its reason, confirmed
+        (:func:`mesh.transport.dead_letters.republish`)."""
+        await dead_letters.republish(
+            self,
+            delivery,
+            dead_letter_exchange=dead_letter_exchange,
+            source_queue=source_queue,
             reason=reason,
             detail=detail,
-            source_queue=source_queue,
-        )
-        await self.publish(
-            dead_letter_exchange,
-            source_queue,
-            delivery.body,
-            headers=headers,
-            correlation_id=delivery.correlation_id,
-            persistent=True,
         )
 
     async def get_one(self, queue: str, *, timeout_s: float = 5.0) -> Delivery | None:

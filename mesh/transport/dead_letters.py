@@ -6,9 +6,25 @@ Shared by every transport, so a dead letter reads the same whichever one wrote i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mesh import constants as c
+
+if TYPE_CHECKING:
+    from mesh.transport.amqp import Delivery
+
+
+class _Publisher(Protocol):
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: bytes,
+        *,
+        correlation_id: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        persistent: bool = False,
+    ) -> None: ...
 
 
 def dead_letter_headers(
@@ -29,3 +45,33 @@ def dead_letter_headers(
         "x-mesh-original-routing-key": routing_key,
         "x-mesh-original-exchange": exchange,
     }
+
+
+async def republish(
+    transport: _Publisher,
+    delivery: Delivery,
+    *,
+    dead_letter_exchange: str,
+    source_queue: str,
+    reason: str,
+    detail: str,
+) -> None:
+    """Republish a refused message to the dead-letter exchange with its reason, confirmed
+    (``transport.publish``). The caller acks the original afterwards. Routing key: the
+    source queue's name."""
+    headers = dead_letter_headers(
+        delivery.headers,
+        routing_key=delivery.routing_key,
+        exchange=delivery.exchange,
+        reason=reason,
+        detail=detail,
+        source_queue=source_queue,
+    )
+    await transport.publish(
+        dead_letter_exchange,
+        source_queue,
+        delivery.body,
+        headers=headers,
+        correlation_id=delivery.correlation_id,
+        persistent=True,
+    )
