@@ -38,6 +38,7 @@ H_DETAIL: Final = "x-mesh-detail"  # human-readable detail on a dead-lettered me
 H_SOURCE_QUEUE: Final = "x-mesh-source-queue"
 H_AGENT_ID: Final = "x-mesh-agent-id"
 H_LEASE_ID: Final = "x-mesh-lease-id"
+H_ADMISSION_ID: Final = "x-mesh-admission-id"  # the business ID of a granted task's publish
 
 CONTENT_TYPE: Final = "application/json"
 

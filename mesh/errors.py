@@ -7,6 +7,8 @@ peers, and for I/O that failed.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MeshError(Exception):
     """Root of every error the mesh raises on purpose."""
@@ -81,3 +83,27 @@ class TaskRefused(TaskFailed):
 
 class TaskTimeout(TaskFailed):
     """The task's result did not arrive before its deadline."""
+
+
+class AdmissionRefused(TaskRefused):
+    """The manager refused to admit the task; ``decision`` is its whole reply (reason code,
+    detail, ``retry_after_ms``, allowed degradations, admission ID) for callers that decide
+    for themselves: degrade, spill to another service class, queue, or ask for scale-up."""
+
+    def __init__(self, decision: Any, message: str = "") -> None:
+        reason = decision.reason.value if decision.reason else "REFUSED"
+        super().__init__(reason, message or decision.detail or reason)
+        self.decision = decision
+        self.admission_id: str = decision.admission_id
+
+
+class SubmitDeadlineExceeded(TaskTimeout):
+    """``submit`` gave up at the deadline. ``last_reason`` is the reason code of the last
+    refusal (``None`` if the task was admitted and its result came too late), ``decision``
+    the last reply, ``attempts`` how many admissions were asked for."""
+
+    def __init__(self, message: str, *, last_reason: str | None, decision: Any, attempts: int):
+        super().__init__(last_reason or "DEADLINE_EXCEEDED", message)
+        self.last_reason = last_reason
+        self.decision = decision
+        self.attempts = attempts

@@ -165,7 +165,7 @@ def _table(
 
 
 def _pools(doc: Mapping[str, Any], now: float) -> Table:
-    table = _table("pools", "POOL", "EPOCH", "ACTIVE", "EXPIRES", "CAPABILITIES", "AGENTS")
+    table = _table("pools", "POOL", "EPOCH", "ACTIVE", "EXPIRES", "STAGE", "CAPABILITIES", "AGENTS")
     for pool in _rows(doc, "pools"):
         epoch, active = pool.get("descriptor_epoch"), pool.get("active_epoch")
         stale = epoch is not None and epoch != active
@@ -175,6 +175,10 @@ def _pools(doc: Mapping[str, Any], now: float) -> Table:
             Text(_dash(epoch), style="red" if stale else ""),
             _dash(active),
             _expires(pool.get("expires_at"), now),
+            Text(
+                _dash(pool.get("stage")),
+                style="" if pool.get("stage") in (None, "NORMAL") else "yellow",
+            ),
             ", ".join(pool.get("capabilities") or []) or "-",
             " · ".join(f"{state} {agents[state]}" for state in _ordered(agents)) or "-",
         )

@@ -207,8 +207,11 @@ class ManagementApi:
     def _q(self, segment: str) -> str:
         return urllib.parse.quote(segment, safe="")
 
-    def request(self, method: str, path: str, *, reason: str | None = None) -> Any:
-        req = urllib.request.Request(self.base_url + path, method=method)
+    def request(
+        self, method: str, path: str, *, reason: str | None = None, body: Any = None
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
         req.add_header("Authorization", self._auth)
         req.add_header("Content-Type", "application/json")
         if reason:
@@ -287,6 +290,16 @@ class ManagementApi:
         deleted = [q for q in self.list_names("queues", prefix) if self.delete_queue(q)]
         deleted += [x for x in self.list_names("exchanges", prefix) if self.delete_exchange(x)]
         return deleted
+
+    # -- users ----------------------------------------------------------------------------
+    def ensure_user(self, name: str, password: str) -> None:
+        """A broker user with full permissions on this vhost (a producer tenant in tests)."""
+        self.request("PUT", f"/api/users/{self._q(name)}", body={"password": password, "tags": ""})
+        self.request(
+            "PUT",
+            f"/api/permissions/{self._q(self.vhost)}/{self._q(name)}",
+            body={"configure": ".*", "write": ".*", "read": ".*"},
+        )
 
     # -- connections ----------------------------------------------------------------------
     def connections(self, name_prefix: str = "") -> list[dict[str, Any]]:

@@ -207,6 +207,8 @@ class AgentRuntime:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._control_consumer: Subscription | None = None
         self._task_consumer: Subscription | None = None
+        self._pool_consumer: Subscription | None = None  # our pool's shared task queue
+        self._pool_lock = asyncio.Lock()
         self._registration: asyncio.Future[RegistrationReply] | None = None
         self._reregistration: asyncio.Task[None] | None = None
         self._shutdown_task: asyncio.Task[None] | None = None
@@ -285,6 +287,7 @@ class AgentRuntime:
             self._task_consumer = await transport.consume(
                 self._task_queue, self._on_task, prefetch=self.agent.total_concurrency
             )
+            await self._consume_pool()
         except BaseException:
             await self._abort()
             raise
@@ -292,6 +295,35 @@ class AgentRuntime:
         if not self._draining:
             self._ready.set()
         log.info("agent ready", extra=self._extra(capabilities=sorted(self._capabilities)))
+
+    async def _consume_pool(self) -> None:
+        """Take admitted tasks from our pool's queue (``<ns>.pool.<deployment>.tasks``),
+        alongside the other agents of the pool. The manager declares it when the pool's
+        descriptor is published; until then there is nothing to take, and each announcement
+        of a newer epoch (:meth:`_on_event`) tries again — subscribing afresh, since a
+        changed capacity may have replaced the queue."""
+        async with self._pool_lock:
+            if self._draining or self._phase not in ("starting", "running"):
+                return
+            old, self._pool_consumer = self._pool_consumer, None
+            await _cancel_quietly(old)
+            queue = self.topology.pool_task_queue(self.agent.deployment)
+            try:
+                self._pool_consumer = await self.transport.consume(
+                    queue, self._on_task, prefetch=self.agent.total_concurrency
+                )
+            except Exception as exc:  # 404 on the passive declare: not declared yet
+                log.debug("no pool queue to consume yet", extra=self._extra(error=str(exc)))
+                return
+            if self._draining:  # began draining meanwhile
+                await self._stop_pool_consumer()
+                return
+        self.counters["pool_subscriptions"] += 1
+        log.info("taking tasks from the pool queue", extra=self._extra(queue=queue))
+
+    async def _stop_pool_consumer(self) -> None:
+        consumer, self._pool_consumer = self._pool_consumer, None
+        await _cancel_quietly(consumer)
 
     def _grant_feed(self) -> Declarations:
         """Our control queue hears every grant revocation of our pool."""
@@ -531,6 +563,9 @@ class AgentRuntime:
             if self._active_epoch is None or epoch[1] > self._active_epoch:
                 self._active_epoch = epoch[1]
                 log.info("descriptor epoch", extra=self._extra(descriptor_epoch=epoch[1]))
+                self._spawn(self._consume_pool(), "pool consumer")
+            elif self._pool_consumer is None:
+                self._spawn(self._consume_pool(), "pool consumer")
             return
         parsed = parse_revocation(event.detail) if event.kind == GRANT_REVOKED else None
         if parsed is None or parsed[1] != self.agent.deployment:
@@ -790,6 +825,8 @@ class AgentRuntime:
         if self._reregistration is not None:
             self._reregistration.cancel()
         log.info("draining", extra=self._extra(reason=reason))
+        # Pool tasks are the pool's, not ours: the other agents take them from now on.
+        self._spawn(self._stop_pool_consumer(), "pool consumer")
         timeout = self.settings.drain_timeout_s if timeout_s is None else timeout_s
         self._shutdown_task = self._spawn(self._drain_then_stop(reason, timeout, request), "drain")
 
@@ -860,6 +897,7 @@ class AgentRuntime:
         self._phase = "stopping"
         self._ready.clear()
         try:
+            await self._stop_pool_consumer()
             await _cancel_quietly(self._task_consumer)
             self._task_consumer = None
             await self._finish_in_flight()
@@ -924,9 +962,9 @@ class AgentRuntime:
         if self._phase == "stopped":
             return
         self._stop_heartbeats()
-        for consumer in (self._task_consumer, self._control_consumer):
+        for consumer in (self._pool_consumer, self._task_consumer, self._control_consumer):
             await _cancel_quietly(consumer)
-        self._task_consumer = self._control_consumer = None
+        self._pool_consumer = self._task_consumer = self._control_consumer = None
         if self._transport is not None:
             await self._delete_task_queue_if_empty()  # never registered: nothing was leased
         await self._close()

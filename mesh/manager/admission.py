@@ -42,14 +42,17 @@ manager on one ledger; a bounded cache keeps the recent ones in memory.
 from __future__ import annotations
 
 import logging
+import random
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 
 from mesh.core.eligibility import (
+    MODEL_SLOTS,
+    TENANT_TOKENS_PREFIX,
     EligibilityResult,
     capacities,
     check_eligibility,
@@ -58,9 +61,10 @@ from mesh.core.eligibility import (
     tenant_tokens_resource,
     widening,
 )
+from mesh.core.pressure import PressureBoard, PressurePolicy, Shed
 from mesh.errors import StoreError
 from mesh.ledger.model import TENANT_POOL, LedgerReason, Prepared, Refused, Reservation
-from mesh.ledger.store import DecisionRow, LedgerStore
+from mesh.ledger.store import DecisionRow, LedgerStore, Usage
 from mesh.wire.admission import (
     AdmissionDecision,
     AdmissionGrant,
@@ -93,7 +97,7 @@ class AdmissionPolicy:
     grant_ttl_s: float = 120.0  # an ACTIVE grant lives this long unless released
     active_generation: int = 1  # the policy generation descriptors must carry
     default_tenant_tokens: int = 10_000_000  # a tenant's token budget unless set otherwise
-    retry_after_ms: int = 1_000  # hint on a capacity refusal (issue 4 measures it)
+    pressure: PressurePolicy = field(default_factory=PressurePolicy)  # shedding, retry times
 
 
 DECISION_CACHE_SIZE = 4096
@@ -138,6 +142,7 @@ class _Batch:
     decided: dict[str, DecisionRecord] = field(default_factory=dict)
     external: list[tuple[ExternalGrantor, str, str]] = field(default_factory=list)
     budgets: set[str] = field(default_factory=set)  # tenants whose budget row it created
+    granted: list[str] = field(default_factory=list)  # admission IDs counted on the board
 
 
 @dataclass
@@ -151,8 +156,40 @@ class Admitter:
     descriptors: dict[str, CapabilityDescriptor] = field(default_factory=dict)
     active_epochs: dict[str, int] = field(default_factory=dict)
     decisions: OrderedDict[str, DecisionRecord] = field(default_factory=OrderedDict)
+    pressure: PressureBoard = field(init=False)
+    rand: Callable[[], float] = random.random  # retry-time jitter (an input, for tests)
     _budgets_set: set[str] = field(default_factory=set)
     _batch: _Batch | None = None  # while ``admit_many`` runs
+
+    def __post_init__(self) -> None:
+        self.pressure = PressureBoard(self.policy.pressure)
+
+    def recover_pressure(self, now: float) -> int:
+        """Count the grants the ledger holds (after a restart) on the pressure board: the
+        fair shares need to know who holds what. Returns how many were adopted."""
+        holding = self.ledger.active()
+        for reservation in holding:
+            tenant = _tenant_of(reservation) or self._recorded_tenant(reservation.admission_id)
+            self.pressure.adopt(
+                reservation.admission_id,
+                reservation.pool_id,
+                tenant or "(unknown)",
+                reservation.updated_at or reservation.created_at,
+            )
+        self.observe_usage(now)
+        return len(holding)
+
+    def observe_usage(self, now: float, usage: Usage | None = None) -> None:
+        """Refresh the board's utilisation from the ledger's counters (every tick: they
+        include other managers' grants); ``usage``: a snapshot already read."""
+        if usage is None:
+            usage = self.ledger.usage()
+        slots = {pool: held for (pool, resource), held in usage.items() if resource == MODEL_SLOTS}
+        self.pressure.observe_usage(slots, now)
+
+    def _recorded_tenant(self, admission_id: str) -> str | None:
+        decided = self.recorded(admission_id)
+        return decided.tenant if decided else None
 
     # ---- descriptors ----------------------------------------------------------------------
     def publish_descriptor(self, descriptor: CapabilityDescriptor, now: float) -> str | None:
@@ -189,6 +226,8 @@ class Admitter:
     def _activate(self, descriptor: CapabilityDescriptor) -> None:
         self.descriptors[descriptor.pool_id] = descriptor
         self.active_epochs[descriptor.pool_id] = descriptor.descriptor_epoch
+        # Until the next tick reads the ledger's counters, shed against the described slots.
+        self.pressure.pool(descriptor.pool_id).capacity = descriptor.model_limits.slots
 
     def set_tenant_budget(self, tenant: str, tokens: int) -> None:
         self.ledger.set_capacity(TENANT_POOL, tenant_tokens_resource(tenant), tokens)
@@ -239,6 +278,8 @@ class Admitter:
         except BaseException:
             for grantor, admission_id, grant_id in reversed(batch.external):
                 grantor.release(admission_id, grant_id)  # nothing of the batch was kept
+            for admission_id in batch.granted:
+                self.pressure.ended(admission_id, now, completed=False)
             raise
         finally:
             self._batch = None
@@ -355,11 +396,21 @@ class Admitter:
             filtered = ", ".join(f"{v.pool_id}: {v.rule}" for v in eligibility.filtered)
             return _refused(request.admission_id, denial, filtered or "no pool is described")
         self._ensure_budget(tenant)
-        shortage: Refused | None = None
-        for pool_id, fallback_for in self._pools(request.requirements, eligibility):
+        req = request.requirements
+        first: tuple[str, Shed] | None = None  # why the most preferred pool said no
+        tried = False
+        for pool_id, fallback_for in self._pools(req, eligibility):
+            tried = True
+            shed = self.pressure.check(
+                pool_id, tenant, req.service_class, req.priority, req.estimated_duration_s,
+                req.deadline, now,
+            )  # fmt: skip
+            if shed is not None:
+                first = first or (pool_id, shed)
+                continue
             items = [
                 (TENANT_POOL if resource.startswith("tenant_tokens:") else pool_id, resource, n)
-                for resource, n in reservation_items(request.requirements, tenant)
+                for resource, n in reservation_items(req, tenant)
             ]
             prepared = self.ledger.prepare(
                 request.admission_id, digest, items, self.policy.prepare_ttl_s, now,
@@ -369,30 +420,67 @@ class Admitter:
             )  # fmt: skip
             if isinstance(prepared, Prepared):
                 if prepared.replayed:  # reserved before, by a manager that stopped mid-way
-                    return self._replay(prepared.reservation, now)
-                if prepared.reservation.state == "ACTIVE":
-                    return self._admitted(prepared.reservation, [], fallback_for)
-                return self._take_external_then_activate(prepared.reservation, now, fallback_for)
+                    decision = self._replay(prepared.reservation, now)
+                elif prepared.reservation.state == "ACTIVE":
+                    decision = self._admitted(prepared.reservation, [], fallback_for)
+                else:
+                    decision = self._take_external_then_activate(
+                        prepared.reservation, now, fallback_for
+                    )
+                if decision.outcome == "admitted":
+                    self._count_grant(request.admission_id, pool_id, tenant, now)
+                return decision
             if prepared.reason is LedgerReason.CONFLICT:
                 return _refused(request.admission_id, AdmissionReason.CONFLICT, prepared.detail)
-            shortage = prepared
+            first = first or (pool_id, Shed(prepared.reason.value, prepared.detail, 1))
             if prepared.reason is LedgerReason.TENANT_BUDGET:
                 break  # the budget is the tenant's, whichever pool
-        if shortage is None:  # no primary: nothing for a fallback to stand in for
+        if not tried:  # no primary: nothing for a fallback to stand in for
             return _refused(
                 request.admission_id,
                 AdmissionReason.NO_ELIGIBLE_POOL,
                 "only pools named in allowed_fallbacks are eligible; a fallback stands in for "
                 f"an eligible primary pool ({', '.join(eligibility.eligible)})",
             )
+        assert first is not None  # every pool tried said why not
+        return self._deferred(request, tenant, first[0], first[1], now)
+
+    def _deferred(
+        self, request: AdmissionRequest, tenant: str, pool_id: str, why: Shed, now: float
+    ) -> AdmissionDecision:
+        """A refusal with a retry time from the pool's drain rate — or, when coming back
+        cannot meet the deadline, ``DEADLINE_UNREACHABLE`` at once."""
+        req = request.requirements
+        retry_ms = None
+        if why.slots_to_free is not None:
+            retry_ms = self.pressure.retry_after_ms(
+                pool_id, tenant, why.slots_to_free, req.estimated_duration_s, req.deadline, now,
+                self.rand,
+            )  # fmt: skip
+        if retry_ms is None:
+            detail = why.detail
+            if why.reason != AdmissionReason.DEADLINE_UNREACHABLE:
+                detail = f"{why.detail}; a retry would miss the deadline"
+            return AdmissionDecision(
+                admission_id=request.admission_id,
+                outcome="rejected",
+                reason=AdmissionReason.DEADLINE_UNREACHABLE,
+                detail=detail[:1000],
+                allowed_degradations=list(req.allowed_degradations),
+            )
         return AdmissionDecision(
             admission_id=request.admission_id,
             outcome="deferred",
-            reason=AdmissionReason(shortage.reason.value),
-            detail=shortage.detail,
-            retry_after_ms=self.policy.retry_after_ms,
-            allowed_degradations=list(request.requirements.allowed_degradations),
+            reason=AdmissionReason(why.reason),
+            detail=why.detail[:1000],
+            retry_after_ms=retry_ms,
+            allowed_degradations=list(req.allowed_degradations),
         )
+
+    def _count_grant(self, admission_id: str, pool_id: str, tenant: str, now: float) -> None:
+        self.pressure.granted(admission_id, pool_id, tenant, now)
+        if self._batch is not None:
+            self._batch.granted.append(admission_id)
 
     def _pools(
         self, requirements: TaskRequirements, eligibility: EligibilityResult
@@ -432,7 +520,7 @@ class Admitter:
                     AdmissionReason.EXTERNAL_GRANT_FAILED,
                     f"{grantor.name} refused; everything taken was released",
                     deferred=True,
-                    retry_after_ms=self.policy.retry_after_ms,
+                    retry_after_ms=self.policy.pressure.retry_default_ms,
                 )
             taken.append((grantor, grant_id))
             if self._batch is not None:
@@ -502,6 +590,8 @@ class Admitter:
     def release(self, admission_id: str, fence: int, now: float) -> AdmissionReleaseReply:
         """Settle a phase: the grant's holder gives it back. A stale fence changes nothing."""
         outcome = self.ledger.release(admission_id, fence, now)
+        if not isinstance(outcome, Refused):
+            self.pressure.ended(admission_id, now, completed=True)
         if isinstance(outcome, Refused):
             return AdmissionReleaseReply(
                 admission_id=admission_id,
@@ -513,7 +603,18 @@ class Admitter:
 
     def expire(self, now: float) -> list[Reservation]:
         """Overdue reservations → EXPIRED under a higher fence."""
-        return self.ledger.expire_due(now)
+        expired = self.ledger.expire_due(now)
+        for reservation in expired:
+            self.pressure.ended(reservation.admission_id, now, completed=False)
+        return expired
+
+
+def _tenant_of(reservation: Reservation) -> str | None:
+    """The tenant whose token budget a reservation draws on (None if it takes no tokens)."""
+    for item in reservation.items:
+        if item.pool_id == TENANT_POOL and item.resource.startswith(TENANT_TOKENS_PREFIX):
+            return item.resource[len(TENANT_TOKENS_PREFIX) :]
+    return None
 
 
 def _estimate(requirements: TaskRequirements) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mesh.core.eligibility import RULE_NAMES
+from mesh.core.pressure import PoolPressure, StageChange
 from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
 from mesh.wire.models import AgentStatus
 
@@ -66,6 +67,7 @@ class MeshView:
     now: Callable[[], float] = lambda: 0.0
     usage: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     queues: list[QueueStat] = field(default_factory=list)
+    pressure: Callable[[], Mapping[str, PoolPressure]] = dict  # the admitter's board
 
 
 class ManagerMetrics:
@@ -131,7 +133,16 @@ class ManagerMetrics:
             ["capability", "service_class", "how"],
             registry=r,
         )
+        self.stage_changes = Counter(
+            "mesh_pressure_stage_changes",
+            "Shedding-stage changes of a pool, by the stage entered.",
+            ["pool", "stage"],
+            registry=r,
+        )
         self.registry.register(_StateCollector(view))
+
+    def stage_changed(self, change: StageChange) -> None:
+        self.stage_changes.labels(change.pool_id, change.new.name).inc()
 
     def capability_label(self, capability: str) -> str:
         """``capability`` if an agent or a descriptor offers it, else ``(unknown)``. On the
@@ -246,6 +257,35 @@ class _StateCollector(Collector):
                 age.add_metric([queue.name], queue.oldest_age_s)
         yield depth
         yield age
+        yield from _pressure_gauges(view.pressure())
+
+
+def _pressure_gauges(pools: Mapping[str, PoolPressure]) -> Iterator[Metric]:
+    stage = GaugeMetricFamily(
+        "mesh_pressure_stage",
+        "Shedding stage of each pool: 0 normal, 1 speculative shed, 2 batch paused, "
+        "3 tenants held to fair shares, 4 interactive refused.",
+        labels=["pool"],
+    )
+    since = GaugeMetricFamily(
+        "mesh_pressure_stage_since_timestamp_seconds",
+        "When each pool entered its current shedding stage (Unix time).",
+        labels=["pool"],
+    )
+    service = GaugeMetricFamily(
+        "mesh_service_time_seconds",
+        "Mean time grants of each pool were held (admission to release), recent releases.",
+        labels=["pool"],
+    )
+    for pool_id, p in sorted(pools.items()):
+        stage.add_metric([pool_id], int(p.stage))
+        since.add_metric([pool_id], p.since)
+        mean = p.mean_service_s()
+        if mean is not None:
+            service.add_metric([pool_id], mean)
+    yield stage
+    yield since
+    yield service
 
 
 @dataclass(slots=True)

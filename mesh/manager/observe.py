@@ -24,6 +24,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import aiohttp
 
+from mesh.core.pressure import PoolPressure
 from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat, load_by_capability
 from mesh.manager.web import ManagerWeb, Sample, StatusHistory, management_queue_url
 from mesh.topology import names
@@ -68,6 +69,7 @@ class Observer:
         started_at: float,
         offers: Callable[[str], bool] = lambda _: False,
         ready_agents: Callable[[], int] = lambda: 0,
+        pressure: Callable[[], Mapping[str, PoolPressure]] = dict,
         management_url: str | None = None,
         queue_poll_interval_s: float = 5.0,
     ) -> None:
@@ -85,6 +87,7 @@ class Observer:
             active_epochs=active_epochs,
             active_generation=lambda: active_generation,
             now=time.time,
+            pressure=pressure,
         )
         self.metrics = ManagerMetrics(self.view)
         self.management_url = management_url
@@ -206,11 +209,18 @@ class Observer:
                 },
             )
             pool["agents"][agent.state] = pool["agents"].get(agent.state, 0) + 1
+        pressure = view.pressure()
+        for pool_id, pool in pools.items():
+            p = pressure.get(pool_id)
+            pool["stage"] = p.stage.name if p is not None else None
+            pool["stage_since"] = p.since if p is not None else None
+        worst = max((p.stage for p in pressure.values()), default=None)
         return {
             "manager_id": self.manager_id,
             "namespace": self.namespace,
             "uptime_s": time.monotonic() - self.started_at,
             "management_ui": ui,
+            "pressure": {"stage": worst.name if worst is not None else None},
             "pools": list(pools.values()),
             "agents": [
                 {

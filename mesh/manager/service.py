@@ -68,7 +68,7 @@ from mesh.errors import (
     TransportError,
 )
 from mesh.ledger.sqlite import SqliteLedger
-from mesh.ledger.store import LedgerStore
+from mesh.ledger.store import LedgerStore, Usage
 from mesh.manager.admission import Admitter, ExternalGrantor
 from mesh.manager.batching import GroupCommit
 from mesh.manager.clock import Clock, SystemClock
@@ -163,6 +163,7 @@ class ManagerService:
         self._ledger_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._ledger_inline = False
         self._epochs_announced_at = float("-inf")  # monotonic; announced on the first tick
+        self._pool_slots: dict[str, int] = {}  # the model slots each pool queue is bound to
         self._admissions: GroupCommit[tuple[AdmissionRequest, str], AdmissionDecision] = (
             GroupCommit(
                 self._admit_batch,
@@ -185,6 +186,7 @@ class ManagerService:
             ),
             descriptors=lambda: self.admitter.descriptors if self.admitter else {},
             active_epochs=lambda: self.admitter.active_epochs if self.admitter else {},
+            pressure=lambda: self.admitter.pressure.pools if self.admitter else {},
             active_generation=settings.admission.active_generation,
             counters=self.counters,
             started_at=self._started_at,
@@ -221,8 +223,10 @@ class ManagerService:
         )
         self.admitter = Admitter(self._ledger, s.admission, self._grantors)
         adopted = await self._on_ledger(self.admitter.load_descriptors)
-        log.info("descriptors loaded from the ledger", extra={"pools": adopted})
+        held = await self._on_ledger(self.admitter.recover_pressure, self.clock.now().wall)
+        log.info("descriptors loaded from the ledger", extra={"pools": adopted, "grants": held})
         await self.transport.declare(self.topology.manager())
+        await self._ensure_pool_queues(list(self.admitter.descriptors.values()))
         await self._execute(
             [
                 AppendLog(
@@ -582,10 +586,86 @@ class ManagerService:
         if self.admitter is not None:
             usage = await self._on_ledger(self.admitter.ledger.usage)
         await self.observer.tick(usage)
+        if self.admitter is not None and usage is not None:
+            await self._observe_pressure(self.admitter, usage)
+
+    async def _observe_pressure(self, admitter: Admitter, usage: Usage) -> None:
+        """Feed the pressure board what the tick saw — the ledger's counters (other managers'
+        grants too), each pool queue's depth (passive declare: ready tasks) and head age (the
+        management API, when configured), the broker's alarm — and journal every stage change
+        with the time it happened."""
+        board = admitter.pressure
+        now = self.clock.now().wall
+        admitter.observe_usage(now, usage)
+        ages = {q.name: q.oldest_age_s for q in self.observer.view.queues}
+        for pool_id in list(admitter.descriptors):
+            queue = self.topology.pool_task_queue(pool_id)
+            try:
+                depth = await self.transport.queue_depth(queue)
+            except Exception as exc:  # not declared yet, or the broker is away: next tick
+                log.debug("pool queue depth unavailable", extra={"queue": queue, "error": str(exc)})
+                continue
+            board.observe_queue(pool_id, depth, ages.get(queue), now)
+        board.observe_broker(self.transport.blocked, now)
+        entries = []
+        for change in board.drain_changes():
+            self.observer.metrics.stage_changed(change)
+            log.info(
+                "pressure stage",
+                extra={"pool_id": change.pool_id, "stage": change.new.name, "cause": change.cause},
+            )
+            entries.append(
+                LogEntry(
+                    at=change.at,
+                    kind="pressure_stage",
+                    reason=f"{change.pool_id}: {change.old.name} -> {change.new.name} "
+                    f"({change.cause})",
+                    detail={
+                        "pool_id": change.pool_id,
+                        "from": change.old.name,
+                        "to": change.new.name,
+                        "cause": change.cause,
+                    },
+                )
+            )
+        if entries:
+            await self._execute([AppendLog(e) for e in entries])
+
+    async def _ensure_pool_queues(self, descriptors: Sequence[CapabilityDescriptor]) -> None:
+        """Each pool's bounded task queue, bound to its model slots. A queue bound to other
+        slots (the descriptor changed) is replaced once it is empty; until then it keeps its
+        old bound (the ledger enforces the new capacity regardless)."""
+        for descriptor in descriptors:
+            pool_id, slots = descriptor.pool_id, descriptor.model_limits.slots
+            if self._pool_slots.get(pool_id) == slots:
+                continue
+            declarations = self.topology.pool(pool_id, slots)
+            try:
+                done = await self.transport.try_declare(declarations)
+                if not done:
+                    queue = self.topology.pool_task_queue(pool_id)
+                    if await self.transport.queue_depth(queue) == 0:
+                        await self.transport.delete_queue(queue, if_empty=True)
+                        done = await self.transport.try_declare(declarations)
+            except Exception as exc:
+                self.counters["pool_queue_declare_failed"] += 1
+                log.warning(
+                    "pool queue not declared", extra={"pool_id": pool_id, "error": str(exc)}
+                )
+                continue
+            if done:
+                self._pool_slots[pool_id] = slots
+            else:
+                self.counters["pool_queue_rebound_pending"] += 1
+                log.warning(
+                    "pool queue holds tasks under its old bound; rebinding once it is empty",
+                    extra={"pool_id": pool_id, "model_slots": slots},
+                )
 
     async def _announce_epochs(self, descriptors: Sequence[CapabilityDescriptor]) -> None:
         """Tell each pool's agents its active descriptor epoch (``grant.<pool>``), so they
         refuse grants issued under an older one (:mod:`mesh.agent.grants`)."""
+        await self._ensure_pool_queues(descriptors)
         now = self.clock.now()
         self._epochs_announced_at = now.mono
         for descriptor in descriptors:

@@ -1,5 +1,5 @@
 """Producer SDK: the manager's client API and the run-a-task helper."""
 
-from mesh.producer.client import MeshClient, TaskOutcome
+from mesh.producer.client import Backoff, MeshClient, Submitted, TaskOutcome, retry_delay_s
 
-__all__ = ["MeshClient", "TaskOutcome"]
+__all__ = ["Backoff", "MeshClient", "Submitted", "TaskOutcome", "retry_delay_s"]

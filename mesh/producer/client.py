@@ -6,7 +6,19 @@ client's exclusive reply queue and a fresh ``correlation_id``; replies are
 matched back to the waiting call by that ID. A reply that arrives after its
 caller gave up is counted and dropped.
 
-:meth:`MeshClient.run_task` is the producer helper: acquire a slot on the
+:meth:`MeshClient.submit` is the producer's one call on the admission path: ask the manager
+to admit the task by its requirements (capability and version range, never an agent); while
+the answer is ``deferred``, wait ``retry_after_ms`` plus a jittered exponential backoff
+(:func:`retry_delay_s`) and ask again with the same admission ID; once admitted, publish the
+task with its grant to the pool's bounded queue (confirmed: a nack — the queue is full — gives
+the grant back and counts as a ``QUEUE_FULL`` refusal, retried like the others under a new
+admission ID), await the result, and settle the grant with what the work really took. It gives
+up at the deadline with :class:`~mesh.errors.SubmitDeadlineExceeded` carrying the last reason
+code; a ``rejected`` answer raises :class:`~mesh.errors.AdmissionRefused` with the whole reply.
+Callers that want to decide for themselves pass ``on_deferred`` (return ``False`` to stop
+waiting) or call :meth:`MeshClient.admit` directly.
+
+:meth:`MeshClient.run_task` is the lease path's helper: acquire a slot on the
 best agent for a capability and version range, publish the task to that
 agent's bounded task queue (confirmed), await the result, release the slot.
 Refusals and failures raise typed errors carrying the machine-readable code.
@@ -16,19 +28,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from mesh import constants as c
 from mesh.errors import (
+    AdmissionRefused,
     LocalProtocolError,
     PublishNacked,
     PublishUnroutable,
     RequestTimeout,
+    SubmitDeadlineExceeded,
     TaskFailed,
     TaskInputInvalid,
     TaskRefused,
@@ -41,6 +57,7 @@ from mesh.transport.ports import ClientTransport, Subscription
 from mesh.wire.admission import (
     AdmissionDecision,
     AdmissionGrant,
+    AdmissionReason,
     AdmissionRelease,
     AdmissionReleaseReply,
     AdmissionRequest,
@@ -67,6 +84,7 @@ from mesh.wire.models import (
     StatusReply,
     StatusRequest,
     Task,
+    TaskGrant,
     TaskResult,
 )
 from mesh.wire.reasons import Reason
@@ -74,6 +92,7 @@ from mesh.wire.reasons import Reason
 log = logging.getLogger(__name__)
 
 REPLY_MAX_BYTES = 64 * 1024 * 1024
+_QUEUE_FULL_RETRY_MS = 250  # a full pool queue drains as its agents claim tasks
 
 _METHODS: dict[type[Message], str] = {
     FindRequest: "find",
@@ -95,6 +114,36 @@ class TaskOutcome:
     output: dict[str, Any]
     result: TaskResult
     lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A task done on the admission path: its output, the result, and the admission."""
+
+    output: dict[str, Any]
+    result: TaskResult
+    decision: AdmissionDecision  # the admitting one (grant, pool, fence)
+    attempts: int  # admissions asked for, this one included
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """How ``submit`` spaces its retries: never sooner than the manager's ``retry_after_ms``,
+    plus a random share (full jitter) of an exponential step ``base_s * 2**attempt``, capped."""
+
+    base_s: float = 0.05
+    cap_s: float = 5.0
+
+
+def retry_delay_s(
+    retry_after_ms: int | None, attempt: int, backoff: Backoff, rand: Callable[[], float]
+) -> float:
+    """Seconds to wait before retry number ``attempt`` (from 0) after a deferral."""
+    step = min(backoff.cap_s, backoff.base_s * 2.0 ** min(attempt, 32))
+    return (retry_after_ms or 0) / 1000.0 + step * rand()
+
+
+OnDeferred = Callable[[AdmissionDecision], "bool | Awaitable[bool]"]
 
 
 class MeshClient:
@@ -295,7 +344,159 @@ class MeshClient:
         """Why an admission was decided as it was (``mesh explain``)."""
         return _expect(await self.request(ExplainRequest(admission_id=admission_id)), ExplainReply)
 
-    # ---- the producer helper --------------------------------------------------------------
+    # ---- the admission path: submit ---------------------------------------------------------
+    async def submit(
+        self,
+        requirements: TaskRequirements,
+        payload: dict[str, Any],
+        *,
+        timeout_s: float = 30.0,
+        backoff: Backoff = Backoff(),
+        on_deferred: OnDeferred | None = None,
+        rand: Callable[[], float] = random.random,
+    ) -> Submitted:
+        """Admit by requirements, run on the granted pool, await the result, settle.
+
+        Gives up at the earlier of ``requirements.deadline`` and ``timeout_s`` from now.
+        Raises :class:`AdmissionRefused` (``rejected``, or ``on_deferred`` said stop),
+        :class:`SubmitDeadlineExceeded` (with the last reason code), ``TaskFailed`` /
+        ``TaskInputInvalid`` (the agent's answer) or ``TaskRefused`` (``UNROUTABLE``: the
+        pool has no queue).
+        """
+        deadline = time.time() + timeout_s
+        if requirements.deadline is not None:
+            deadline = min(deadline, requirements.deadline)
+        admission_id, attempts, refusals = uuid.uuid4().hex, 0, 0
+        last: AdmissionDecision | None = None
+        while True:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                raise self._gave_up(last, attempts)
+            attempts += 1
+            try:
+                decision = await self.admit(
+                    requirements, admission_id=admission_id, timeout_s=min(10.0, remaining)
+                )
+            except RequestTimeout as exc:  # past the deadline: give up, with the last reason
+                raise (self._gave_up(last, attempts) if time.time() >= deadline else exc) from None
+            if decision.outcome == "admitted":
+                assert decision.grant is not None  # the model's invariant
+                queued = await self._run_granted(
+                    decision, requirements.capability.name, payload, deadline
+                )
+                if isinstance(queued, Submitted):
+                    return Submitted(queued.output, queued.result, decision, attempts)
+                decision = queued  # the pool's queue was full: a refusal like the others
+                admission_id = uuid.uuid4().hex  # that grant is settled; a new phase
+            last = decision
+            if decision.outcome == "rejected" or not await _keep_waiting(on_deferred, decision):
+                raise AdmissionRefused(decision)
+            delay = retry_delay_s(decision.retry_after_ms, refusals, backoff, rand)
+            refusals += 1
+            self.counters["submit_retries"] += 1
+            if time.time() + delay >= deadline:
+                raise self._gave_up(last, attempts)
+            await asyncio.sleep(delay)
+
+    @staticmethod
+    def _gave_up(last: AdmissionDecision | None, attempts: int) -> SubmitDeadlineExceeded:
+        reason = last.reason.value if last is not None and last.reason else None
+        return SubmitDeadlineExceeded(
+            f"not admitted before the deadline after {attempts} attempts"
+            + (f"; last refusal: {reason} ({last.detail})" if last is not None else ""),
+            last_reason=reason,
+            decision=last,
+            attempts=attempts,
+        )
+
+    async def _run_granted(
+        self, decision: AdmissionDecision, capability: str, payload: dict[str, Any], deadline: float
+    ) -> Submitted | AdmissionDecision:
+        """Publish the task with its grant to the pool's queue, await the result, settle.
+        A full queue (nack) settles the grant and comes back as a ``QUEUE_FULL`` refusal."""
+        grant = decision.grant
+        assert grant is not None
+        task = Task(
+            task_id=uuid.uuid4().hex,
+            capability=capability,
+            payload=payload,
+            deadline=deadline,
+            submitted_at=time.time(),
+            grant=TaskGrant.from_grant(grant),
+        )
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[task.task_id] = fut
+        settled = False
+        try:
+            try:
+                await self.transport.publish(
+                    self.topology.tasks_exchange,
+                    names.pool_task_key(grant.pool_id),
+                    task,
+                    reply_to=self.reply_queue,
+                    correlation_id=task.task_id,
+                    headers={c.H_ADMISSION_ID: grant.admission_id},
+                    persistent=True,
+                )
+            except PublishNacked:
+                self.counters["queue_full"] += 1
+                await self._settle_quietly(grant)
+                settled = True
+                return AdmissionDecision(
+                    admission_id=grant.admission_id,
+                    outcome="deferred",
+                    reason=AdmissionReason.QUEUE_FULL,
+                    detail=f"the task queue of pool {grant.pool_id} is full (the broker nacked)",
+                    retry_after_ms=_QUEUE_FULL_RETRY_MS,
+                    allowed_degradations=decision.allowed_degradations,
+                )
+            except PublishUnroutable:
+                await self._settle_quietly(grant)
+                settled = True
+                raise TaskRefused(
+                    Reason.UNROUTABLE.value, f"pool {grant.pool_id} has no task queue"
+                ) from None
+            try:
+                reply = await asyncio.wait_for(fut, max(0.0, deadline - time.time()))
+            except TimeoutError:
+                raise SubmitDeadlineExceeded(
+                    f"no result from pool {grant.pool_id} before the deadline",
+                    last_reason=None,
+                    decision=decision,
+                    attempts=0,
+                ) from None
+            result = _expect(reply, TaskResult)
+            await self._settle_quietly(
+                grant,
+                actual_duration_s=max(0.0, result.finished_at - result.started_at),
+                finished_at=result.finished_at,
+            )
+            settled = True
+        finally:
+            self._pending.pop(task.task_id, None)
+            if not settled:  # gave up waiting (or was cancelled): give the slot back
+                await self._settle_quietly(grant)
+        if result.status == "ok" and result.output is not None:
+            return Submitted(result.output, result, decision, 0)
+        error = result.error
+        code = error.code if error else Reason.HANDLER_ERROR
+        message = error.message if error else "no output"
+        cls = TaskInputInvalid if code is Reason.INPUT_SCHEMA_VIOLATION else TaskFailed
+        raise cls(code.value, message, task_id=result.task_id)
+
+    async def _settle_quietly(self, grant: AdmissionGrant, **actuals: Any) -> None:
+        try:
+            reply = await self.release_admission(grant, **actuals)
+        except Exception as exc:  # the reservation expires on its own; never mask the outcome
+            self.counters["settle_failed"] += 1
+            log.warning(
+                "settlement failed", extra={"admission_id": grant.admission_id, "error": str(exc)}
+            )
+            return
+        if not reply.released:
+            self.counters["settle_refused"] += 1
+
+    # ---- the lease path -----------------------------------------------------------------
     async def run_task(
         self,
         capability: str,
@@ -370,6 +571,13 @@ class MeshClient:
         except Exception as exc:  # the lease expires on its own; never mask the task's outcome
             self.counters["release_failed"] += 1
             log.warning("release failed", extra={"lease_id": lease_id, "error": str(exc)})
+
+
+async def _keep_waiting(on_deferred: OnDeferred | None, decision: AdmissionDecision) -> bool:
+    if on_deferred is None:
+        return True
+    keep = on_deferred(decision)
+    return keep if isinstance(keep, bool) else await keep
 
 
 M = TypeVar("M", bound=Message)

@@ -877,6 +877,19 @@ class InMemoryTransport:
             self._topology[spec] = None
         await asyncio.sleep(0)
 
+    async def try_declare(self, declarations: Declarations) -> bool:
+        """``declare``, but a queue that exists with other arguments answers ``False``."""
+        try:
+            await self.declare(declarations)
+        except PreconditionFailed:
+            return False
+        return True
+
+    @property
+    def blocked(self) -> bool:
+        """Never: the in-memory broker raises no resource alarms."""
+        return False
+
     async def declare_reply_queue(self, name: str) -> str:
         """An exclusive, auto-deleted queue for replies to this connection."""
         broker = self._open()

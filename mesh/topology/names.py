@@ -26,6 +26,16 @@ def agent_task_queue(namespace: str, agent_id: str) -> str:
     return f"{namespace}.agent.{agent_id}.tasks"
 
 
+def pool_task_queue(namespace: str, pool_id: str) -> str:
+    """``<ns>.pool.<pool_id>.tasks``: the admitted tasks of one pool, shared by its agents."""
+    return f"{namespace}.pool.{pool_id}.tasks"
+
+
+def pool_task_key(pool_id: str) -> str:
+    """``pool.<pool_id>`` on the tasks exchange; never an agent ID (those have no dots)."""
+    return f"pool.{pool_id}"
+
+
 def dead_letter_queue(namespace: str) -> str:
     return f"{namespace}.dead-letter"
 

@@ -95,6 +95,8 @@ class Topology:
     rpc_ttl_ms: int = 30_000
     rpc_max_length: int = 10_000
     agent_queue_expires_ms: int = 30 * 60 * 1000
+    pool_queue_overshoot: int = 1  # a quorum queue accepts one message past x-max-length
+    pool_delivery_limit: int = 5  # deliveries of one task before it is dead-lettered (poison)
 
     # -- exchanges ------------------------------------------------------------------------
     def exchange(self, suffix: str) -> str:
@@ -150,6 +152,9 @@ class Topology:
 
     def agent_task_queue(self, agent_id: str) -> str:
         return names.agent_task_queue(self.namespace, agent_id)
+
+    def pool_task_queue(self, pool_id: str) -> str:
+        return names.pool_task_queue(self.namespace, pool_id)
 
     # -- what each role declares ----------------------------------------------------------
     def shared(self) -> Declarations:
@@ -213,6 +218,33 @@ class Topology:
             BindingSpec(rpc.name, self.control_exchange, f"{c.RK_RPC}.*"),
         )
         return self.shared() + Declarations(queues=(announce, heartbeats, rpc), bindings=bindings)
+
+    def pool(self, pool_id: str, model_slots: int) -> Declarations:
+        """A pool's task queue: what the admission path publishes granted tasks to.
+
+        Quorum (a granted task must not be lost), ``x-max-length`` = the pool's model slots
+        with ``reject-publish``: every queued task holds a slot, so a full queue means tasks
+        arrived around the ledger, and the publisher is nacked, not ignored. A quorum queue
+        accepts one message past its limit, so it never holds more than
+        :meth:`pool_queue_bound`. A delivery limit for poison tasks, dead letters to the DLX.
+        The ledger holds the exact capacity; this bound is the safety net.
+        """
+        queue = QueueSpec(
+            self.pool_task_queue(pool_id),
+            arguments=QueueArguments(
+                queue_type="quorum",
+                max_length=max(1, model_slots),
+                overflow="reject-publish",
+                dead_letter_exchange=self.dead_letter_exchange,
+                delivery_limit=self.pool_delivery_limit,
+            ),
+        )
+        binding = BindingSpec(queue.name, self.tasks_exchange, names.pool_task_key(pool_id))
+        return self.shared() + Declarations(queues=(queue,), bindings=(binding,))
+
+    def pool_queue_bound(self, model_slots: int) -> int:
+        """The most a pool's queue can hold: its limit and the quorum queue's overshoot."""
+        return max(1, model_slots) + self.pool_queue_overshoot
 
     def agent(self, agent_id: str, task_queue_bound: int) -> Declarations:
         """An agent's control queue (gone with the agent) and its bounded task queue."""

@@ -280,6 +280,50 @@ class AmqpTransport:
                 await queue.bind(b.exchange, routing_key=b.routing_key)
                 self._declared.add(b)
 
+    async def try_declare(self, declarations: Declarations) -> bool:
+        """Declare on a channel of its own; ``False`` if a queue already exists with other
+        arguments (PRECONDITION_FAILED closes only that channel), leaving it as it is.
+
+        For queues whose arguments follow something that changes (a pool's bound follows its
+        capacity): the caller decides what to do with the old one. Durable queues declared
+        here outlive a reconnect on the broker; the caller declares them again periodically.
+        """
+        async with asyncio.timeout(_CONTROL_TIMEOUT_S):
+            await self.declare(Declarations(exchanges=declarations.exchanges))
+            channel = await self._connection.channel()
+            try:
+                queues = {
+                    q.name: await channel.declare_queue(
+                        q.name,
+                        durable=q.durable,
+                        exclusive=q.exclusive,
+                        auto_delete=q.auto_delete,
+                        arguments=q.arguments.to_amqp(),
+                        robust=False,
+                    )
+                    for q in declarations.queues
+                }
+                for b in declarations.bindings:
+                    queue = queues.get(b.queue) or await channel.declare_queue(
+                        b.queue, passive=True, robust=False
+                    )
+                    await queue.bind(b.exchange, routing_key=b.routing_key)
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                return False
+            finally:
+                if not channel.is_closed:
+                    await channel.close()
+        return True
+
+    @property
+    def blocked(self) -> bool:
+        """RabbitMQ sent ``connection.blocked`` (a memory or disk alarm) and no ``unblocked``
+        since. aiormq tracks it in an event it does not expose; read it defensively."""
+        underlying = getattr(self._connection, "transport", None)
+        amqp = getattr(underlying, "connection", None)
+        unblocked = getattr(amqp, "_Connection__connection_unblocked", None)
+        return isinstance(unblocked, asyncio.Event) and not unblocked.is_set()
+
     async def _declare_queue(
         self, channel: AbstractRobustChannel, spec: QueueSpec
     ) -> AbstractRobustQueue:
@@ -395,8 +439,13 @@ class AmqpTransport:
     ) -> Consumer:
         """Consume ``queue`` on its own channel. With ``no_ack`` nothing needs acking."""
         channel = await self._connection.channel()
-        await channel.set_qos(prefetch_count=0 if no_ack else prefetch)
-        q = await self._queue_on(channel, queue)
+        try:
+            await channel.set_qos(prefetch_count=0 if no_ack else prefetch)
+            q = await self._queue_on(channel, queue)
+        except BaseException:
+            if not channel.is_closed:
+                await channel.close()
+            raise
 
         async def on_message(msg: AbstractIncomingMessage) -> None:
             await handler(_delivery(msg))

@@ -76,6 +76,16 @@ class ManagerTransport(Transport, Protocol):
 
     def on_disconnect(self, callback: Callable[[], None]) -> None: ...
 
+    async def try_declare(self, declarations: Declarations) -> bool:
+        """Declare on a channel of its own; ``False`` if a queue already exists with other
+        arguments (RabbitMQ's PRECONDITION_FAILED), leaving it as it is."""
+        ...
+
+    @property
+    def blocked(self) -> bool:
+        """The broker has blocked this connection's publishers (a memory or disk alarm)."""
+        ...
+
 
 class ClientTransport(Transport, Protocol):
     """What :class:`~mesh.producer.MeshClient` needs: an exclusive queue for its replies."""

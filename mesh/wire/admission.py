@@ -66,6 +66,10 @@ class AdmissionReason(StrEnum):
     NOT_FOUND = "NOT_FOUND"
     EXTERNAL_GRANT_FAILED = "EXTERNAL_GRANT_FAILED"
     LEDGER_UNAVAILABLE = "LEDGER_UNAVAILABLE"  # the store failed; retry the same admission ID
+    SHED = "SHED"  # the pool is under pressure and sheds this service class for now
+    TENANT_FAIR_SHARE = "TENANT_FAIR_SHARE"  # the pool is busy and the tenant holds its share
+    DEADLINE_UNREACHABLE = "DEADLINE_UNREACHABLE"  # it would finish after its deadline
+    QUEUE_FULL = "QUEUE_FULL"  # the pool's bounded task queue refused the task (a nack)
 
 
 # ---- field types --------------------------------------------------------------------------

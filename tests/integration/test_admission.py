@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from unit.samples import DESCRIPTOR, REQUIREMENTS
+from unit.samples import DESCRIPTOR
+from unit.samples import REQUIREMENTS as SAMPLE_REQUIREMENTS
 
 from mesh.manager.admission import AdmissionPolicy
 from mesh.manager.service import ManagerService
@@ -29,6 +30,9 @@ from mesh.wire import (
 )
 
 from .harness import manager_settings, start_manager
+
+# The sample's deadline is in 2023: wall-clock tests ask without one.
+REQUIREMENTS = SAMPLE_REQUIREMENTS.model_copy(update={"deadline": None})
 
 
 def fresh(descriptor: CapabilityDescriptor = DESCRIPTOR, **changes: Any) -> CapabilityDescriptor:

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import orjson
 import pytest
-from unit.samples import REQUIREMENTS
 
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 
 from .harness import start_manager
-from .test_admission import fresh, settings_for
+from .test_admission import REQUIREMENTS, fresh, settings_for
 
 
 def mesh(
@@ -117,7 +116,12 @@ async def manager_with_history(
     finally:
         await client.close()
     yield service
-    await service.stop()
+    try:
+        await asyncio.wait_for(service.stop(), 30)
+    except TimeoutError:
+        for t in asyncio.all_tasks():
+            t.print_stack(limit=12)
+        raise
 
 
 async def test_log_filters_select_from_the_journal_a_real_manager_wrote(
@@ -196,7 +200,7 @@ async def test_top_once_draws_a_real_managers_status(
 
     assert code == 0, err
     assert f"manager {manager_with_history.settings.manager_id}" in out
-    assert "pressure -" in out and "admitted 1 · rejected 1" in out
+    assert "pressure NORMAL" in out and "admitted 1 · rejected 1" in out
     assert [line.split()[:3] for line in out.splitlines() if line.split()[:1] == ["rag-us"]] == [
         ["rag-us", "3", "3"]
     ]

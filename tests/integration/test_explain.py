@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-from unit.samples import DESCRIPTOR, REQUIREMENTS
+from unit.samples import DESCRIPTOR
 
 from mesh.core.eligibility import RULE_NAMES, EligibilityResult, check_eligibility
 from mesh.manager.service import ManagerService
@@ -36,7 +36,7 @@ from mesh.wire import (
 )
 
 from .harness import start_manager
-from .test_admission import fresh, settings_for
+from .test_admission import REQUIREMENTS, fresh, settings_for
 
 ROLLOUT_EPOCH = 5
 

@@ -180,7 +180,7 @@ async def test_metrics_follow_agents_admissions_refusals_and_drains(
 
         # Settlement: a completed phase reports its actual cost (here half the estimated
         # tokens, finished after its deadline); a release without actuals is a cancellation.
-        timed = CALC_REQUIREMENTS.model_copy(update={"deadline": time.time() + 30})
+        timed = CALC_REQUIREMENTS.model_copy(update={"deadline": time.time() + 60})
         late = await client.admit(timed, admission_id="adm-metrics-late")
         assert late.grant is not None and granted.grant is not None
         assert timed.deadline is not None

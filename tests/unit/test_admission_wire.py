@@ -113,6 +113,10 @@ def test_the_admission_reasons_are_the_documented_stable_strings() -> None:
         "NOT_FOUND",
         "EXTERNAL_GRANT_FAILED",
         "LEDGER_UNAVAILABLE",
+        "SHED",
+        "TENANT_FAIR_SHARE",
+        "DEADLINE_UNREACHABLE",
+        "QUEUE_FULL",
     }
 
 

@@ -587,7 +587,11 @@ async def test_start_declares_consumes_registers_and_only_then_is_ready() -> Non
         assert declarations == TOPOLOGY.agent("toy-1", 2 * (3 + 1)) + Declarations(
             bindings=(grant_feed,)
         )
-        assert transport.prefetch == {"t.agent.toy-1.control": 16, "t.agent.toy-1.tasks": 4}
+        assert transport.prefetch == {
+            "t.agent.toy-1.control": 16,
+            "t.agent.toy-1.tasks": 4,
+            "t.pool.toy.tasks": 4,  # the pool's admitted tasks, shared with its other agents
+        }
         [registration] = transport.of_type(AgentRegistration)
         assert registration.exchange == "t.announce"
         assert registration.routing_key == "agent.toy-1.register"
@@ -817,6 +821,9 @@ async def test_a_drain_notice_keeps_working_queued_tasks_and_drain_complete_fini
     await transport.deliver("t.agent.toy-1.control", make_delivery(DrainNotice(agent_id="toy-1")))
     assert runtime.draining
     assert not runtime.ready.is_set()
+    await asyncio.sleep(0.01)
+    # At once: the pool's tasks are for the pool's other agents now.
+    assert transport.cancelled == ["t.pool.toy.tasks"]
     slow = make_delivery(make_task("toy.raw", {"sleep": 0.1, "return": {"done": 1}}), reply_to="r")
     working = transport.deliver("t.agent.toy-1.tasks", slow)
     await asyncio.sleep(0.01)
@@ -832,7 +839,11 @@ async def test_a_drain_notice_keeps_working_queued_tasks_and_drain_complete_fini
     assert isinstance(dereg.decoded, Deregistration)
     assert dereg.decoded.incarnation == runtime.incarnation
     assert transport.deleted == ["t.agent.toy-1.tasks"]
-    assert set(transport.cancelled) == {"t.agent.toy-1.tasks", "t.agent.toy-1.control"}
+    assert set(transport.cancelled) == {
+        "t.pool.toy.tasks",
+        "t.agent.toy-1.tasks",
+        "t.agent.toy-1.control",
+    }
     assert not transport.closed
 
 

@@ -44,6 +44,7 @@ def document(**changes: Any) -> dict[str, Any]:
                 "expires_at": NOW + 1800,
                 "capabilities": ["rag.answer", "rag.search"],
                 "agents": {"Ready": 2, "Busy": 1},
+                "stage": "PAUSE_BATCH",
             },
             {
                 "pool_id": "rag-us",
@@ -120,6 +121,12 @@ def test_a_pressure_stage_is_shown_when_the_document_has_one() -> None:
         render(document(pressure={"stage": "shed-batch"}), url=URL, now=NOW)
     )
     assert "pressure 2" in text_of(render(document(pressure=2), url=URL, now=NOW))
+
+
+def test_each_pool_shows_its_shedding_stage() -> None:
+    text = text_of(render(document(), url=URL, now=NOW))
+    assert "PAUSE_BATCH" in row(text, "rag-eu")
+    assert "PAUSE_BATCH" not in row(text, "rag-us")
 
 
 def test_pools_show_epochs_expiry_capabilities_and_agents_per_state() -> None:

@@ -1,0 +1,297 @@
+"""Benchmark of overload: goodput at full load, 2x and 5x, with shedding on and off.
+
+Run: ``.venv/bin/python bench/overload.py`` (``--quick``: shorter windows, about a minute).
+It prints one row per run and the target with PASS/FAIL, and exits 1 if it fails.
+
+The mesh: a manager in this process (SQLite ledger), one ``echo`` pool of ``--slots`` model
+slots served by one in-process echo agent (the sample: it sleeps ``--service-ms`` and answers),
+producers on four connections. Each task is ``MeshClient.submit`` with a deadline
+``--deadline-s`` after it arrives: admission (retrying as told), the pool queue, the agent,
+settlement. Arrivals are open-loop (Poisson) at ``load x slots / service time`` per second, a
+mix of 50 % interactive, 30 % batch and 20 % speculative tasks, for a warm-up and then a
+measured window. **Goodput** is the number of tasks that arrived in the window and completed
+within their deadline, per second of the window. Also printed: admission decisions per task
+(every retry is one: the load refusals put on the manager) and the median time from arrival
+to a final refusal ("no after": how long a producer waited to learn it will not be served).
+
+Runs, all in this one process and run: full load (1x) with shedding on (the reference), then
+2x and 5x with shedding on (``PressurePolicy()``: staged shedding, measured retry times,
+deadline prediction, fair shares) and off (``PressurePolicy(enabled=False)``: the ledger's
+exact capacity only, a constant 1 s retry time). Target: with shedding on, goodput at 2x and
+5x stays at least 0.8x the goodput at full load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from mesh import constants as c
+from mesh.agent import AgentRuntime, AgentSettings
+from mesh.core.pressure import PressurePolicy
+from mesh.errors import AdmissionRefused, SubmitDeadlineExceeded, TaskFailed
+from mesh.manager.admission import AdmissionPolicy
+from mesh.manager.service import ManagerService
+from mesh.manager.settings import ManagerSettings
+from mesh.producer import MeshClient
+from mesh.samples import SAMPLES
+from mesh.wire import CapabilityDescriptor, CapabilityRange, TaskRequirements
+from mesh.wire.admission import (
+    HealthEvidence,
+    ModelLimits,
+    Sandbox,
+    TenantIsolation,
+)
+
+TARGET_GOODPUT_RATIO = 0.8
+POLICY_GENERATION = 1
+ECHO = CapabilityRange(name="test.echo", version_spec=">=1,<2")
+MIX = (("interactive", 0.5), ("batch", 0.3), ("speculative", 0.2))
+
+
+def descriptor(slots: int, now: float) -> CapabilityDescriptor:
+    return CapabilityDescriptor(
+        pool_id="echo",
+        descriptor_epoch=1,
+        runtime_digest="sha256:" + "ec" * 32,
+        capabilities=[ECHO],
+        task_schema_range=">=1,<2",
+        result_schema_range=">=1,<2",
+        data_classifications=["public", "internal"],
+        tenant_isolation=TenantIsolation(mode="shared"),
+        regions=["local"],
+        model_limits=ModelLimits(context_tokens=8_000, max_output_tokens=1_000, slots=slots),
+        sandbox=Sandbox(kind="none", count=0),
+        policy_generation=POLICY_GENERATION,
+        health=HealthEvidence(status="healthy", checked_at=now),
+        issued_at=now - 60,
+        expires_at=now + 3_600,
+        issued_by="bench",
+    )
+
+
+def requirements(service_class: str, service_s: float, deadline: float) -> TaskRequirements:
+    return TaskRequirements(
+        capability=ECHO,
+        task_schema_version="1.0.0",
+        result_schema_version="1.0.0",
+        input_classifications=["internal"],
+        estimated_tokens=10,
+        estimated_duration_s=service_s,
+        deadline=deadline,
+        service_class=service_class,  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class Run:
+    label: str
+    load: float
+    shedding: bool
+    arrived: int = 0
+    good: int = 0  # arrived in the window, completed within the deadline
+    late: int = 0  # completed after the deadline
+    refused: dict[str, int] = field(default_factory=dict)  # final reason -> count
+    window_s: float = 0.0
+    refusal_s: list[float] = field(default_factory=list)  # arrival to a final refusal
+    all_arrivals: int = 0  # warm-up included
+    decisions: int = 0  # admission decisions the manager made (every retry is one)
+
+    @property
+    def goodput(self) -> float:
+        return self.good / self.window_s if self.window_s else 0.0
+
+
+async def one_run(
+    amqp_url: str,
+    workdir: Path,
+    *,
+    load: float,
+    shedding: bool,
+    slots: int,
+    service_s: float,
+    deadline_s: float,
+    warmup_s: float,
+    window_s: float,
+    rng: random.Random,
+) -> Run:
+    namespace = f"bench-overload-{uuid.uuid4().hex[:8]}"
+    user = amqp_url.split("//", 1)[1].split(":", 1)[0] or "guest"
+    policy = AdmissionPolicy(
+        active_generation=POLICY_GENERATION,
+        grant_ttl_s=60,
+        pressure=PressurePolicy() if shedding else PressurePolicy(enabled=False),
+    )
+    settings = replace(
+        ManagerSettings(),
+        amqp_url=amqp_url,
+        namespace=namespace,
+        manager_id=namespace,
+        journal_path=workdir / f"{namespace}.journal.sqlite3",
+        ledger_url=f"sqlite:{workdir / f'{namespace}.ledger.sqlite3'}",
+        operator_user=user,
+        admission=policy,
+        http_port=None,
+        tick_interval_s=0.25,
+    )
+    manager = ManagerService(settings)
+    await manager.start()
+    agent = AgentRuntime(
+        SAMPLES["echo"]("echo-bench", heartbeat_interval_s=5.0),
+        AgentSettings(amqp_url=amqp_url, namespace=namespace),
+    )
+    clients = [
+        await MeshClient.connect(amqp_url, namespace=namespace, name=f"bench-producer-{i}")
+        for i in range(4)
+    ]
+    label = f"{load:g}x, shedding {'on' if shedding else 'off'}"
+    run = Run(label, load, shedding, window_s=window_s)
+    try:
+        accepted = await clients[0].publish_descriptor(descriptor(slots, time.time()))
+        if accepted.type != "mesh.descriptor-accepted.v1":
+            raise RuntimeError(f"descriptor refused: {accepted}")
+        await agent.start()  # the descriptor is active: the agent consumes the pool queue
+        if agent.counters["pool_subscriptions"] < 1:
+            raise RuntimeError("the agent did not subscribe to its pool queue")
+        rate = load * slots / service_s
+        start = time.monotonic()
+        window = (start + warmup_s, start + warmup_s + window_s)
+        tasks: list[asyncio.Task[None]] = []
+        i = 0
+        while True:
+            now = time.monotonic()
+            if now >= window[1]:
+                break
+            measured = window[0] <= now
+            cls = rng.choices([m[0] for m in MIX], [m[1] for m in MIX])[0]
+            tasks.append(
+                asyncio.create_task(
+                    one_task(clients[i % 4], cls, service_s, deadline_s, run, measured)
+                )
+            )
+            i += 1
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+        run.all_arrivals = len(tasks)
+        run.decisions = sum(
+            manager.counters[f"admission.{outcome}"]
+            for outcome in ("admitted", "rejected", "deferred")
+        )
+    finally:
+        await agent.stop()
+        for client in clients:
+            await client.close()
+        await manager.stop()
+    return run
+
+
+async def one_task(
+    client: MeshClient, cls: str, service_s: float, deadline_s: float, run: Run, measured: bool
+) -> None:
+    arrived = time.monotonic()
+    deadline = time.time() + deadline_s
+    reason = "OK"
+    try:
+        done = await client.submit(
+            requirements(cls, service_s, deadline),
+            {"message": cls, "sleep_ms": int(service_s * 1000)},
+            timeout_s=deadline_s,
+        )
+        if done.result.finished_at <= deadline:
+            good = True
+        else:
+            good, reason = False, "LATE"
+    except AdmissionRefused as exc:
+        good, reason = False, exc.code
+    except SubmitDeadlineExceeded as exc:
+        good, reason = False, f"GAVE_UP:{exc.last_reason or 'RESULT'}"
+    except TaskFailed as exc:
+        good, reason = False, exc.code
+    if not measured:
+        return
+    run.arrived += 1
+    if good:
+        run.good += 1
+    else:
+        run.late += reason == "LATE"
+        run.refused[reason] = run.refused.get(reason, 0) + 1
+        run.refusal_s.append(time.monotonic() - arrived)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter windows (about a minute)")
+    parser.add_argument("--amqp-url", default=os.environ.get("MESH_AMQP_URL", c.DEFAULT_AMQP_URL))
+    parser.add_argument("--slots", type=int, default=8, help="the pool's model slots")
+    parser.add_argument("--service-ms", type=int, default=400, help="each task's work")
+    parser.add_argument("--deadline-s", type=float, default=2.0, help="after arrival")
+    parser.add_argument("--seed", type=int, default=20261130)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    logging.getLogger("mesh").setLevel(logging.CRITICAL)
+    for name in ("aio_pika", "aiormq"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    warmup_s, window_s = (2.0, 6.0) if args.quick else (3.0, 15.0)
+    service_s = args.service_ms / 1000
+    plan = [(1.0, True), (2.0, True), (2.0, False), (5.0, True), (5.0, False)]
+    started = time.perf_counter()
+    print(
+        f"overload: pool of {args.slots} slots, {args.service_ms} ms per task "
+        f"(full load {args.slots / service_s:.0f} tasks/s), deadline {args.deadline_s:g} s, "
+        f"window {window_s:g} s after {warmup_s:g} s warm-up"
+    )
+    print(
+        f"{'run':<22}{'arrived':>9}{'good':>7}{'goodput/s':>11}{'vs 1x':>8}"
+        f"{'asks/task':>11}{'no after':>10}  refusals"
+    )
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
+        for load, shedding in plan:
+            run = asyncio.run(
+                one_run(
+                    args.amqp_url, Path(tmp), load=load, shedding=shedding, slots=args.slots,
+                    service_s=service_s, deadline_s=args.deadline_s, warmup_s=warmup_s,
+                    window_s=window_s, rng=random.Random(args.seed),
+                )
+            )  # fmt: skip
+            runs.append(run)
+            full = runs[0].goodput
+            ratio = run.goodput / full if full else float("nan")
+            refusals = ", ".join(f"{k} {v}" for k, v in sorted(run.refused.items()))
+            asks = run.decisions / run.all_arrivals if run.all_arrivals else 0.0
+            told = f"{statistics.median(run.refusal_s):.2f} s" if run.refusal_s else "-"
+            print(
+                f"{run.label:<22}{run.arrived:>9}{run.good:>7}{run.goodput:>11.1f}"
+                f"{ratio:>7.2f}x{asks:>11.2f}{told:>10}  {refusals or '-'}"
+            )
+    full = runs[0].goodput
+    targets = []
+    for run in runs[1:]:
+        if run.shedding:
+            ratio = run.goodput / full if full else 0.0
+            targets.append(
+                (
+                    ratio >= TARGET_GOODPUT_RATIO,
+                    f"goodput at {run.load:g}x with shedding is {ratio:.2f}x full load's "
+                    f"(target ≥ {TARGET_GOODPUT_RATIO:g}x)",
+                )
+            )
+    print()
+    print(f"targets ({time.perf_counter() - started:.0f} s in all)")
+    for passed, text in targets:
+        print(f"   {'PASS' if passed else 'FAIL'}  {text}")
+    return 0 if all(passed for passed, _ in targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

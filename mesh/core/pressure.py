@@ -1,0 +1,399 @@
+"""Pressure: staged load shedding, tenant fair shares and retry times that mean something.
+
+Theory of operation
+-------------------
+Each pool has a **stage**, the answer to "how much of its capacity is spoken for, and is the
+work draining?". As pressure rises, work is shed in a fixed order, cheapest to lose first:
+
+=====================  =====================================================================
+``NORMAL``             everything is admitted (capacity permitting)
+``SHED_SPECULATIVE``   speculative branches and low-priority fan-out (batch work at
+                       priority <= ``low_priority``, when set) are refused
+``PAUSE_BATCH``        deferrable batch work is deferred as well
+``TIGHTEN``            every tenant is held to its fair share of the pool
+``REJECT_INTERACTIVE`` new interactive requests are refused too
+=====================  =====================================================================
+
+The stage comes from two sources, and the higher one wins:
+
+* **Utilisation** (exact: the ledger's model-slot counter as this manager last saw it, moved
+  by its own grants and releases in between). Each stage has an integer slot limit,
+  ``floor(threshold * capacity)`` (at least 1 for the first two, so an idle one-slot pool
+  admits anything): a request of a shed class is admitted only while its grant keeps the pool
+  at or below its class's limit. So the stage is reached exactly when the next request of that
+  class would be refused — admission and the reported stage never disagree.
+* **Signals** read on each tick: the oldest task in the pool's queue has waited longer than
+  ``queue_age_s`` (agents are not keeping up with what was granted: one stage up), or the broker
+  has raised a memory or disk alarm (publishers are blocked: ``REJECT_INTERACTIVE``).
+
+Which work is which (``shed_rank``): speculative tasks and low-priority batch fan-out go first
+(rank 0), then batch (rank 1), then interactive (rank 2). Work with external side effects,
+waiting on a human, or near a commit is not admitted work waiting in a queue here: admitted
+work keeps its grant; shedding acts on new admissions only, so nothing granted is evicted.
+
+**Fair shares.** A tenant's fair share of a pool is ``ceil(capacity / n)``, ``n`` counting the
+tenants holding grants there or asking within ``demand_window_s``. Once the pool is busy (from
+``SHED_SPECULATIVE``'s utilisation on), a tenant at or over its share takes another slot only
+while one stays free for every other active tenant still below its share; at ``TIGHTEN`` it
+takes none. Refusals say ``TENANT_FAIR_SHARE``. One tenant's burst can fill an idle pool, but
+once the pool is busy, the slots that free up go to the tenants below their share.
+
+**Retry times** are computed, never constant: the pool's drain rate is ``capacity / mean service
+time``, the service time being how long grants were held (admission to release, measured here
+over the last ``service_window`` releases: the real distribution, not the producer's estimate,
+which serves only until the first release). A refused request waits for the slots its class
+needs freed plus the same tenant's refused requests still waiting to come back (tenants
+queue behind their own waiting requests, not behind another's burst)::
+
+    wait = (slots_to_free + competitors) / drain_rate
+
+clamped to ``[retry_min_ms, retry_max_ms]`` and spread uniformly over ``wait * (1 ± jitter)``
+so refused producers do not come back in step. A request whose deadline cannot be met
+(now + the wait, or the queue ahead, + its service time) is refused up front with
+``DEADLINE_UNREACHABLE`` instead of being told to come back in vain.
+
+Every stage change is kept (:class:`StageChange`: pool, from, to, when, why) for the journal
+and the metrics. ``PressurePolicy(enabled=False)`` turns all of this off: no stages, no fair
+shares, no deadline prediction, a constant retry time — the baseline ``bench/overload.py``
+compares against.
+
+Pure: time and randomness are parameters; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Stage(IntEnum):
+    NORMAL = 0
+    SHED_SPECULATIVE = 1
+    PAUSE_BATCH = 2
+    TIGHTEN = 3
+    REJECT_INTERACTIVE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PressurePolicy:
+    enabled: bool = True
+    # Utilisation (model slots) at which SHED_SPECULATIVE, PAUSE_BATCH and TIGHTEN begin.
+    thresholds: tuple[float, float, float] = (0.7, 0.85, 0.95)
+    queue_age_s: float = 5.0  # the oldest queued task waited longer: one stage up
+    # Batch work at or below this priority is low-priority fan-out, shed with speculative work
+    # (None: only the speculative service class is; priority 0 is every request's default).
+    low_priority: int | None = None
+    retry_min_ms: int = 50
+    retry_max_ms: int = 30_000
+    retry_default_ms: int = 1_000  # constant when disabled; before any service time is known
+    jitter: float = 0.5  # retry times spread over wait * (1 ± jitter)
+    service_window: int = 256  # releases whose hold times make the service-time estimate
+    demand_window_s: float = 5.0  # a tenant or a refusal this recent still counts
+
+
+def shed_rank(service_class: str, priority: int, policy: PressurePolicy) -> int:
+    """0: speculative and low-priority fan-out; 1: batch; 2: interactive."""
+    if service_class == "interactive":
+        return 2
+    if service_class == "speculative":
+        return 0
+    if policy.low_priority is not None and priority <= policy.low_priority:
+        return 0
+    return 1
+
+
+# The stage at which each rank stops being admitted (interactive: only on signals or full).
+_RANK_STOPS_AT = {0: Stage.SHED_SPECULATIVE, 1: Stage.PAUSE_BATCH, 2: Stage.REJECT_INTERACTIVE}
+
+
+@dataclass(frozen=True, slots=True)
+class StageChange:
+    pool_id: str
+    old: Stage
+    new: Stage
+    at: float
+    cause: str  # what moved it: "utilisation 7/8", "queue age 6.2 s", "broker alarm", ...
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """Why the pressure gate refused a request."""
+
+    reason: str  # an AdmissionReason value: SHED, TENANT_FAIR_SHARE, DEADLINE_UNREACHABLE
+    detail: str
+    slots_to_free: int | None  # before this request's class is admitted; None: never in time
+
+
+@dataclass(slots=True)
+class PoolPressure:
+    """What one pool's stage is made of."""
+
+    capacity: int = 0
+    used: int = 0
+    queue_depth: int = 0
+    oldest_age_s: float = 0.0
+    blocked: bool = False
+    stage: Stage = Stage.NORMAL
+    since: float = 0.0  # when ``stage`` was entered
+    service_s: deque[float] = field(default_factory=deque)
+    service_sum: float = 0.0
+    holders: dict[str, int] = field(default_factory=dict)  # tenant -> grants held
+    demand: dict[str, float] = field(default_factory=dict)  # tenant -> last asked
+    # tenant -> when its refused requests were told to come back (those still ahead wait)
+    waiting: dict[str, list[float]] = field(default_factory=dict)
+
+    def limit(self, stage: Stage, policy: PressurePolicy) -> int:
+        """Slots in use at which ``stage`` begins (by utilisation alone)."""
+        if stage is Stage.REJECT_INTERACTIVE:
+            return self.capacity
+        floor = math.floor(policy.thresholds[stage - 1] * self.capacity)
+        return max(1, floor) if stage < Stage.TIGHTEN else floor
+
+    def mean_service_s(self) -> float | None:
+        return self.service_sum / len(self.service_s) if self.service_s else None
+
+
+@dataclass
+class PressureBoard:
+    """Every pool's pressure, as one manager sees it. Not thread-safe (one caller)."""
+
+    policy: PressurePolicy = field(default_factory=PressurePolicy)
+    pools: dict[str, PoolPressure] = field(default_factory=dict)
+    changes: list[StageChange] = field(default_factory=list)  # drained by the shell
+    _holdings: dict[str, tuple[str, str, float]] = field(default_factory=dict)
+
+    def pool(self, pool_id: str) -> PoolPressure:
+        found = self.pools.get(pool_id)
+        if found is None:
+            found = self.pools[pool_id] = PoolPressure()
+        return found
+
+    # ---- inputs --------------------------------------------------------------------------
+    def observe_usage(self, slots: dict[str, tuple[int, int]], now: float) -> None:
+        """The ledger's model-slot counters ``{pool: (used, capacity)}`` (every tick: they
+        include other managers' grants)."""
+        for pool_id, (used, capacity) in slots.items():
+            p = self.pool(pool_id)
+            p.used, p.capacity = used, capacity
+            self._restage(pool_id, p, now)
+
+    def observe_queue(
+        self, pool_id: str, depth: int, oldest_age_s: float | None, now: float
+    ) -> None:
+        p = self.pool(pool_id)
+        p.queue_depth = depth
+        if oldest_age_s is not None:
+            p.oldest_age_s = oldest_age_s
+        self._restage(pool_id, p, now)
+
+    def observe_broker(self, blocked: bool, now: float) -> None:
+        for pool_id, p in self.pools.items():
+            p.blocked = blocked
+            self._restage(pool_id, p, now)
+
+    def granted(self, admission_id: str, pool_id: str, tenant: str, now: float) -> None:
+        if admission_id in self._holdings:
+            return  # an idempotent replay of a grant already counted
+        self._holdings[admission_id] = (pool_id, tenant, now)
+        p = self.pool(pool_id)
+        p.used += 1
+        p.holders[tenant] = p.holders.get(tenant, 0) + 1
+        self._restage(pool_id, p, now)
+
+    def adopt(self, admission_id: str, pool_id: str, tenant: str, granted_at: float) -> None:
+        """A grant found in the ledger at start (the counters already include it)."""
+        if admission_id not in self._holdings:
+            self._holdings[admission_id] = (pool_id, tenant, granted_at)
+            p = self.pool(pool_id)
+            p.holders[tenant] = p.holders.get(tenant, 0) + 1
+
+    def ended(self, admission_id: str, now: float, *, completed: bool) -> None:
+        """A grant released (``completed``: its hold time is a service-time sample) or expired."""
+        held = self._holdings.pop(admission_id, None)
+        if held is None:
+            return
+        pool_id, tenant, since = held
+        p = self.pool(pool_id)
+        p.used = max(0, p.used - 1)
+        left = p.holders.get(tenant, 0) - 1
+        if left > 0:
+            p.holders[tenant] = left
+        else:
+            p.holders.pop(tenant, None)
+        if completed:
+            sample = max(0.0, now - since)
+            p.service_s.append(sample)
+            p.service_sum += sample
+            if len(p.service_s) > self.policy.service_window:
+                p.service_sum -= p.service_s.popleft()
+        self._restage(pool_id, p, now)
+
+    # ---- the gate ------------------------------------------------------------------------
+    def check(
+        self,
+        pool_id: str,
+        tenant: str,
+        service_class: str,
+        priority: int,
+        estimated_duration_s: float,
+        deadline: float | None,
+        now: float,
+    ) -> Shed | None:
+        """May this request take a slot in ``pool_id`` now? ``None``: go ahead (the ledger
+        still decides whether a slot is free). Records the tenant's demand."""
+        p = self.pool(pool_id)
+        if not self.policy.enabled or p.capacity <= 0:
+            return None  # off, or no capacity known yet: the ledger alone decides
+        p.demand[tenant] = now
+        rank = shed_rank(service_class, priority, self.policy)
+        stops_at = _RANK_STOPS_AT[rank]
+        stage = self._stage(p)
+        limit = p.limit(stops_at, self.policy)
+        if stage >= stops_at or (rank < 2 and p.used + 1 > limit):
+            what = ("speculative and low-priority work", "batch work", "new interactive work")
+            return Shed(
+                "SHED",
+                f"{pool_id} is at stage {stage.name} (utilisation {p.used}/{p.capacity}): "
+                f"{what[rank]} is shed",
+                slots_to_free=p.used + 1 - limit,
+            )
+        unfair = self._over_share(pool_id, p, tenant, stage, now)
+        if unfair is not None:
+            return unfair
+        if deadline is not None:
+            finish = now + self._queue_wait_s(p) + self._service_s(p, estimated_duration_s)
+            if finish > deadline:
+                return Shed(
+                    "DEADLINE_UNREACHABLE",
+                    f"{pool_id} would finish it in about {finish - now:.2f} s, after its "
+                    f"deadline in {deadline - now:.2f} s",
+                    slots_to_free=None,
+                )
+        return None
+
+    def retry_after_ms(
+        self,
+        pool_id: str,
+        tenant: str,
+        slots_to_free: int,
+        estimated_duration_s: float,
+        deadline: float | None,
+        now: float,
+        rand: Callable[[], float],
+    ) -> int | None:
+        """When to come back after a refusal from ``pool_id`` that needs ``slots_to_free``
+        slots freed; ``None`` when the deadline would pass first. Remembers the answer, so
+        the tenant's next refused request is told to wait behind this one while it waits:
+        each tenant queues behind its own waiting requests only, so a bursting tenant's
+        crowd does not push back a tenant that asks now and then."""
+        policy = self.policy
+        if not policy.enabled:
+            return policy.retry_default_ms
+        p = self.pool(pool_id)
+        ahead = [at for at in p.waiting.get(tenant, ()) if at > now]
+        competitors = len(ahead)
+        service_s = self._service_s(p, estimated_duration_s)
+        if p.capacity <= 0 or service_s <= 0:
+            wait_ms = float(policy.retry_default_ms)
+        else:
+            drain_rate = p.capacity / service_s  # grants ending per second when busy
+            wait_ms = 1000.0 * (max(1, slots_to_free) + competitors) / drain_rate
+        wait_ms = min(max(wait_ms, policy.retry_min_ms), policy.retry_max_ms)
+        spread = wait_ms * (1.0 + policy.jitter * (2.0 * rand() - 1.0))
+        retry_ms = int(min(max(spread, policy.retry_min_ms), policy.retry_max_ms))
+        if deadline is not None and now + retry_ms / 1000.0 + service_s > deadline:
+            p.waiting[tenant] = ahead
+            return None
+        ahead.append(now + retry_ms / 1000.0)
+        p.waiting[tenant] = ahead
+        return retry_ms
+
+    def fair_share(self, pool_id: str, tenant: str, now: float) -> int:
+        return max(
+            1, math.ceil(self.pool(pool_id).capacity / len(self._active(pool_id, tenant, now)))
+        )
+
+    def _active(self, pool_id: str, tenant: str, now: float) -> set[str]:
+        """Tenants holding grants in the pool or asking for one lately, and ``tenant``."""
+        p = self.pool(pool_id)
+        recent = now - self.policy.demand_window_s
+        return {t for t, at in p.demand.items() if at >= recent} | set(p.holders) | {tenant}
+
+    def _over_share(
+        self, pool_id: str, p: PoolPressure, tenant: str, stage: Stage, now: float
+    ) -> Shed | None:
+        """A busy pool keeps a slot free for every other tenant below its fair share; at
+        ``TIGHTEN`` a tenant at its share gets no more. When the pool is full, the ledger's
+        ``CAPACITY`` says it better."""
+        busy = stage >= Stage.SHED_SPECULATIVE or p.used + 1 > p.limit(
+            Stage.SHED_SPECULATIVE, self.policy
+        )
+        if not busy or p.used >= p.capacity:
+            return None
+        share = self.fair_share(pool_id, tenant, now)
+        held = p.holders.get(tenant, 0)
+        if held < share:
+            return None
+        tight = stage >= Stage.TIGHTEN or p.used + 1 > p.limit(Stage.TIGHTEN, self.policy)
+        owed = sum(
+            1
+            for other in self._active(pool_id, tenant, now) - {tenant}
+            if p.holders.get(other, 0) < share
+        )
+        if not tight and p.capacity - p.used - 1 >= owed:
+            return None
+        return Shed(
+            "TENANT_FAIR_SHARE",
+            f"{pool_id} is busy and this tenant already holds {held} of its {p.capacity} "
+            f"slots (fair share {share}; {owed} other tenant(s) below theirs)",
+            slots_to_free=1,
+        )
+
+    # ---- internals -----------------------------------------------------------------------
+    @staticmethod
+    def _service_s(p: PoolPressure, estimate_s: float) -> float:
+        measured = p.mean_service_s()
+        return measured if measured is not None else estimate_s
+
+    def _queue_wait_s(self, p: PoolPressure) -> float:
+        """How long a task granted now waits behind the tasks queued before it."""
+        if p.queue_depth <= 0 or p.capacity <= 0:
+            return 0.0
+        service = p.mean_service_s()
+        return p.queue_depth * service / p.capacity if service else 0.0
+
+    def _stage(self, p: PoolPressure) -> Stage:
+        if not self.policy.enabled:
+            return Stage.NORMAL
+        by_use = Stage.NORMAL
+        for stage in (Stage.SHED_SPECULATIVE, Stage.PAUSE_BATCH, Stage.TIGHTEN):
+            if p.capacity > 0 and p.used >= p.limit(stage, self.policy):
+                by_use = stage
+        by_signal = Stage.NORMAL
+        if p.blocked:
+            by_signal = Stage.REJECT_INTERACTIVE
+        elif p.queue_depth > 0 and p.oldest_age_s > self.policy.queue_age_s:
+            full = p.capacity > 0 and p.used >= p.capacity
+            top = Stage.REJECT_INTERACTIVE if full else Stage.TIGHTEN
+            by_signal = Stage(min(top, by_use + 1))
+        return max(by_use, by_signal)
+
+    def _restage(self, pool_id: str, p: PoolPressure, now: float) -> None:
+        stage = self._stage(p)
+        if stage == p.stage:
+            return
+        if p.blocked:
+            cause = "broker alarm: publishers blocked"
+        elif p.oldest_age_s > self.policy.queue_age_s and p.queue_depth > 0:
+            cause = f"oldest queued task waited {p.oldest_age_s:.1f} s"
+        else:
+            cause = f"utilisation {p.used}/{p.capacity}"
+        self.changes.append(StageChange(pool_id, p.stage, stage, now, cause))
+        p.stage, p.since = stage, now
+
+    def drain_changes(self) -> list[StageChange]:
+        changes, self.changes = self.changes, []
+        return changes

@@ -1,0 +1,257 @@
+"""The pressure core: the shedding order, stage times, fair shares, retry times, deadlines."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+
+from mesh.core.pressure import PressureBoard, PressurePolicy, Shed, Stage, shed_rank
+
+T0 = 1_000.0
+CAPACITY = 20
+
+
+def board(**policy: object) -> PressureBoard:
+    b = PressureBoard(PressurePolicy(**policy))  # type: ignore[arg-type]
+    b.observe_usage({"p": (0, CAPACITY)}, T0)
+    return b
+
+
+def ask(
+    b: PressureBoard,
+    service_class: str,
+    tenant: str = "t1",
+    *,
+    now: float = T0,
+    deadline: float | None = None,
+    duration: float = 1.0,
+    priority: int = 5,
+) -> Shed | None:
+    return b.check("p", tenant, service_class, priority, duration, deadline, now)
+
+
+def fill(b: PressureBoard, n: int, tenant: str = "t1", start: int = 0) -> None:
+    for i in range(start, start + n):
+        b.granted(f"{tenant}-{i}", "p", tenant, T0)
+
+
+def test_work_is_shed_in_the_documented_order_as_utilisation_rises() -> None:
+    """Fill one slot at a time; note the utilisation at which each class is first refused."""
+    b = board()
+    first_refused: dict[str, int] = {}
+    tenants = [f"t{i}" for i in range(CAPACITY)]  # one grant each: fair shares never bind
+    for used in range(CAPACITY):
+        for service_class in ("speculative", "batch", "interactive"):
+            if service_class not in first_refused and ask(b, service_class, "probe"):
+                first_refused[service_class] = used
+        b.granted(f"a{used}", "p", tenants[used], T0)
+
+    # floor(0.7 * 20) = 14 and floor(0.85 * 20) = 17 slots; interactive until the pool is full.
+    assert first_refused == {"speculative": 14, "batch": 17}
+    assert b.pools["p"].used == CAPACITY
+    stages = [(c.old, c.new, c.cause) for c in b.drain_changes()]
+    assert stages == [
+        (Stage.NORMAL, Stage.SHED_SPECULATIVE, "utilisation 14/20"),
+        (Stage.SHED_SPECULATIVE, Stage.PAUSE_BATCH, "utilisation 17/20"),
+        (Stage.PAUSE_BATCH, Stage.TIGHTEN, "utilisation 19/20"),
+    ]
+
+
+def test_interactive_is_refused_only_at_the_last_stage_from_signals() -> None:
+    b = board()
+    fill(b, CAPACITY - 1, "t1")
+    assert ask(b, "interactive", "t2") is None  # 19/20: still flowing
+
+    b.observe_broker(True, T0 + 1)
+    shed = ask(b, "interactive", "t2", now=T0 + 1)
+    assert shed is not None and shed.reason == "SHED" and "REJECT_INTERACTIVE" in shed.detail
+    change = b.drain_changes()[-1]
+    assert (change.new, change.at, change.cause) == (
+        Stage.REJECT_INTERACTIVE,
+        T0 + 1,
+        "broker alarm: publishers blocked",
+    )
+
+    b.observe_broker(False, T0 + 2)
+    assert ask(b, "interactive", "t2", now=T0 + 2) is None
+    assert b.drain_changes()[-1].new is Stage.TIGHTEN
+
+
+def test_a_queue_that_does_not_drain_raises_the_stage_by_one() -> None:
+    b = board(queue_age_s=5.0)
+    fill(b, 10)  # 10/20: NORMAL
+    b.observe_queue("p", depth=3, oldest_age_s=2.0, now=T0 + 1)
+    assert b.pools["p"].stage is Stage.NORMAL
+    b.observe_queue("p", depth=3, oldest_age_s=6.0, now=T0 + 2)
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    assert ask(b, "speculative", now=T0 + 2) is not None
+    assert ask(b, "batch", now=T0 + 2) is None
+    assert b.drain_changes()[-1].cause == "oldest queued task waited 6.0 s"
+    # Full and not draining: the last stage.
+    fill(b, 10, start=10)
+    b.observe_queue("p", depth=5, oldest_age_s=9.0, now=T0 + 3)
+    assert b.pools["p"].stage is Stage.REJECT_INTERACTIVE
+
+
+def test_low_priority_fan_out_goes_with_speculative_work_when_configured() -> None:
+    policy = PressurePolicy(low_priority=2)
+    assert shed_rank("batch", 2, policy) == 0
+    assert shed_rank("batch", 3, policy) == 1
+    assert shed_rank("batch", 0, PressurePolicy()) == 1  # off by default: 0 is the default
+    assert shed_rank("speculative", 9, policy) == 0
+    assert shed_rank("interactive", 0, policy) == 2
+
+
+def test_a_busy_pool_holds_each_tenant_to_its_fair_share() -> None:
+    b = board()
+    fill(b, 18, "burst")  # one tenant filled an idle pool: allowed
+    assert ask(b, "interactive", "burst") is None  # 18 -> 19: still below TIGHTEN's limit
+    b.granted("burst-18", "p", "burst", T0)
+
+    # Alone, a tenant may use the whole pool, even at TIGHTEN.
+    assert b.fair_share("p", "burst", T0) == CAPACITY
+    assert ask(b, "interactive", "burst") is None
+    # Once another tenant asks, the bursting one is over its share, and the other is not.
+    assert ask(b, "interactive", "quiet") is None
+    assert b.fair_share("p", "burst", T0) == 10
+    shed = ask(b, "interactive", "burst")
+    assert shed is not None and shed.reason == "TENANT_FAIR_SHARE"
+    assert "holds 19 of its 20 slots (fair share 10; 1 other tenant(s) below theirs)" in (
+        shed.detail
+    )
+    # A tenant that stopped asking no longer dilutes the shares; one holding grants does.
+    assert b.fair_share("p", "burst", T0 + 60) == 20
+    assert b.fair_share("p", "quiet", T0 + 60) == 10
+
+
+def test_a_busy_pool_keeps_a_slot_free_for_each_tenant_below_its_share() -> None:
+    """Between SHED_SPECULATIVE and TIGHTEN a tenant over its share may still take slots, but
+    never the last free one each other tenant below its share may need."""
+    b = board()
+    fill(b, 12, "burst")  # 12/20: not busy yet
+    for tenant in ("q1", "q2"):
+        assert ask(b, "interactive", tenant) is None  # they asked: three active tenants
+    assert b.fair_share("p", "burst", T0) == 7
+    # 12 used, 8 free: the burst may take slots while 2 stay free for q1 and q2.
+    taken = 0
+    while ask(b, "interactive", "burst") is None:
+        b.granted(f"more-{taken}", "p", "burst", T0)
+        taken += 1
+    assert taken == 6 and b.pools["p"].used == 18
+    shed = ask(b, "interactive", "burst")
+    assert shed is not None and "2 other tenant(s) below theirs" in shed.detail
+    # The two slots kept free go to the tenants below their share.
+    for tenant in ("q1", "q2"):
+        assert ask(b, "interactive", tenant) is None
+        b.granted(f"{tenant}-0", "p", tenant, T0)
+    assert b.pools["p"].used == 20
+
+
+def test_retry_times_follow_the_measured_service_time_not_a_constant() -> None:
+    fixed = lambda: 0.5  # noqa: E731 - the middle of the jitter: the wait itself
+    fast, slow = board(), board()
+    for b, hold_s in ((fast, 0.2), (slow, 2.0)):
+        fill(b, CAPACITY)
+        for i in range(CAPACITY):  # every grant released after hold_s: the real distribution
+            b.ended(f"t1-{i}", T0 + hold_s, completed=True)
+        fill(b, CAPACITY, start=100)
+    assert fast.pools["p"].mean_service_s() == pytest.approx(0.2)
+    # The producer's estimate (here 1 s) no longer counts once releases were measured.
+    fast_ms = fast.retry_after_ms("p", "t1", 1, 1.0, None, T0, fixed)
+    slow_ms = slow.retry_after_ms("p", "t1", 1, 1.0, None, T0, fixed)
+    assert fast_ms == 50  # 1 slot / (20 / 0.2 s) = 10 ms, raised to the 50 ms floor
+    assert slow_ms == 100  # 1 slot / (20 / 2 s) = 100 ms
+    # Each refusal in the window is one more request ahead of the next.
+    later = [slow.retry_after_ms("p", "t1", 1, 1.0, None, T0, fixed) for _ in range(5)]
+    assert later == [200, 300, 400, 500, 600]
+    # Bounded above.
+    crowd = [slow.retry_after_ms("p", "t1", 1, 1.0, None, T0, fixed) for _ in range(400)]
+    assert max(crowd) == PressurePolicy().retry_max_ms
+
+
+def test_retry_times_are_spread_uniformly_around_the_wait() -> None:
+    """Statistical: the same wait, many refused producers — the retry times follow
+    U(wait * 0.5, wait * 1.5) (Kolmogorov-Smirnov at 1 %), not one instant."""
+    rng = random.Random(20261130)
+    n = 2000
+    samples = []
+    for _ in range(n):
+        b = board(demand_window_s=0.0)  # no competitors: the same wait every time
+        fill(b, CAPACITY)
+        samples.append(b.retry_after_ms("p", "t1", 4, 1.0, None, T0, rng.random))
+    wait = 1000 * 4 / (CAPACITY / 1.0)  # 4 slots at 20 per second: 200 ms
+    lo, hi = wait * 0.5, wait * 1.5
+    assert lo <= min(samples) and max(samples) <= hi
+    ordered = sorted(samples)
+    d = max(
+        max((i + 1) / n - (x - lo) / (hi - lo), (x - lo) / (hi - lo) - i / n)
+        for i, x in enumerate(ordered)
+    )
+    assert d < 1.63 / math.sqrt(n), d  # KS critical value at alpha = 0.01
+    assert statistics.pstdev(samples) / statistics.mean(samples) > 0.25
+    assert max(samples.count(v) for v in set(samples)) < n * 0.02  # no synchronised instant
+
+
+def test_without_jitter_the_retry_times_would_coincide() -> None:
+    """The guard for the test above: the same inputs with jitter off do synchronise."""
+    rng = random.Random(1)
+    samples = set()
+    for _ in range(50):
+        b = board(demand_window_s=0.0, jitter=0.0)
+        fill(b, CAPACITY)
+        samples.add(b.retry_after_ms("p", "t1", 4, 1.0, None, T0, rng.random))
+    assert samples == {200}
+
+
+def test_a_task_that_would_miss_its_deadline_is_refused_up_front() -> None:
+    b = board()
+    fill(b, 10)
+    for i in range(10):
+        b.ended(f"t1-{i}", T0 + 2.0, completed=True)  # service time: 2 s
+    shed = ask(b, "interactive", deadline=T0 + 1.0, duration=0.1)
+    assert shed is not None and shed.reason == "DEADLINE_UNREACHABLE"
+    assert shed.slots_to_free is None
+    assert ask(b, "interactive", deadline=T0 + 3.0, duration=0.1) is None
+    # A retry that would land after the deadline is no retry at all.
+    fill(b, CAPACITY, start=100)
+    assert b.retry_after_ms("p", "t1", 1, 0.1, T0 + 2.05, T0, lambda: 0.5) is None
+    assert b.retry_after_ms("p", "t1", 1, 0.1, T0 + 60, T0, lambda: 0.5) is not None
+
+
+def test_a_queue_ahead_counts_toward_the_predicted_finish() -> None:
+    b = board()
+    fill(b, CAPACITY)
+    for i in range(CAPACITY):
+        b.ended(f"t1-{i}", T0 + 1.0, completed=True)  # 1 s each
+    b.observe_queue("p", depth=40, oldest_age_s=0.1, now=T0)  # 40 queued / 20 slots: 2 s
+    assert ask(b, "interactive", deadline=T0 + 2.5) is not None
+    assert ask(b, "interactive", deadline=T0 + 3.5) is None
+
+
+def test_replays_and_unknown_endings_do_not_move_the_counts() -> None:
+    b = board()
+    b.granted("a", "p", "t1", T0)
+    b.granted("a", "p", "t1", T0)  # the same grant replayed
+    b.ended("zzz", T0, completed=True)  # never counted here
+    assert b.pools["p"].used == 1 and b.pools["p"].holders == {"t1": 1}
+    b.ended("a", T0 + 1, completed=False)  # expired: no service-time sample
+    assert b.pools["p"].used == 0 and b.pools["p"].holders == {}
+    assert b.pools["p"].mean_service_s() is None
+
+
+def test_switched_off_nothing_is_shed_and_the_retry_time_is_constant() -> None:
+    b = board(enabled=False)
+    fill(b, CAPACITY)
+    b.observe_broker(True, T0)
+    assert ask(b, "speculative", deadline=T0 + 0.001) is None
+    assert b.pools["p"].stage is Stage.NORMAL
+    rng = random.Random(3)
+    assert {b.retry_after_ms("p", "t1", 3, 1.0, None, T0, rng.random) for _ in range(20)} == {1000}
+
+
+def test_an_unknown_capacity_sheds_nothing() -> None:
+    b = PressureBoard()
+    assert b.check("new", "t1", "speculative", 0, 1.0, None, T0) is None
