@@ -18,9 +18,9 @@ The stage comes from two sources, and the higher one wins:
 
 * **Utilisation** (exact: the ledger's model-slot counter as this manager last saw it, moved
   by its own grants and releases in between). Each stage has an integer slot limit,
-  ``floor(threshold * capacity)`` (at least 1 for the first two, so an idle one-slot pool
-  admits anything): a request of a shed class is admitted only while its grant keeps the pool
-  at or below its class's limit. So the stage is reached exactly when the next request of that
+  ``floor(threshold * capacity)``, at least 1 (an idle small pool admits anything): a
+  request of a shed class is admitted only while its grant keeps the pool at or below its
+  class's limit. So the stage is reached exactly when the next request of that
   class would be refused — admission and the reported stage never disagree.
 * **Signals** read on each tick: the oldest task in the pool's queue has waited longer than
   ``queue_age_s`` (agents are not keeping up with what was granted: one stage up), or the broker
@@ -149,8 +149,7 @@ class PoolPressure:
         """Slots in use at which ``stage`` begins (by utilisation alone)."""
         if stage is Stage.REJECT_INTERACTIVE:
             return self.capacity
-        floor = math.floor(policy.thresholds[stage - 1] * self.capacity)
-        return max(1, floor) if stage < Stage.TIGHTEN else floor
+        return max(1, math.floor(policy.thresholds[stage - 1] * self.capacity))
 
     def mean_service_s(self) -> float | None:
         return self.service_sum / len(self.service_s) if self.service_s else None

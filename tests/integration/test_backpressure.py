@@ -552,3 +552,39 @@ def fairness_report(
     fair = 1 / len(burst)
     report["skew"] = {"burst_share_over_fair": round(report["tenant-a"]["share"] / fair, 2)}
     return report
+
+
+# ---- fallbacks across regions ----------------------------------------------------------------
+async def test_a_cross_region_fallback_is_granted_over_the_broker_only_when_the_task_allows_it(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Primary ``eu`` (one slot, eu-west-1) and a named fallback ``us`` (us-east-1). Once the
+    primary is full, a task that names no region may not move to the US (CAPACITY, with a
+    retry time); one that lists us-east-1 among its regions may, and its grant says so."""
+    policy = AdmissionPolicy(active_generation=DESCRIPTOR.policy_generation, grant_ttl_s=60)
+    manager = await start_manager(settings_for(amqp_url, namespace, tmp_path, admission=policy))
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="regions")
+    try:
+        limits = ModelLimits(context_tokens=8_000, max_output_tokens=1_000, slots=1)
+        for pool_id, region in (("eu", "eu-west-1"), ("us", "us-east-1")):
+            pool = fresh(
+                DESCRIPTOR, pool_id=pool_id, capabilities=[ECHO], tools=[], regions=[region],
+                model_limits=limits,
+            )  # fmt: skip
+            assert (await client.publish_descriptor(pool)).type == "mesh.descriptor-accepted.v1"
+
+        first = await client.admit(echo_requirements(allowed_fallbacks=["us"]))
+        assert first.grant is not None and first.grant.pool_id == "eu"
+
+        stay = await client.admit(echo_requirements(allowed_fallbacks=["us"]))
+        assert stay.outcome == "deferred" and stay.reason is not None
+        assert stay.reason.value == "CAPACITY" and stay.retry_after_ms is not None
+
+        move = await client.admit(
+            echo_requirements(allowed_fallbacks=["us"], regions=["eu-west-1", "us-east-1"])
+        )
+        assert move.grant is not None
+        assert (move.grant.pool_id, move.grant.fallback_for) == ("us", "eu")
+    finally:
+        await client.close()
+        await manager.stop()
