@@ -35,6 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from mesh import constants as c
 from mesh.agent import AgentRuntime, AgentSettings
@@ -126,7 +127,7 @@ async def one_run(
     rng: random.Random,
 ) -> Run:
     namespace = f"bench-overload-{uuid.uuid4().hex[:8]}"
-    user = amqp_url.split("//", 1)[1].split(":", 1)[0] or "guest"
+    user = urlsplit(amqp_url).username or "guest"  # the broker user is the operator here
     policy = AdmissionPolicy(
         active_generation=POLICY_GENERATION,
         grant_ttl_s=60,

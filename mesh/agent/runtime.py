@@ -560,11 +560,11 @@ class AgentRuntime:
             if epoch is None or epoch[0] != self.agent.deployment:
                 self.counters["events_ignored"] += 1
                 return
-            if self._active_epoch is None or epoch[1] > self._active_epoch:
+            newer = self._active_epoch is None or epoch[1] > self._active_epoch
+            if newer:
                 self._active_epoch = epoch[1]
                 log.info("descriptor epoch", extra=self._extra(descriptor_epoch=epoch[1]))
-                self._spawn(self._consume_pool(), "pool consumer")
-            elif self._pool_consumer is None:
+            if newer or self._pool_consumer is None:  # a new epoch may come with a new queue
                 self._spawn(self._consume_pool(), "pool consumer")
             return
         parsed = parse_revocation(event.detail) if event.kind == GRANT_REVOKED else None

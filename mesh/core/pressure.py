@@ -332,16 +332,13 @@ class PressureBoard:
         )
         if not busy or p.used >= p.capacity:
             return None
-        share = self.fair_share(pool_id, tenant, now)
+        active = self._active(pool_id, tenant, now)
+        share = max(1, math.ceil(p.capacity / len(active)))
         held = p.holders.get(tenant, 0)
         if held < share:
             return None
         tight = stage >= Stage.TIGHTEN or p.used + 1 > p.limit(Stage.TIGHTEN, self.policy)
-        owed = sum(
-            1
-            for other in self._active(pool_id, tenant, now) - {tenant}
-            if p.holders.get(other, 0) < share
-        )
+        owed = sum(1 for other in active - {tenant} if p.holders.get(other, 0) < share)
         if not tight and p.capacity - p.used - 1 >= owed:
             return None
         return Shed(
@@ -365,31 +362,30 @@ class PressureBoard:
         return p.queue_depth * service / p.capacity if service else 0.0
 
     def _stage(self, p: PoolPressure) -> Stage:
+        return self._stage_and_cause(p)[0]
+
+    def _stage_and_cause(self, p: PoolPressure) -> tuple[Stage, str]:
+        """The pool's stage, and what put it there (for the journal)."""
         if not self.policy.enabled:
-            return Stage.NORMAL
+            return Stage.NORMAL, "shedding is off"
         by_use = Stage.NORMAL
         for stage in (Stage.SHED_SPECULATIVE, Stage.PAUSE_BATCH, Stage.TIGHTEN):
             if p.capacity > 0 and p.used >= p.limit(stage, self.policy):
                 by_use = stage
-        by_signal = Stage.NORMAL
         if p.blocked:
-            by_signal = Stage.REJECT_INTERACTIVE
-        elif p.queue_depth > 0 and p.oldest_age_s > self.policy.queue_age_s:
+            return Stage.REJECT_INTERACTIVE, "broker alarm: publishers blocked"
+        if p.queue_depth > 0 and p.oldest_age_s > self.policy.queue_age_s:
             full = p.capacity > 0 and p.used >= p.capacity
             top = Stage.REJECT_INTERACTIVE if full else Stage.TIGHTEN
             by_signal = Stage(min(top, by_use + 1))
-        return max(by_use, by_signal)
+            if by_signal > by_use:
+                return by_signal, f"oldest queued task waited {p.oldest_age_s:.1f} s"
+        return by_use, f"utilisation {p.used}/{p.capacity}"
 
     def _restage(self, pool_id: str, p: PoolPressure, now: float) -> None:
-        stage = self._stage(p)
+        stage, cause = self._stage_and_cause(p)
         if stage == p.stage:
             return
-        if p.blocked:
-            cause = "broker alarm: publishers blocked"
-        elif p.oldest_age_s > self.policy.queue_age_s and p.queue_depth > 0:
-            cause = f"oldest queued task waited {p.oldest_age_s:.1f} s"
-        else:
-            cause = f"utilisation {p.used}/{p.capacity}"
         self.changes.append(StageChange(pool_id, p.stage, stage, now, cause))
         p.stage, p.since = stage, now
 

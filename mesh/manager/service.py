@@ -164,6 +164,7 @@ class ManagerService:
         self._ledger_inline = False
         self._epochs_announced_at = float("-inf")  # monotonic; announced on the first tick
         self._pool_slots: dict[str, int] = {}  # the model slots each pool queue is bound to
+        self._pool_queues_polled_at = float("-inf")  # monotonic
         self._admissions: GroupCommit[tuple[AdmissionRequest, str], AdmissionDecision] = (
             GroupCommit(
                 self._admit_batch,
@@ -591,24 +592,32 @@ class ManagerService:
 
     async def _observe_pressure(self, admitter: Admitter, usage: Usage) -> None:
         """Feed the pressure board what the tick saw — the ledger's counters (other managers'
-        grants too), each pool queue's depth (passive declare: ready tasks) and head age (the
-        management API, when configured), the broker's alarm — and journal every stage change
-        with the time it happened."""
+        grants too), the broker's alarm, and every ``queue_poll_interval_s`` each pool queue's
+        depth (passive declare: ready tasks) and head age (the management API, when
+        configured) — and journal every stage change with the time it happened."""
         board = admitter.pressure
-        now = self.clock.now().wall
-        admitter.observe_usage(now, usage)
+        now = self.clock.now()
+        admitter.observe_usage(now.wall, usage)
+        if now.mono - self._pool_queues_polled_at >= self.settings.queue_poll_interval_s:
+            self._pool_queues_polled_at = now.mono
+            await self._observe_pool_queues(admitter, now.wall)
+        board.observe_broker(self.transport.blocked, now.wall)
+        await self._journal_stage_changes(admitter)
+
+    async def _observe_pool_queues(self, admitter: Admitter, now: float) -> None:
         ages = {q.name: q.oldest_age_s for q in self.observer.view.queues}
         for pool_id in list(admitter.descriptors):
             queue = self.topology.pool_task_queue(pool_id)
             try:
                 depth = await self.transport.queue_depth(queue)
-            except Exception as exc:  # not declared yet, or the broker is away: next tick
+            except Exception as exc:  # not declared yet, or the broker is away: next poll
                 log.debug("pool queue depth unavailable", extra={"queue": queue, "error": str(exc)})
                 continue
-            board.observe_queue(pool_id, depth, ages.get(queue), now)
-        board.observe_broker(self.transport.blocked, now)
+            admitter.pressure.observe_queue(pool_id, depth, ages.get(queue), now)
+
+    async def _journal_stage_changes(self, admitter: Admitter) -> None:
         entries = []
-        for change in board.drain_changes():
+        for change in admitter.pressure.drain_changes():
             self.observer.metrics.stage_changed(change)
             log.info(
                 "pressure stage",

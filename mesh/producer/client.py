@@ -381,12 +381,12 @@ class MeshClient:
                 raise (self._gave_up(last, attempts) if time.time() >= deadline else exc) from None
             if decision.outcome == "admitted":
                 assert decision.grant is not None  # the model's invariant
-                queued = await self._run_granted(
+                ran = await self._run_granted(
                     decision, requirements.capability.name, payload, deadline
                 )
-                if isinstance(queued, Submitted):
-                    return Submitted(queued.output, queued.result, decision, attempts)
-                decision = queued  # the pool's queue was full: a refusal like the others
+                if isinstance(ran, TaskResult):
+                    return Submitted(_output_of(ran), ran, decision, attempts)
+                decision = ran  # the pool's queue was full: a refusal like the others
                 admission_id = uuid.uuid4().hex  # that grant is settled; a new phase
             last = decision
             if decision.outcome == "rejected" or not await _keep_waiting(on_deferred, decision):
@@ -411,7 +411,7 @@ class MeshClient:
 
     async def _run_granted(
         self, decision: AdmissionDecision, capability: str, payload: dict[str, Any], deadline: float
-    ) -> Submitted | AdmissionDecision:
+    ) -> TaskResult | AdmissionDecision:
         """Publish the task with its grant to the pool's queue, await the result, settle.
         A full queue (nack) settles the grant and comes back as a ``QUEUE_FULL`` refusal."""
         grant = decision.grant
@@ -426,7 +426,7 @@ class MeshClient:
         )
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[task.task_id] = fut
-        settled = False
+        actuals: dict[str, float] = {}  # none: settled as a cancellation
         try:
             try:
                 await self.transport.publish(
@@ -440,8 +440,6 @@ class MeshClient:
                 )
             except PublishNacked:
                 self.counters["queue_full"] += 1
-                await self._settle_quietly(grant)
-                settled = True
                 return AdmissionDecision(
                     admission_id=grant.admission_id,
                     outcome="deferred",
@@ -451,8 +449,6 @@ class MeshClient:
                     allowed_degradations=decision.allowed_degradations,
                 )
             except PublishUnroutable:
-                await self._settle_quietly(grant)
-                settled = True
                 raise TaskRefused(
                     Reason.UNROUTABLE.value, f"pool {grant.pool_id} has no task queue"
                 ) from None
@@ -466,23 +462,14 @@ class MeshClient:
                     attempts=0,
                 ) from None
             result = _expect(reply, TaskResult)
-            await self._settle_quietly(
-                grant,
-                actual_duration_s=max(0.0, result.finished_at - result.started_at),
-                finished_at=result.finished_at,
-            )
-            settled = True
-        finally:
+            actuals = {
+                "actual_duration_s": max(0.0, result.finished_at - result.started_at),
+                "finished_at": result.finished_at,
+            }
+            return result
+        finally:  # exactly one settlement, whatever happened: the slot goes back
             self._pending.pop(task.task_id, None)
-            if not settled:  # gave up waiting (or was cancelled): give the slot back
-                await self._settle_quietly(grant)
-        if result.status == "ok" and result.output is not None:
-            return Submitted(result.output, result, decision, 0)
-        error = result.error
-        code = error.code if error else Reason.HANDLER_ERROR
-        message = error.message if error else "no output"
-        cls = TaskInputInvalid if code is Reason.INPUT_SCHEMA_VIOLATION else TaskFailed
-        raise cls(code.value, message, task_id=result.task_id)
+            await self._settle_quietly(grant, **actuals)
 
     async def _settle_quietly(self, grant: AdmissionGrant, **actuals: Any) -> None:
         try:
@@ -515,13 +502,7 @@ class MeshClient:
             result = await self._send_and_wait(lease, payload, deadline)
         finally:
             await self._release_quietly(lease.lease_id)
-        if result.status == "ok" and result.output is not None:
-            return TaskOutcome(result.output, result, lease)
-        error = result.error
-        code = error.code if error else Reason.HANDLER_ERROR
-        message = error.message if error else "no output"
-        cls = TaskInputInvalid if code is Reason.INPUT_SCHEMA_VIOLATION else TaskFailed
-        raise cls(code.value, message, task_id=result.task_id)
+        return TaskOutcome(_output_of(result), result, lease)
 
     async def _send_and_wait(
         self, lease: Lease, payload: dict[str, Any], deadline: float
@@ -571,6 +552,18 @@ class MeshClient:
         except Exception as exc:  # the lease expires on its own; never mask the task's outcome
             self.counters["release_failed"] += 1
             log.warning("release failed", extra={"lease_id": lease_id, "error": str(exc)})
+
+
+def _output_of(result: TaskResult) -> dict[str, Any]:
+    """The output of a successful result; a failed one raises TaskInputInvalid / TaskFailed
+    with the agent's machine-readable code."""
+    if result.status == "ok" and result.output is not None:
+        return result.output
+    error = result.error
+    code = error.code if error else Reason.HANDLER_ERROR
+    message = error.message if error else "no output"
+    cls = TaskInputInvalid if code is Reason.INPUT_SCHEMA_VIOLATION else TaskFailed
+    raise cls(code.value, message, task_id=result.task_id)
 
 
 async def _keep_waiting(on_deferred: OnDeferred | None, decision: AdmissionDecision) -> bool:
