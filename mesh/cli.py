@@ -51,6 +51,42 @@ def _count(text: str) -> int:
     return value
 
 
+def _thresholds(text: str) -> tuple[float, float, float]:
+    """An argparse type: three utilisation fractions, ascending, in (0, 1]: ``0.7,0.85,0.95``."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not three numbers") from None
+    if len(values) != 3 or not all(0 < v <= 1 for v in values) or list(values) != sorted(values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: need three ascending fractions in (0, 1], e.g. 0.7,0.85,0.95"
+        )
+    low, mid, high = values
+    return low, mid, high
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r}: say on or off")
+    return text == "on"
+
+
+def _admission_policy(args: argparse.Namespace) -> Any:
+    """The manager's admission policy with the shedding knobs from the command line."""
+    from mesh.core.pressure import PressurePolicy
+    from mesh.manager.admission import AdmissionPolicy
+
+    return AdmissionPolicy(
+        pressure=PressurePolicy(
+            enabled=args.shedding,
+            thresholds=args.shed_thresholds,
+            queue_age_s=args.shed_queue_age,
+            low_priority=args.low_priority,
+            evict=args.eviction,
+        )
+    )
+
+
 # ---- shared helpers -------------------------------------------------------------------------
 
 
@@ -109,6 +145,7 @@ def cmd_manager(args: argparse.Namespace) -> int:
             http_port=None if args.http_port < 0 else args.http_port,
             http_host=args.http_host,
             management_url=args.management_url or None,
+            admission=_admission_policy(args),
         )
         scaler = _build_scaler(args)
         stop = asyncio.Event()
@@ -704,6 +741,50 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("MESH_MANAGEMENT_URL", ""),
         help="RabbitMQ management API (http://user:pass@host:15672) for queue depths on the "
         "status page and in /metrics (env MESH_MANAGEMENT_URL; off when empty)",
+    )
+    shed = p.add_argument_group(
+        "load shedding", "how an overloaded pool degrades (docs/admission.md, Backpressure)"
+    )
+    shed.add_argument(
+        "--shedding",
+        type=_on_off,
+        default=_env("MESH_SHEDDING", "on"),
+        metavar="on|off",
+        help="staged shedding, fair shares and drain-rate retry times; off: capacity alone "
+        "decides and refusals say retry in 1 s (env MESH_SHEDDING, default on)",
+    )
+    shed.add_argument(
+        "--shed-thresholds",
+        type=_thresholds,
+        default=_env("MESH_SHED_THRESHOLDS", "0.7,0.85,0.95"),
+        metavar="A,B,C",
+        help="slot utilisation at which speculative work is shed, batch paused and tenants "
+        "held to fair shares (env MESH_SHED_THRESHOLDS, default 0.7,0.85,0.95)",
+    )
+    shed.add_argument(
+        "--shed-queue-age",
+        type=float,
+        default=_env("MESH_SHED_QUEUE_AGE_S", "5"),
+        metavar="SECONDS",
+        help="a pool whose oldest queued task waited longer goes one stage up "
+        "(env MESH_SHED_QUEUE_AGE_S, default 5)",
+    )
+    shed.add_argument(
+        "--low-priority",
+        type=_count,
+        choices=range(10),
+        default=os.environ.get("MESH_LOW_PRIORITY") or None,
+        metavar="0-9",
+        help="batch work at or below this priority is fan-out, shed with speculative work "
+        "(env MESH_LOW_PRIORITY; default: only the speculative class)",
+    )
+    shed.add_argument(
+        "--eviction",
+        type=_on_off,
+        default=_env("MESH_EVICTION", "on"),
+        metavar="on|off",
+        help="a full pool's interactive requests may evict rebuildable or retryable work "
+        "(env MESH_EVICTION, default on)",
     )
     p.add_argument(
         "--scaler",

@@ -17,10 +17,12 @@ heartbeats, validates every payload and result against the capability's
 schemas, and drains gracefully. With ``AgentSettings(http_port=...)`` it serves
 ``/ready``, ``/healthz`` and ``/drain`` (:class:`AgentHttpServer`) for Kubernetes probes
 and the preStop hook. :func:`process_task` is the per-task logic on
-its own, for tests without a broker.
+its own, for tests without a broker. Inside a handler, :func:`current_task` gives the task's
+deadline and allowed degradations, and records a degradation applied (``TaskResult.degradations``).
 """
 
 from mesh.agent.base import Agent, BoundCapability, CapabilitySpec, capability
+from mesh.agent.context import DegradationNotAllowed, TaskContext, current_task
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
 from mesh.agent.http import AgentHttpServer, HttpServerError
 from mesh.agent.processing import process_task
@@ -35,11 +37,14 @@ __all__ = [
     "AgentTransport",
     "BoundCapability",
     "CapabilitySpec",
+    "DegradationNotAllowed",
     "HttpServerError",
     "RegistrationRefusedError",
     "RegistrationTimeoutError",
+    "TaskContext",
     "backoff_delay",
     "capability",
+    "current_task",
     "process_task",
     "run_agent",
 ]

@@ -30,6 +30,13 @@ EXPIRED, it publishes an :class:`~mesh.wire.models.OrchestrationEvent` of kind
 higher fence the ledger gave the reservation, which covers the old one). RELEASED and EXPIRED
 are final and a new phase is a new admission ID, so nothing valid is ever lost this way.
 
+Eviction. When an interactive request evicts recoverable work from a full pool
+(:mod:`mesh.core.pressure`), the victim's revocation carries ``detail["evicted"] = true``. Its
+agent refuses the task at claim (or its result at the consumption point) with
+:attr:`~mesh.wire.reasons.Reason.EVICTED` instead of ``GRANT_INVALID``, and stops the handler
+if it is running — the task declared itself rebuildable or retryable — so the slot really is
+free; the producer resubmits.
+
 Each agent binds its control queue to ``grant.<its pool>.#`` and keeps the highest revoked
 fence per admission in :class:`RevokedGrants`, bounded (oldest forgotten first). The feed is
 fire-and-forget and the ledger is the truth: a revocation that is lost or forgotten leaves a
@@ -100,24 +107,34 @@ def check_grant(
 
 
 class RevokedGrants:
-    """admission_id -> the highest revoked fence, for at most ``max_entries`` admissions."""
+    """admission_id -> the highest revoked fence (and whether that revocation was an
+    eviction), for at most ``max_entries`` admissions."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_REVOKED) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
         self.max_entries = max_entries
-        self._fences: OrderedDict[str, int] = OrderedDict()
+        self._fences: OrderedDict[str, tuple[int, bool]] = OrderedDict()
 
-    def revoke(self, admission_id: str, fence: int) -> None:
+    def revoke(self, admission_id: str, fence: int, *, evicted: bool = False) -> None:
         """Remember that every grant of ``admission_id`` up to ``fence`` is revoked."""
         known = self._fences.pop(admission_id, None)
-        self._fences[admission_id] = fence if known is None else max(known, fence)
+        if known is not None and known[0] >= fence:
+            self._fences[admission_id] = known
+        else:
+            self._fences[admission_id] = (fence, evicted)
         while len(self._fences) > self.max_entries:
             self._fences.popitem(last=False)
 
     def fence(self, admission_id: str) -> int | None:
         """The highest fence revoked for ``admission_id``, or ``None``."""
-        return self._fences.get(admission_id)
+        known = self._fences.get(admission_id)
+        return None if known is None else known[0]
+
+    def evicted(self, grant: TaskGrant) -> bool:
+        """Was ``grant`` revoked by an eviction (rather than a release or an expiry)?"""
+        known = self._fences.get(grant.admission_id)
+        return known is not None and known[1] and grant.fence <= known[0]
 
     def __len__(self) -> int:
         return len(self._fences)
@@ -140,7 +157,8 @@ def parse_epoch(detail: dict[str, Any]) -> tuple[str, int] | None:
 
 def parse_revocation(detail: dict[str, Any]) -> tuple[str, str, int] | None:
     """``(admission_id, pool_id, fence)`` from a ``grant_revoked`` event's detail, or ``None``
-    if it does not hold them with the right types."""
+    if it does not hold them with the right types. (``detail["evicted"] is True`` marks an
+    eviction.)"""
     admission_id = detail.get("admission_id")
     pool_id = detail.get("pool_id")
     fence = detail.get("fence")

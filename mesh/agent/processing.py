@@ -14,7 +14,9 @@ for an expected outcome: every failure is a ``TaskResult`` with status
    JSON, or, after a JSON round trip (what the producer will receive: a NaN
    becomes ``null``), does not match ``output_schema``.
 
-The handler runs under its capability's ``Semaphore(max_concurrency)``.
+The handler runs under its capability's ``Semaphore(max_concurrency)``, with the task's
+:class:`~mesh.agent.context.TaskContext` as :func:`~mesh.agent.context.current_task`; the
+degradations it applied there go into a successful result.
 Cancellation (the channel closed under the runtime) propagates untouched: the
 task was not acked and the broker redelivers it.
 """
@@ -33,7 +35,8 @@ from jsonschema.exceptions import best_match
 from jsonschema.protocols import Validator
 
 from mesh.agent.base import BoundCapability
-from mesh.wire.models import ErrorInfo, Task, TaskResult
+from mesh.agent.context import TaskContext, _current
+from mesh.wire.models import AppliedDegradation, ErrorInfo, Task, TaskResult
 from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
@@ -76,14 +79,22 @@ async def process_task(
                 Reason.CAPABILITY_NOT_HANDLED,
                 f"agent {agent_id} does not handle {task.capability} (it offers {offered})",
             )
-        output = await _run(task, bound, agent_id, clock, started_at)
+        context = TaskContext.of(task)
+        output = await _run(task, bound, context, agent_id, clock, started_at)
     except _Refused as refused:
         return _result(task, agent_id, started_at, clock(), error=refused)
-    return _result(task, agent_id, started_at, clock(), output=output)
+    return _result(
+        task, agent_id, started_at, clock(), output=output, degradations=context.degradations
+    )
 
 
 async def _run(
-    task: Task, bound: BoundCapability, agent_id: str, clock: Callable[[], float], started: float
+    task: Task,
+    bound: BoundCapability,
+    context: TaskContext,
+    agent_id: str,
+    clock: Callable[[], float],
+    started: float,
 ) -> dict[str, Any]:
     remaining = None if task.deadline is None else task.deadline - started
     if remaining is not None and remaining <= 0:
@@ -97,7 +108,7 @@ async def _run(
     try:
         async with asyncio.timeout(remaining):
             async with bound.semaphore:
-                outcome = await _call(bound, task.payload)
+                outcome = await _call(bound, task.payload, context)
     except TimeoutError:
         raise _Refused(
             Reason.DEADLINE_EXCEEDED,
@@ -113,12 +124,15 @@ async def _run(
     return _checked_output(bound, outcome)
 
 
-async def _call(bound: BoundCapability, payload: dict[str, Any]) -> Any:
+async def _call(bound: BoundCapability, payload: dict[str, Any], context: TaskContext) -> Any:
     """The handler's return value, or the exception it raised (so a deadline stays distinct)."""
+    token = _current.set(context)
     try:
         return await bound.handler(payload)
     except Exception as exc:
         return exc
+    finally:
+        _current.reset(token)
 
 
 def _checked_output(bound: BoundCapability, output: Any) -> dict[str, Any]:
@@ -152,6 +166,7 @@ def _result(
     *,
     output: dict[str, Any] | None = None,
     error: _Refused | None = None,
+    degradations: list[AppliedDegradation] | None = None,
 ) -> TaskResult:
     return TaskResult(
         task_id=task.task_id,
@@ -162,6 +177,7 @@ def _result(
         error=None if error is None else ErrorInfo(code=error.code, message=error.message),
         started_at=started_at,
         finished_at=max(finished_at, started_at),
+        degradations=degradations or [],
     )
 
 

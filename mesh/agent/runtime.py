@@ -218,6 +218,9 @@ class AgentRuntime:
         self._http: AgentHttpServer | None = None
         self._revoked = RevokedGrants()
         self._active_epoch: int | None = None  # our pool's, as the manager last announced it
+        # admission ID -> the asyncio task running its handler (to stop it if evicted)
+        self._running: dict[str, asyncio.Task[Any]] = {}
+        self._evicting: set[str] = set()  # admission IDs whose handler was cancelled for it
 
     # ---- public state ---------------------------------------------------------------------
     @property
@@ -573,9 +576,18 @@ class AgentRuntime:
             log.debug("event ignored", extra=self._extra(kind=event.kind))
             return
         admission_id, _, fence = parsed
-        self._revoked.revoke(admission_id, fence)
+        evicted = event.detail.get("evicted") is True
+        self._revoked.revoke(admission_id, fence, evicted=evicted)
         self.counters["grants_revoked_seen"] += 1
-        log.info("grant revoked", extra=self._extra(admission_id=admission_id, fence=fence))
+        log.info(
+            "grant revoked",
+            extra=self._extra(admission_id=admission_id, fence=fence, evicted=evicted),
+        )
+        running = self._running.get(admission_id)
+        if evicted and running is not None:
+            # Evicted work declared itself rebuildable or retryable: stop it, free the slot.
+            self._evicting.add(admission_id)
+            running.cancel()
 
     @property
     def active_epoch(self) -> int | None:
@@ -601,10 +613,11 @@ class AgentRuntime:
     def _grant_refused(
         self, task: Task, problem: str, where: str, started_at: float, extra: dict[str, Any]
     ) -> TaskResult:
-        self.counters["grants_refused"] += 1
         grant = task.grant
+        evicted = grant is not None and self._revoked.evicted(grant)
+        self.counters["tasks_evicted" if evicted else "grants_refused"] += 1
         log.warning(
-            "task refused: grant invalid",
+            "task evicted" if evicted else "task refused: grant invalid",
             extra={
                 **extra,
                 "at": where,
@@ -618,7 +631,11 @@ class AgentRuntime:
             agent_id=self.agent_id,
             capability=task.capability,
             status="error",
-            error=ErrorInfo(code=Reason.GRANT_INVALID, message=f"{where}: {problem}"),
+            error=ErrorInfo(
+                code=Reason.EVICTED if evicted else Reason.GRANT_INVALID,
+                message=f"{where}: {problem}"
+                + (" (evicted for more urgent work; resubmit it)" if evicted else ""),
+            ),
             started_at=started_at,
             finished_at=max(time.time(), started_at),
         )
@@ -634,6 +651,8 @@ class AgentRuntime:
 
     def _at_consumption(self, task: Task, result: TaskResult, extra: dict[str, Any]) -> TaskResult:
         """Revalidate the grant before the result goes out: a void grant's output is withheld."""
+        if result.error is not None and result.error.code in (Reason.EVICTED, Reason.GRANT_INVALID):
+            return result  # already refused on the way
         problem = self._grant_problem(task)
         if problem is None:
             return result
@@ -674,13 +693,7 @@ class AgentRuntime:
         if counted:
             self._in_flight[task.capability] += 1
         try:
-            try:
-                result = await process_task(task, self._capabilities, agent_id=self.agent_id)
-            except asyncio.CancelledError:
-                if self._phase == "stopping":
-                    # Cancelled at the end of the shutdown grace: answer and keep the task.
-                    await self._give_up_task(delivery, task, "cancelled at the shutdown deadline")
-                raise
+            result = await self._run_handler(delivery, task, extra)
             result = self._at_consumption(task, result, extra)
             self.counters[f"tasks_{result.status}"] += 1
             if result.error is not None:
@@ -692,6 +705,32 @@ class AgentRuntime:
         finally:
             if counted:
                 self._in_flight[task.capability] -= 1
+
+    async def _run_handler(
+        self, delivery: Delivery, task: Task, extra: dict[str, Any]
+    ) -> TaskResult:
+        """``process_task``, stoppable by an eviction of the task's grant (then an
+        ``EVICTED`` result); any other cancellation propagates (the task is requeued)."""
+        admission_id = task.grant.admission_id if task.grant else None
+        current = asyncio.current_task()
+        if admission_id is not None and current is not None:
+            self._running[admission_id] = current
+        try:
+            return await process_task(task, self._capabilities, agent_id=self.agent_id)
+        except asyncio.CancelledError:
+            if admission_id in self._evicting and current is not None:
+                current.uncancel()  # stopped for an eviction: answer it, do not requeue
+                return self._grant_refused(
+                    task, "the handler was stopped", "while running", time.time(), extra
+                )
+            if self._phase == "stopping":
+                # Cancelled at the end of the shutdown grace: answer and keep the task.
+                await self._give_up_task(delivery, task, "cancelled at the shutdown deadline")
+            raise
+        finally:
+            if admission_id is not None:
+                self._running.pop(admission_id, None)
+                self._evicting.discard(admission_id)
 
     async def _give_up_task(self, delivery: Delivery, task: Task, why: str) -> None:
         """A task this agent will not finish: the producer gets an AGENT_SHUTDOWN result now

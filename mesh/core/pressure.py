@@ -27,9 +27,17 @@ The stage comes from two sources, and the higher one wins:
   has raised a memory or disk alarm (publishers are blocked: ``REJECT_INTERACTIVE``).
 
 Which work is which (``shed_rank``): speculative tasks and low-priority batch fan-out go first
-(rank 0), then batch (rank 1), then interactive (rank 2). Work with external side effects,
-waiting on a human, or near a commit is not admitted work waiting in a queue here: admitted
-work keeps its grant; shedding acts on new admissions only, so nothing granted is evicted.
+(rank 0), then batch (rank 1), then interactive (rank 2).
+
+**Eviction** (``policy.evict``). Shedding refuses new work; once a pool is full, an
+interactive request may also take a slot back from admitted work — but only from work that
+declared itself recoverable (``recoverability`` ``rebuildable`` or ``retryable``) and ranks
+below it, and only for a tenant still below its fair share (or from its own work). The victim
+is the cheapest to lose: rebuildable before retryable, lower rank first, and among those the
+most recently granted (the least likely to have started, the least work thrown away). Work
+with external side effects of unknown outcome, waiting on human approval or near a commit is
+never a victim. The shell releases the victim's reservation in the same ledger transaction and
+revokes its grant as ``evicted``: its agent drops it (or stops it) and its producer resubmits.
 
 **Fair shares.** A tenant's fair share of a pool is ``ceil(capacity / n)``, ``n`` counting the
 tenants holding grants there or asking within ``demand_window_s``. Once the pool is busy (from
@@ -92,6 +100,7 @@ class PressurePolicy:
     jitter: float = 0.5  # retry times spread over wait * (1 ± jitter)
     service_window: int = 256  # releases whose hold times make the service-time estimate
     demand_window_s: float = 5.0  # a tenant or a refusal this recent still counts
+    evict: bool = True  # a full pool's interactive requests may evict recoverable work
 
 
 def shed_rank(service_class: str, priority: int, policy: PressurePolicy) -> int:
@@ -107,6 +116,22 @@ def shed_rank(service_class: str, priority: int, policy: PressurePolicy) -> int:
 
 # The stage at which each rank stops being admitted (interactive: only on signals or full).
 _RANK_STOPS_AT = {0: Stage.SHED_SPECULATIVE, 1: Stage.PAUSE_BATCH, 2: Stage.REJECT_INTERACTIVE}
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """A grant on the board: where, whose, since when, and how cheaply it could be evicted."""
+
+    pool_id: str
+    tenant: str
+    since: float
+    rank: int = 1
+    evict_order: int | None = None  # None: never evicted; lower: evicted first
+
+
+def evict_order(recoverability: str | None) -> int | None:
+    """Eviction order of a recoverability: rebuildable 0, retryable 1, anything else never."""
+    return {"rebuildable": 0, "retryable": 1}.get(recoverability or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +187,7 @@ class PressureBoard:
     policy: PressurePolicy = field(default_factory=PressurePolicy)
     pools: dict[str, PoolPressure] = field(default_factory=dict)
     changes: list[StageChange] = field(default_factory=list)  # drained by the shell
-    _holdings: dict[str, tuple[str, str, float]] = field(default_factory=dict)
+    _holdings: dict[str, Holding] = field(default_factory=dict)
 
     def pool(self, pool_id: str) -> PoolPressure:
         found = self.pools.get(pool_id)
@@ -193,42 +218,81 @@ class PressureBoard:
             p.blocked = blocked
             self._restage(pool_id, p, now)
 
-    def granted(self, admission_id: str, pool_id: str, tenant: str, now: float) -> None:
+    def granted(
+        self,
+        admission_id: str,
+        pool_id: str,
+        tenant: str,
+        now: float,
+        *,
+        rank: int = 1,
+        evict_order: int | None = None,
+    ) -> None:
         if admission_id in self._holdings:
             return  # an idempotent replay of a grant already counted
-        self._holdings[admission_id] = (pool_id, tenant, now)
+        self._holdings[admission_id] = Holding(pool_id, tenant, now, rank, evict_order)
         p = self.pool(pool_id)
         p.used += 1
         p.holders[tenant] = p.holders.get(tenant, 0) + 1
         self._restage(pool_id, p, now)
 
-    def adopt(self, admission_id: str, pool_id: str, tenant: str, granted_at: float) -> None:
+    def adopt(self, admission_id: str, holding: Holding) -> None:
         """A grant found in the ledger at start (the counters already include it)."""
         if admission_id not in self._holdings:
-            self._holdings[admission_id] = (pool_id, tenant, granted_at)
-            p = self.pool(pool_id)
-            p.holders[tenant] = p.holders.get(tenant, 0) + 1
+            self._holdings[admission_id] = holding
+            p = self.pool(holding.pool_id)
+            p.holders[holding.tenant] = p.holders.get(holding.tenant, 0) + 1
 
-    def ended(self, admission_id: str, now: float, *, completed: bool) -> None:
-        """A grant released (``completed``: its hold time is a service-time sample) or expired."""
+    def ended(self, admission_id: str, now: float, *, completed: bool) -> Holding | None:
+        """A grant released (``completed``: its hold time is a service-time sample), expired
+        or evicted. Returns what was held (``None``: nothing known)."""
         held = self._holdings.pop(admission_id, None)
         if held is None:
-            return
-        pool_id, tenant, since = held
-        p = self.pool(pool_id)
+            return None
+        p = self.pool(held.pool_id)
         p.used = max(0, p.used - 1)
-        left = p.holders.get(tenant, 0) - 1
+        left = p.holders.get(held.tenant, 0) - 1
         if left > 0:
-            p.holders[tenant] = left
+            p.holders[held.tenant] = left
         else:
-            p.holders.pop(tenant, None)
+            p.holders.pop(held.tenant, None)
         if completed:
-            sample = max(0.0, now - since)
+            sample = max(0.0, now - held.since)
             p.service_s.append(sample)
             p.service_sum += sample
             if len(p.service_s) > self.policy.service_window:
                 p.service_sum -= p.service_s.popleft()
-        self._restage(pool_id, p, now)
+        self._restage(held.pool_id, p, now)
+        return held
+
+    def restore(self, admission_id: str, holding: Holding, now: float) -> None:
+        """Undo ``ended`` (the transaction that evicted it rolled back)."""
+        if admission_id in self._holdings:
+            return
+        self._holdings[admission_id] = holding
+        p = self.pool(holding.pool_id)
+        p.used += 1
+        p.holders[holding.tenant] = p.holders.get(holding.tenant, 0) + 1
+        self._restage(holding.pool_id, p, now)
+
+    def victim(self, pool_id: str, tenant: str, rank: int, now: float) -> str | None:
+        """The grant a request of ``rank`` from ``tenant`` may evict from the full
+        ``pool_id``, or ``None``: see *Eviction* above. Only interactive requests evict."""
+        p = self.pool(pool_id)
+        if not (self.policy.enabled and self.policy.evict) or rank < 2 or p.blocked:
+            return None
+        below_share = p.holders.get(tenant, 0) < self.fair_share(pool_id, tenant, now)
+        best: tuple[int, int, float] | None = None
+        chosen = None
+        for admission_id, held in self._holdings.items():
+            if held.pool_id != pool_id or held.evict_order is None or held.rank >= rank:
+                continue
+            if not below_share and held.tenant != tenant:
+                continue
+            key = (held.evict_order, held.rank, -held.since)  # youngest first
+            if best is None or key < best:
+                best, chosen = key, admission_id
+        return chosen
 
     # ---- the gate ------------------------------------------------------------------------
     def check(

@@ -143,6 +143,7 @@ class Refused:
 
     reason: LedgerReason
     detail: str
+    resource: str | None = None  # the resource that ran short (CAPACITY, TENANT_BUDGET)
 
 
 @dataclass(frozen=True, slots=True)

@@ -714,7 +714,9 @@ class SqlLedger(abc.ABC):
             left = f"{max(capacity - used, 0)} of {capacity} left"
         else:
             left = "no capacity is configured"
-        return Refused(shortage_reason(resource), f"{pool_id}/{resource}: needs {amount}, {left}")
+        return Refused(
+            shortage_reason(resource), f"{pool_id}/{resource}: needs {amount}, {left}", resource
+        )
 
     def _give_back(self, db: Db, reservations: Iterable[Reservation]) -> None:
         totals: dict[tuple[str, str], int] = {}

@@ -61,7 +61,14 @@ from mesh.core.eligibility import (
     tenant_tokens_resource,
     widening,
 )
-from mesh.core.pressure import PressureBoard, PressurePolicy, Shed
+from mesh.core.pressure import (
+    Holding,
+    PressureBoard,
+    PressurePolicy,
+    Shed,
+    evict_order,
+    shed_rank,
+)
 from mesh.errors import StoreError
 from mesh.ledger.model import TENANT_POOL, LedgerReason, Prepared, Refused, Reservation
 from mesh.ledger.store import DecisionRow, LedgerStore, Usage
@@ -143,6 +150,18 @@ class _Batch:
     external: list[tuple[ExternalGrantor, str, str]] = field(default_factory=list)
     budgets: set[str] = field(default_factory=set)  # tenants whose budget row it created
     granted: list[str] = field(default_factory=list)  # admission IDs counted on the board
+    evicted: list[Eviction] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """Admitted work released to make room: ``victim`` (its reservation, now RELEASED) for
+    the admission ``for_admission``. The manager revokes the victim's grant as evicted."""
+
+    victim: Reservation
+    holding: Holding
+    for_admission: str
+    at: float
 
 
 @dataclass
@@ -158,6 +177,7 @@ class Admitter:
     decisions: OrderedDict[str, DecisionRecord] = field(default_factory=OrderedDict)
     pressure: PressureBoard = field(init=False)
     rand: Callable[[], float] = random.random  # retry-time jitter (an input, for tests)
+    evictions: list[Eviction] = field(default_factory=list)  # committed; drained by the shell
     _budgets_set: set[str] = field(default_factory=set)
     _batch: _Batch | None = None  # while ``admit_many`` runs
 
@@ -169,12 +189,23 @@ class Admitter:
         fair shares need to know who holds what. Returns how many were adopted."""
         holding = self.ledger.active()
         for reservation in holding:
-            tenant = _tenant_of(reservation) or self._recorded_tenant(reservation.admission_id)
+            decided = self.recorded(reservation.admission_id)
+            estimate = (decided.estimate if decided else None) or {}
+            tenant = _tenant_of(reservation) or (decided.tenant if decided else None)
+            rank = shed_rank(
+                estimate.get("service_class", "batch"),
+                estimate.get("priority", 0),
+                self.policy.pressure,
+            )
             self.pressure.adopt(
                 reservation.admission_id,
-                reservation.pool_id,
-                tenant or "(unknown)",
-                reservation.updated_at or reservation.created_at,
+                Holding(
+                    reservation.pool_id,
+                    tenant or "(unknown)",
+                    reservation.updated_at or reservation.created_at,
+                    rank,
+                    evict_order(estimate.get("recoverability")),  # unknown: never evicted
+                ),
             )
         self.observe_usage(now)
         return len(holding)
@@ -186,10 +217,6 @@ class Admitter:
             usage = self.ledger.usage()
         slots = {pool: held for (pool, resource), held in usage.items() if resource == MODEL_SLOTS}
         self.pressure.observe_usage(slots, now)
-
-    def _recorded_tenant(self, admission_id: str) -> str | None:
-        decided = self.recorded(admission_id)
-        return decided.tenant if decided else None
 
     # ---- descriptors ----------------------------------------------------------------------
     def publish_descriptor(self, descriptor: CapabilityDescriptor, now: float) -> str | None:
@@ -280,13 +307,21 @@ class Admitter:
                 grantor.release(admission_id, grant_id)  # nothing of the batch was kept
             for admission_id in batch.granted:
                 self.pressure.ended(admission_id, now, completed=False)
+            for eviction in batch.evicted:  # the victims' releases rolled back with it
+                self.pressure.restore(eviction.victim.admission_id, eviction.holding, now)
             raise
         finally:
             self._batch = None
         for admission_id, decided in batch.decided.items():
             self._remember(admission_id, decided)
         self._budgets_set |= batch.budgets
+        self.evictions += batch.evicted
         return decisions
+
+    def drain_evictions(self) -> list[Eviction]:
+        """The evictions committed since the last call (the shell revokes their grants)."""
+        evictions, self.evictions = self.evictions, []
+        return evictions
 
     def _admit(self, request: AdmissionRequest, tenant: str, now: float) -> AdmissionDecision:
         digest = requirement_digest(request.requirements, tenant)
@@ -412,12 +447,9 @@ class Admitter:
                 (TENANT_POOL if resource.startswith("tenant_tokens:") else pool_id, resource, n)
                 for resource, n in reservation_items(req, tenant)
             ]
-            prepared = self.ledger.prepare(
-                request.admission_id, digest, items, self.policy.prepare_ttl_s, now,
-                pool_id=pool_id,
-                # Nothing outside the ledger to wait for: activate in the same statement batch.
-                activate_ttl_s=None if self.grantors else self.policy.grant_ttl_s,
-            )  # fmt: skip
+            prepared = self._prepare(request, digest, items, pool_id, now)
+            if _short_of_slots(prepared) and self._evict_for(request, tenant, pool_id, now):
+                prepared = self._prepare(request, digest, items, pool_id, now)
             if isinstance(prepared, Prepared):
                 if prepared.replayed:  # reserved before, by a manager that stopped mid-way
                     decision = self._replay(prepared.reservation, now)
@@ -428,7 +460,7 @@ class Admitter:
                         prepared.reservation, now, fallback_for
                     )
                 if decision.outcome == "admitted":
-                    self._count_grant(request.admission_id, pool_id, tenant, now)
+                    self._count_grant(request.admission_id, pool_id, req, tenant, now)
                 return decision
             if prepared.reason is LedgerReason.CONFLICT:
                 return _refused(request.admission_id, AdmissionReason.CONFLICT, prepared.detail)
@@ -477,8 +509,56 @@ class Admitter:
             allowed_degradations=list(req.allowed_degradations),
         )
 
-    def _count_grant(self, admission_id: str, pool_id: str, tenant: str, now: float) -> None:
-        self.pressure.granted(admission_id, pool_id, tenant, now)
+    def _prepare(
+        self,
+        request: AdmissionRequest,
+        digest: str,
+        items: list[tuple[str, str, int]],
+        pool_id: str,
+        now: float,
+    ) -> Prepared | Refused:
+        return self.ledger.prepare(
+            request.admission_id, digest, items, self.policy.prepare_ttl_s, now,
+            pool_id=pool_id,
+            # Nothing outside the ledger to wait for: activate in the same statement batch.
+            activate_ttl_s=None if self.grantors else self.policy.grant_ttl_s,
+        )  # fmt: skip
+
+    def _evict_for(self, request: AdmissionRequest, tenant: str, pool_id: str, now: float) -> bool:
+        """Release one recoverable, lower-ranked grant of the full ``pool_id`` to make room
+        for ``request`` (in the current transaction); ``True`` if one was released."""
+        req = request.requirements
+        rank = shed_rank(req.service_class, req.priority, self.policy.pressure)
+        victim_id = self.pressure.victim(pool_id, tenant, rank, now)
+        if victim_id is None:
+            return False
+        victim = self.ledger.get(victim_id)
+        if victim is None or victim.state != "ACTIVE":  # ended meanwhile (another manager)
+            self.pressure.ended(victim_id, now, completed=False)
+            return False
+        if isinstance(self.ledger.release(victim_id, victim.fence, now), Refused):
+            return False
+        holding = self.pressure.ended(victim_id, now, completed=False)
+        assert holding is not None  # ``victim`` found it on the board
+        eviction = Eviction(victim, holding, request.admission_id, now)
+        if self._batch is not None:
+            self._batch.evicted.append(eviction)
+        else:
+            self.evictions.append(eviction)
+        log.info(
+            "grant evicted",
+            extra={"admission_id": victim_id, "pool_id": pool_id, "for": request.admission_id},
+        )
+        return True
+
+    def _count_grant(
+        self, admission_id: str, pool_id: str, req: TaskRequirements, tenant: str, now: float
+    ) -> None:
+        self.pressure.granted(
+            admission_id, pool_id, tenant, now,
+            rank=shed_rank(req.service_class, req.priority, self.policy.pressure),
+            evict_order=evict_order(req.recoverability),
+        )  # fmt: skip
         if self._batch is not None:
             self._batch.granted.append(admission_id)
 
@@ -617,11 +697,18 @@ def _tenant_of(reservation: Reservation) -> str | None:
     return None
 
 
+def _short_of_slots(prepared: Prepared | Refused) -> bool:
+    return isinstance(prepared, Refused) and prepared.resource == MODEL_SLOTS
+
+
 def _estimate(requirements: TaskRequirements) -> dict[str, Any]:
-    """The requirements' cost estimates, kept with the decision for settlement."""
+    """The requirements' cost estimates and class, kept with the decision for settlement
+    and for the pressure board after a restart."""
     return {
         "capability": requirements.capability.name,
         "service_class": requirements.service_class,
+        "priority": requirements.priority,
+        "recoverability": requirements.recoverability,
         "estimated_tokens": requirements.estimated_tokens,
         "estimated_duration_s": requirements.estimated_duration_s,
         "deadline": requirements.deadline,

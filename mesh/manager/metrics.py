@@ -95,6 +95,12 @@ class ManagerMetrics:
             ["capability"],
             registry=r,
         )
+        self.evictions = Counter(
+            "mesh_evictions",
+            "Admitted recoverable work evicted from a full pool for interactive work.",
+            ["pool", "recoverability"],
+            registry=r,
+        )
         self.dead_lettered = Counter(
             "mesh_dead_lettered_messages",
             "Messages the manager dead-lettered, by reason code.",

@@ -69,7 +69,7 @@ from mesh.errors import (
 )
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore, Usage
-from mesh.manager.admission import Admitter, ExternalGrantor
+from mesh.manager.admission import Admitter, Eviction, ExternalGrantor
 from mesh.manager.batching import GroupCommit
 from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
@@ -545,12 +545,25 @@ class ManagerService:
                     },
                 )
             )
+        evictions = admitter.drain_evictions()
+        entries += [_eviction_entry(e) for e in evictions]
         # Every decision is journaled (``mesh log``) and recorded in the ledger (``mesh
         # explain``); the live feed carries only the refusals — what someone following it can
         # act on — so a busy mesh does not pay one more broker message per grant.
         for event in self._append(entries):
             if event.detail.get("outcome") != "admitted":
                 await self._publish_event(names.log_key(event.agent_id, event.kind), event)
+        for eviction in evictions:  # after the journal: the producer learns of it from here on
+            victim = eviction.victim
+            self.counters["admissions_evicted"] += 1
+            record = admitter.recorded(victim.admission_id)
+            recoverability = (record.estimate or {}).get("recoverability") if record else None
+            self.observer.metrics.evictions.labels(
+                victim.pool_id, recoverability or "(unknown)"
+            ).inc()
+            await self._publish_revocation(
+                victim.pool_id, victim.admission_id, victim.fence, "RELEASED", now, evicted=True
+            )
         return decisions
 
     async def _publish_descriptor(
@@ -723,19 +736,30 @@ class ManagerService:
                 )
 
     async def _publish_revocation(
-        self, pool_id: str, admission_id: str, fence: int, state: str, now: float
+        self,
+        pool_id: str,
+        admission_id: str,
+        fence: int,
+        state: str,
+        now: float,
+        *,
+        evicted: bool = False,
     ) -> None:
-        """Tell the pool's agents that grants of ``admission_id`` up to ``fence`` are void.
+        """Tell the pool's agents that grants of ``admission_id`` up to ``fence`` are void
+        (``evicted``: taken back for more urgent work, so its agent stops it if running).
 
         Fire-and-forget on the events exchange (``grant.<pool>.<admission>``): the ledger is the
         truth, and an agent that misses it still refuses the grant once it expires.
         """
+        detail: dict[str, Any] = {"admission_id": admission_id, "pool_id": pool_id, "fence": fence}
+        if evicted:
+            detail["evicted"] = True
         event = OrchestrationEvent(
             at=now,
             kind=c.EVENT_GRANT_REVOKED,
             to_state=state,
-            reason=f"fence {fence}",
-            detail={"admission_id": admission_id, "pool_id": pool_id, "fence": fence},
+            reason=f"fence {fence}" + (" (evicted)" if evicted else ""),
+            detail=detail,
         )
         self.counters["grants_revoked"] += 1
         await self._publish_event(names.grant_key(pool_id, admission_id), event)
@@ -879,4 +903,20 @@ def _explain(admitter: Admitter, admission_id: str) -> ExplainReply:
         eligibility=record.eligibility,
         reservation=held,
         tenant=record.tenant,
+    )
+
+
+def _eviction_entry(eviction: Eviction) -> LogEntry:
+    victim = eviction.victim
+    return LogEntry(
+        at=eviction.at,
+        kind="admission_evicted",
+        reason=f"{victim.pool_id}: fence {victim.fence} released for {eviction.for_admission}",
+        detail={
+            "admission_id": victim.admission_id,
+            "pool_id": victim.pool_id,
+            "fence": victim.fence,
+            "tenant": eviction.holding.tenant,
+            "for_admission": eviction.for_admission,
+        },
     )

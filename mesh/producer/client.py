@@ -32,7 +32,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -71,6 +71,7 @@ from mesh.wire.codec import decode
 from mesh.wire.models import (
     AcquireRequest,
     AgentSummary,
+    AppliedDegradation,
     DrainAccepted,
     DrainRequest,
     FindReply,
@@ -124,6 +125,16 @@ class Submitted:
     result: TaskResult
     decision: AdmissionDecision  # the admitting one (grant, pool, fence)
     attempts: int  # admissions asked for, this one included
+
+    @property
+    def degradations(self) -> list[AppliedDegradation]:
+        """What the handler gave up (each allowed by the requirements); empty: full result."""
+        return self.result.degradations
+
+    @property
+    def missing_evidence(self) -> list[str]:
+        """Everything the output does not rest on, over all degradations applied."""
+        return [item for d in self.result.degradations for item in d.missing_evidence]
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,8 +371,11 @@ class MeshClient:
         Gives up at the earlier of ``requirements.deadline`` and ``timeout_s`` from now.
         Raises :class:`AdmissionRefused` (``rejected``, or ``on_deferred`` said stop),
         :class:`SubmitDeadlineExceeded` (with the last reason code), ``TaskFailed`` /
-        ``TaskInputInvalid`` (the agent's answer) or ``TaskRefused`` (``UNROUTABLE``: the
-        pool has no queue).
+        ``TaskInputInvalid`` (the agent's answer, or ``DEGRADATION_NOT_ALLOWED``: degraded
+        beyond ``requirements.allowed_degradations``) or ``TaskRefused`` (``UNROUTABLE``: the
+        pool has no queue). A full pool queue (``QUEUE_FULL``) and an eviction (``EVICTED``,
+        only of work declared ``rebuildable`` or ``retryable``) are retried like deferrals,
+        under a new admission ID. ``Submitted.degradations`` says what the result gave up.
         """
         deadline = time.time() + timeout_s
         if requirements.deadline is not None:
@@ -381,12 +395,11 @@ class MeshClient:
                 raise (self._gave_up(last, attempts) if time.time() >= deadline else exc) from None
             if decision.outcome == "admitted":
                 assert decision.grant is not None  # the model's invariant
-                ran = await self._run_granted(
-                    decision, requirements.capability.name, payload, deadline
-                )
+                ran = await self._run_granted(decision, requirements, payload, deadline)
                 if isinstance(ran, TaskResult):
-                    return Submitted(_output_of(ran), ran, decision, attempts)
-                decision = ran  # the pool's queue was full: a refusal like the others
+                    output = _output_of(ran, allowed=requirements.allowed_degradations)
+                    return Submitted(output, ran, decision, attempts)
+                decision = ran  # queue full, or evicted: a refusal like the others
                 admission_id = uuid.uuid4().hex  # that grant is settled; a new phase
             last = decision
             if decision.outcome == "rejected" or not await _keep_waiting(on_deferred, decision):
@@ -410,7 +423,11 @@ class MeshClient:
         )
 
     async def _run_granted(
-        self, decision: AdmissionDecision, capability: str, payload: dict[str, Any], deadline: float
+        self,
+        decision: AdmissionDecision,
+        requirements: TaskRequirements,
+        payload: dict[str, Any],
+        deadline: float,
     ) -> TaskResult | AdmissionDecision:
         """Publish the task with its grant to the pool's queue, await the result, settle.
         A full queue (nack) settles the grant and comes back as a ``QUEUE_FULL`` refusal."""
@@ -418,15 +435,17 @@ class MeshClient:
         assert grant is not None
         task = Task(
             task_id=uuid.uuid4().hex,
-            capability=capability,
+            capability=requirements.capability.name,
             payload=payload,
             deadline=deadline,
             submitted_at=time.time(),
             grant=TaskGrant.from_grant(grant),
+            allowed_degradations=requirements.allowed_degradations,
         )
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[task.task_id] = fut
         actuals: dict[str, float] = {}  # none: settled as a cancellation
+        evicted = False
         try:
             try:
                 await self.transport.publish(
@@ -462,6 +481,18 @@ class MeshClient:
                     attempts=0,
                 ) from None
             result = _expect(reply, TaskResult)
+            if result.error is not None and result.error.code is Reason.EVICTED:
+                # The manager took the grant back (and released it) for more urgent work; the
+                # task declared itself recoverable: ask again, under a new admission.
+                self.counters["evicted"] += 1
+                evicted = True
+                return AdmissionDecision(
+                    admission_id=grant.admission_id,
+                    outcome="deferred",
+                    reason=AdmissionReason.EVICTED,
+                    detail=result.error.message[:1000],
+                    allowed_degradations=decision.allowed_degradations,
+                )
             actuals = {
                 "actual_duration_s": max(0.0, result.finished_at - result.started_at),
                 "finished_at": result.finished_at,
@@ -469,7 +500,8 @@ class MeshClient:
             return result
         finally:  # exactly one settlement, whatever happened: the slot goes back
             self._pending.pop(task.task_id, None)
-            await self._settle_quietly(grant, **actuals)
+            if not evicted:  # an evicted grant is released already
+                await self._settle_quietly(grant, **actuals)
 
     async def _settle_quietly(self, grant: AdmissionGrant, **actuals: Any) -> None:
         try:
@@ -554,10 +586,18 @@ class MeshClient:
             log.warning("release failed", extra={"lease_id": lease_id, "error": str(exc)})
 
 
-def _output_of(result: TaskResult) -> dict[str, Any]:
+def _output_of(result: TaskResult, allowed: Sequence[str] = ()) -> dict[str, Any]:
     """The output of a successful result; a failed one raises TaskInputInvalid / TaskFailed
-    with the agent's machine-readable code."""
+    with the agent's machine-readable code, and so does one degraded beyond ``allowed``."""
     if result.status == "ok" and result.output is not None:
+        widened = sorted({d.kind for d in result.degradations} - set(allowed))
+        if widened:
+            raise TaskFailed(
+                Reason.DEGRADATION_NOT_ALLOWED.value,
+                f"agent {result.agent_id} degraded the result by {', '.join(widened)}, "
+                f"which the task did not allow; the output is withheld",
+                task_id=result.task_id,
+            )
         return result.output
     error = result.error
     code = error.code if error else Reason.HANDLER_ERROR

@@ -33,22 +33,23 @@ from __future__ import annotations
 
 import hashlib
 from enum import StrEnum
-from typing import Annotated, Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self
 
 import orjson
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from mesh.wire.models import (
+    UNIQUE_ITEMS,
     CapabilityName,
+    Degradations,
     Identifier,
     Message,
     SemVer,
     Timestamp,
     WireModel,
+    distinct,
 )
-
-T = TypeVar("T")
 
 
 class AdmissionReason(StrEnum):
@@ -70,6 +71,7 @@ class AdmissionReason(StrEnum):
     TENANT_FAIR_SHARE = "TENANT_FAIR_SHARE"  # the pool is busy and the tenant holds its share
     DEADLINE_UNREACHABLE = "DEADLINE_UNREACHABLE"  # it would finish after its deadline
     QUEUE_FULL = "QUEUE_FULL"  # the pool's bounded task queue refused the task (a nack)
+    EVICTED = "EVICTED"  # the admitted task was evicted for more urgent work: resubmit it
 
 
 # ---- field types --------------------------------------------------------------------------
@@ -81,12 +83,6 @@ def _check_specifier(text: str) -> str:
     except InvalidSpecifier:
         raise ValueError(f"{text!r} is not a valid PEP 440 version specifier set") from None
     return text
-
-
-def _distinct(items: list[T]) -> list[T]:
-    if len(set(items)) != len(items):
-        raise ValueError("items must be distinct")
-    return items
 
 
 PoolId = Annotated[
@@ -133,15 +129,17 @@ Region = Annotated[
 ]
 Tenant = Annotated[str, Field(min_length=1, max_length=128, description="A tenant (AMQP user).")]
 Classification = Literal["public", "internal", "confidential", "restricted"]
-Degradation = Literal["less_retrieval", "fewer_review_passes", "partial_results"]
 ServiceClass = Literal["interactive", "batch", "speculative"]
+Recoverability = Literal[
+    "rebuildable", "retryable", "side_effects", "awaiting_approval", "near_commit"
+]
+EVICTABLE: frozenset[str] = frozenset({"rebuildable", "retryable"})
+"""Recoverabilities whose admitted work may be evicted under pressure (rebuildable first)."""
 
-_UNIQUE = Field(json_schema_extra={"uniqueItems": True})
-Classifications = Annotated[list[Classification], AfterValidator(_distinct), _UNIQUE]
-Regions = Annotated[list[Region], AfterValidator(_distinct), _UNIQUE]
-Tenants = Annotated[list[Tenant], AfterValidator(_distinct), _UNIQUE]
-Degradations = Annotated[list[Degradation], AfterValidator(_distinct), _UNIQUE]
-PoolIds = Annotated[list[PoolId], AfterValidator(_distinct), _UNIQUE]
+Classifications = Annotated[list[Classification], AfterValidator(distinct), UNIQUE_ITEMS]
+Regions = Annotated[list[Region], AfterValidator(distinct), UNIQUE_ITEMS]
+Tenants = Annotated[list[Tenant], AfterValidator(distinct), UNIQUE_ITEMS]
+PoolIds = Annotated[list[PoolId], AfterValidator(distinct), UNIQUE_ITEMS]
 PositiveInt = Annotated[int, Field(ge=1)]
 Count = Annotated[int, Field(ge=0)]
 
@@ -228,13 +226,13 @@ class CapabilityDescriptor(Message):
     @field_validator("capabilities")
     @classmethod
     def _capability_names_unique(cls, caps: list[CapabilityRange]) -> list[CapabilityRange]:
-        _distinct([c.name for c in caps])
+        distinct([c.name for c in caps])
         return caps
 
     @field_validator("tools")
     @classmethod
     def _tool_names_unique(cls, tools: list[PoolTool]) -> list[PoolTool]:
-        _distinct([t.name for t in tools])
+        distinct([t.name for t in tools])
         return tools
 
     @model_validator(mode="after")
@@ -276,6 +274,15 @@ class TaskRequirements(Message):
     )
     priority: int = Field(default=0, ge=0, le=9, description="0 lowest ... 9 highest (AMQP).")
     service_class: ServiceClass = "batch"
+    recoverability: Recoverability = Field(
+        default="side_effects",
+        description=(
+            "What losing the task mid-way costs. 'rebuildable' (a cache fill, a speculative "
+            "branch) and 'retryable' (no external effects) non-interactive work may be "
+            "evicted for interactive work when its pool is full; 'side_effects' (external "
+            "effects of unknown outcome), 'awaiting_approval' and 'near_commit' never are."
+        ),
+    )
     allowed_degradations: Degradations = Field(default_factory=list)
     allowed_fallbacks: PoolIds = Field(
         default_factory=list,
@@ -285,7 +292,7 @@ class TaskRequirements(Message):
     @field_validator("required_tools")
     @classmethod
     def _tool_names_unique(cls, tools: list[ToolRequirement]) -> list[ToolRequirement]:
-        _distinct([t.name for t in tools])
+        distinct([t.name for t in tools])
         return tools
 
 

@@ -9,7 +9,7 @@ The JSON Schemas in ``schemas/`` are generated from these classes.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
@@ -56,6 +56,22 @@ VersionSpec = Annotated[
 Identifier = Annotated[str, Field(min_length=1, max_length=128)]
 Timestamp = Annotated[float, Field(ge=0, description="Seconds since the Unix epoch.")]
 CostClass = Literal["A", "B", "C"]
+
+T = TypeVar("T")
+
+
+def distinct(items: list[T]) -> list[T]:
+    """A list validator: every item at most once."""
+    if len(set(items)) != len(items):
+        raise ValueError("items must be distinct")
+    return items
+
+
+UNIQUE_ITEMS = Field(json_schema_extra={"uniqueItems": True})
+Degradation = Literal["less_retrieval", "fewer_review_passes", "partial_results"]
+"""What a task may give up to finish in time (less retrieval fan-out, fewer review passes,
+partial results), only as its requirements allow."""
+Degradations = Annotated[list[Degradation], AfterValidator(distinct), UNIQUE_ITEMS]
 
 
 def _check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -260,6 +276,10 @@ class Task(Message):
     grant: TaskGrant | None = Field(
         default=None, description="The admission grant it runs under, revalidated by the agent."
     )
+    allowed_degradations: Degradations = Field(
+        default_factory=list,
+        description="What the handler may give up to finish in time (from the requirements).",
+    )
 
 
 class ErrorInfo(WireModel):
@@ -267,6 +287,23 @@ class ErrorInfo(WireModel):
 
     code: Reason
     message: str = Field(max_length=4000)
+
+
+class AppliedDegradation(WireModel):
+    """One degradation a handler applied, and the evidence its output therefore lacks."""
+
+    kind: Degradation
+    missing_evidence: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="What the output does not rest on, e.g. the sources not retrieved.",
+    )
+    note: str = Field(default="", max_length=1000)
+
+
+def _one_per_kind(applied: list[AppliedDegradation]) -> list[AppliedDegradation]:
+    distinct([d.kind for d in applied])
+    return applied
 
 
 class TaskResult(Message):
@@ -282,6 +319,11 @@ class TaskResult(Message):
     error: ErrorInfo | None = None
     started_at: Timestamp
     finished_at: Timestamp
+    degradations: Annotated[list[AppliedDegradation], AfterValidator(_one_per_kind)] = Field(
+        default_factory=list,
+        max_length=3,
+        description="Degradations applied (each one the task allowed); empty: the full result.",
+    )
 
 
 # ---- Manager API (request/reply over the control exchange) -------------------------------

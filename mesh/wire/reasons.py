@@ -37,6 +37,8 @@ class Reason(StrEnum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     AGENT_SHUTDOWN = "AGENT_SHUTDOWN"  # the agent left (drain deadline) before running it
     GRANT_INVALID = "GRANT_INVALID"  # the task's admission grant is foreign, expired or revoked
+    EVICTED = "EVICTED"  # its grant was taken back for more urgent work (it was recoverable)
+    DEGRADATION_NOT_ALLOWED = "DEGRADATION_NOT_ALLOWED"  # degraded beyond what the task allowed
     # Transport outcomes surfaced to callers.
     QUEUE_FULL = "QUEUE_FULL"
     UNROUTABLE = "UNROUTABLE"

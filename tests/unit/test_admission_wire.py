@@ -117,6 +117,7 @@ def test_the_admission_reasons_are_the_documented_stable_strings() -> None:
         "TENANT_FAIR_SHARE",
         "DEADLINE_UNREACHABLE",
         "QUEUE_FULL",
+        "EVICTED",
     }
 
 
@@ -439,6 +440,7 @@ FIELD_CHANGES: list[tuple[tuple[str | int, ...], Any]] = [
     (("regions",), ["eu-central-1"]),
     (("priority",), 6),
     (("service_class",), "batch"),
+    (("recoverability",), "retryable"),
     (("allowed_degradations",), ["less_retrieval"]),
     (("allowed_fallbacks",), []),
 ]
