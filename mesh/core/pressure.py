@@ -46,6 +46,11 @@ while one stays free for every other active tenant still below its share; at ``T
 takes none. Refusals say ``TENANT_FAIR_SHARE``. One tenant's burst can fill an idle pool, but
 once the pool is busy, the slots that free up go to the tenants below their share.
 
+**Runs.** A task may name the orchestration run it belongs to (``run_id``, scoped by tenant).
+From ``TIGHTEN`` on, each run is held to ``ceil(capacity / active runs)`` of the pool, so one
+run's fan-out cannot take every slot its tenant is entitled to (``RUN_CONCURRENCY``). Tasks
+without a run are held by their tenant's share alone.
+
 **Retry times** are computed, never constant: the pool's drain rate is ``capacity / mean service
 time``, the service time being how long grants were held (admission to release, measured here
 over the last ``service_window`` releases: the real distribution, not the producer's estimate,
@@ -127,6 +132,7 @@ class Holding:
     since: float
     rank: int = 1
     evict_order: int | None = None  # None: never evicted; lower: evicted first
+    run: str | None = None  # "<tenant>/<run_id>", when the task names its run
 
 
 def evict_order(recoverability: str | None) -> int | None:
@@ -167,6 +173,8 @@ class PoolPressure:
     service_sum: float = 0.0
     holders: dict[str, int] = field(default_factory=dict)  # tenant -> grants held
     demand: dict[str, float] = field(default_factory=dict)  # tenant -> last asked
+    runs: dict[str, int] = field(default_factory=dict)  # run -> grants held
+    run_demand: dict[str, float] = field(default_factory=dict)  # run -> last asked
     # tenant -> when its refused requests were told to come back (those still ahead wait)
     waiting: dict[str, list[float]] = field(default_factory=dict)
 
@@ -227,21 +235,17 @@ class PressureBoard:
         *,
         rank: int = 1,
         evict_order: int | None = None,
+        run: str | None = None,
     ) -> None:
         if admission_id in self._holdings:
             return  # an idempotent replay of a grant already counted
-        self._holdings[admission_id] = Holding(pool_id, tenant, now, rank, evict_order)
-        p = self.pool(pool_id)
-        p.used += 1
-        p.holders[tenant] = p.holders.get(tenant, 0) + 1
-        self._restage(pool_id, p, now)
+        self.restore(admission_id, Holding(pool_id, tenant, now, rank, evict_order, run), now)
 
     def adopt(self, admission_id: str, holding: Holding) -> None:
         """A grant found in the ledger at start (the counters already include it)."""
         if admission_id not in self._holdings:
             self._holdings[admission_id] = holding
-            p = self.pool(holding.pool_id)
-            p.holders[holding.tenant] = p.holders.get(holding.tenant, 0) + 1
+            self._count(self.pool(holding.pool_id), holding, +1)
 
     def ended(self, admission_id: str, now: float, *, completed: bool) -> Holding | None:
         """A grant released (``completed``: its hold time is a service-time sample), expired
@@ -251,11 +255,7 @@ class PressureBoard:
             return None
         p = self.pool(held.pool_id)
         p.used = max(0, p.used - 1)
-        left = p.holders.get(held.tenant, 0) - 1
-        if left > 0:
-            p.holders[held.tenant] = left
-        else:
-            p.holders.pop(held.tenant, None)
+        self._count(p, held, -1)
         if completed:
             sample = max(0.0, now - held.since)
             p.service_s.append(sample)
@@ -272,8 +272,20 @@ class PressureBoard:
         self._holdings[admission_id] = holding
         p = self.pool(holding.pool_id)
         p.used += 1
-        p.holders[holding.tenant] = p.holders.get(holding.tenant, 0) + 1
+        self._count(p, holding, +1)
         self._restage(holding.pool_id, p, now)
+
+    @staticmethod
+    def _count(p: PoolPressure, holding: Holding, delta: int) -> None:
+        """Move the per-tenant (and per-run) grant counts of ``p`` by ``delta``."""
+        for counts, key in ((p.holders, holding.tenant), (p.runs, holding.run)):
+            if key is None:
+                continue
+            left = counts.get(key, 0) + delta
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
 
     def victim(self, pool_id: str, tenant: str, rank: int, now: float) -> str | None:
         """The grant a request of ``rank`` from ``tenant`` may evict from the full
@@ -304,13 +316,16 @@ class PressureBoard:
         estimated_duration_s: float,
         deadline: float | None,
         now: float,
+        run: str | None = None,
     ) -> Shed | None:
         """May this request take a slot in ``pool_id`` now? ``None``: go ahead (the ledger
-        still decides whether a slot is free). Records the tenant's demand."""
+        still decides whether a slot is free). Records the tenant's (and run's) demand."""
         p = self.pool(pool_id)
         if not self.policy.enabled or p.capacity <= 0:
             return None  # off, or no capacity known yet: the ledger alone decides
         p.demand[tenant] = now
+        if run is not None:
+            p.run_demand[run] = now
         rank = shed_rank(service_class, priority, self.policy)
         stops_at = _RANK_STOPS_AT[rank]
         stage = self._stage(p)
@@ -323,7 +338,9 @@ class PressureBoard:
                 f"{what[rank]} is shed",
                 slots_to_free=p.used + 1 - limit,
             )
-        unfair = self._over_share(pool_id, p, tenant, stage, now)
+        unfair = self._over_share(pool_id, p, tenant, stage, now) or self._run_over_share(
+            pool_id, p, run, stage, now
+        )
         if unfair is not None:
             return unfair
         if deadline is not None:
@@ -409,6 +426,26 @@ class PressureBoard:
             "TENANT_FAIR_SHARE",
             f"{pool_id} is busy and this tenant already holds {held} of its {p.capacity} "
             f"slots (fair share {share}; {owed} other tenant(s) below theirs)",
+            slots_to_free=1,
+        )
+
+    def _run_over_share(
+        self, pool_id: str, p: PoolPressure, run: str | None, stage: Stage, now: float
+    ) -> Shed | None:
+        """From ``TIGHTEN`` on, a run holding ``ceil(capacity / active runs)`` gets no more."""
+        tight = stage >= Stage.TIGHTEN or p.used + 1 > p.limit(Stage.TIGHTEN, self.policy)
+        if run is None or not tight:
+            return None
+        recent = now - self.policy.demand_window_s
+        active = {r for r, at in p.run_demand.items() if at >= recent} | set(p.runs) | {run}
+        share = max(1, math.ceil(p.capacity / len(active)))
+        held = p.runs.get(run, 0)
+        if held < share:
+            return None
+        return Shed(
+            "RUN_CONCURRENCY",
+            f"{pool_id} is at stage {max(stage, Stage.TIGHTEN).name}: run {run} holds {held} "
+            f"of its {p.capacity} slots (its share among {len(active)} active runs: {share})",
             slots_to_free=1,
         )
 

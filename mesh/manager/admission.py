@@ -205,6 +205,7 @@ class Admitter:
                     reservation.updated_at or reservation.created_at,
                     rank,
                     evict_order(estimate.get("recoverability")),  # unknown: never evicted
+                    _run_of(estimate.get("run_id"), tenant or "(unknown)"),
                 ),
             )
         self.observe_usage(now)
@@ -438,7 +439,7 @@ class Admitter:
             tried = True
             shed = self.pressure.check(
                 pool_id, tenant, req.service_class, req.priority, req.estimated_duration_s,
-                req.deadline, now,
+                req.deadline, now, _run_of(req.run_id, tenant),
             )  # fmt: skip
             if shed is not None:
                 first = first or (pool_id, shed)
@@ -558,6 +559,7 @@ class Admitter:
             admission_id, pool_id, tenant, now,
             rank=shed_rank(req.service_class, req.priority, self.policy.pressure),
             evict_order=evict_order(req.recoverability),
+            run=_run_of(req.run_id, tenant),
         )  # fmt: skip
         if self._batch is not None:
             self._batch.granted.append(admission_id)
@@ -697,6 +699,11 @@ def _tenant_of(reservation: Reservation) -> str | None:
     return None
 
 
+def _run_of(run_id: str | None, tenant: str) -> str | None:
+    """A run's key on the pressure board: run IDs are scoped by tenant."""
+    return None if run_id is None else f"{tenant}/{run_id}"
+
+
 def _short_of_slots(prepared: Prepared | Refused) -> bool:
     return isinstance(prepared, Refused) and prepared.resource == MODEL_SLOTS
 
@@ -709,6 +716,7 @@ def _estimate(requirements: TaskRequirements) -> dict[str, Any]:
         "service_class": requirements.service_class,
         "priority": requirements.priority,
         "recoverability": requirements.recoverability,
+        "run_id": requirements.run_id,
         "estimated_tokens": requirements.estimated_tokens,
         "estimated_duration_s": requirements.estimated_duration_s,
         "deadline": requirements.deadline,

@@ -70,6 +70,7 @@ class AdmissionReason(StrEnum):
     SHED = "SHED"  # the pool is under pressure and sheds this service class for now
     TENANT_FAIR_SHARE = "TENANT_FAIR_SHARE"  # the pool is busy and the tenant holds its share
     DEADLINE_UNREACHABLE = "DEADLINE_UNREACHABLE"  # it would finish after its deadline
+    RUN_CONCURRENCY = "RUN_CONCURRENCY"  # the pool is tight and the task's run holds its share
     QUEUE_FULL = "QUEUE_FULL"  # the pool's bounded task queue refused the task (a nack)
     EVICTED = "EVICTED"  # the admitted task was evicted for more urgent work: resubmit it
 
@@ -282,6 +283,11 @@ class TaskRequirements(Message):
             "evicted for interactive work when its pool is full; 'side_effects' (external "
             "effects of unknown outcome), 'awaiting_approval' and 'near_commit' never are."
         ),
+    )
+    run_id: Identifier | None = Field(
+        default=None,
+        description="The orchestration run (workflow) the task belongs to, scoped by tenant; "
+        "under pressure each run is held to its share of the pool.",
     )
     allowed_degradations: Degradations = Field(default_factory=list)
     allowed_fallbacks: PoolIds = Field(

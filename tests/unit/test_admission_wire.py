@@ -118,6 +118,7 @@ def test_the_admission_reasons_are_the_documented_stable_strings() -> None:
         "DEADLINE_UNREACHABLE",
         "QUEUE_FULL",
         "EVICTED",
+        "RUN_CONCURRENCY",
     }
 
 
@@ -441,6 +442,7 @@ FIELD_CHANGES: list[tuple[tuple[str | int, ...], Any]] = [
     (("priority",), 6),
     (("service_class",), "batch"),
     (("recoverability",), "retryable"),
+    (("run_id",), "run-7"),
     (("allowed_degradations",), ["less_retrieval"]),
     (("allowed_fallbacks",), []),
 ]

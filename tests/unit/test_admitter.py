@@ -369,3 +369,25 @@ def test_the_decision_cache_is_bounded(
 
     assert list(a.decisions) == ["adm-1", "adm-2", "adm-3"]
     assert a.explain("adm-0") is not None  # evicted from memory, still in the ledger
+
+
+def test_a_run_is_held_to_its_share_once_the_pool_is_tight(ledger: SqliteLedger) -> None:
+    """The run ID travels from the requirements to the pressure board, scoped by tenant."""
+    a = admitter(ledger)
+    slots = DESCRIPTOR.model_limits.slots  # 16: TIGHTEN from 15 slots in use
+
+    def run_request(admission_id: str, run_id: str | None) -> AdmissionRequest:
+        return request(
+            admission_id, required_tools=[], needs_sandbox=False, deadline=None, run_id=run_id
+        )
+
+    assert a.admit(run_request("narrow-0", "narrow"), "tenant-a", T0).outcome == "admitted"
+    decisions = [a.admit(run_request(f"fan-{i}", "wide"), "tenant-a", T0) for i in range(14)]
+    assert all(d.outcome == "admitted" for d in decisions)  # 15 of 16: tight from here
+
+    capped = a.admit(run_request("fan-14", "wide"), "tenant-a", T0)  # share 8 of 2 runs
+    assert capped.outcome == "deferred" and capped.reason is AdmissionReason.RUN_CONCURRENCY
+    assert capped.retry_after_ms is not None
+    # The other run of the same tenant is below its share; run-less work is not held by runs.
+    assert a.admit(run_request("narrow-1", "narrow"), "tenant-a", T0).outcome == "admitted"
+    assert used(ledger)[(DESCRIPTOR.pool_id, "model_slots")] == slots

@@ -255,3 +255,35 @@ def test_switched_off_nothing_is_shed_and_the_retry_time_is_constant() -> None:
 def test_an_unknown_capacity_sheds_nothing() -> None:
     b = PressureBoard()
     assert b.check("new", "t1", "speculative", 0, 1.0, None, T0) is None
+
+
+def test_from_tighten_on_each_run_is_held_to_its_share_of_the_pool() -> None:
+    """One tenant (its share is the whole pool), two runs: the fan-out of run ``a`` is capped
+    once the pool is tight; the other run, a new run and run-less work still get slots."""
+    b = board()
+
+    def take(run: str, n: int, start: int) -> None:
+        for i in range(start, start + n):
+            b.granted(f"{run}-{i}", "p", "t1", T0, run=f"t1/{run}")
+
+    def ask_run(run: str | None) -> Shed | None:
+        return b.check(
+            "p", "t1", "interactive", 5, 1.0, None, T0, None if run is None else f"t1/{run}"
+        )
+
+    take("a", 10, 0)
+    assert ask_run("a") is None  # 10 of 20 used: not tight, runs are not limited
+    take("a", 3, 10)
+    take("b", 6, 0)  # 19 of 20: TIGHTEN
+    assert b.pools["p"].stage is Stage.TIGHTEN
+
+    refused = ask_run("a")  # active runs a and b: a share of 10 each; a holds 13
+    assert refused is not None and refused.reason == "RUN_CONCURRENCY"
+    assert "holds 13" in refused.detail and refused.slots_to_free == 1
+    assert ask_run("b") is None  # 6 < 10
+    assert ask_run("c") is None  # a new run: share 7 among a, b, c; it holds none
+    assert ask_run(None) is None  # no run: the tenant's share alone, and it has room
+
+    for i in range(13):  # run a finishes: its count goes with it
+        b.ended(f"a-{i}", T0 + 1, completed=True)
+    assert b.pools["p"].runs == {"t1/b": 6}
