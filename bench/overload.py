@@ -12,7 +12,8 @@ mix of 50 % interactive, 30 % batch and 20 % speculative tasks, for a warm-up an
 measured window. **Goodput** is the number of tasks that arrived in the window and completed
 within their deadline, per second of the window. Also printed: admission decisions per task
 (every retry is one: the load refusals put on the manager) and the median time from arrival
-to a final refusal ("no after": how long a producer waited to learn it will not be served).
+to a final refusal ("no after": how long a producer waited to learn it will not be served) and
+the grants evicted.
 
 Runs, all in this one process and run: full load (1x) with shedding on (the reference), then
 2x and 5x with shedding on (``PressurePolicy()``: staged shedding, measured retry times,
@@ -58,6 +59,9 @@ TARGET_GOODPUT_RATIO = 0.8
 POLICY_GENERATION = 1
 ECHO = CapabilityRange(name="test.echo", version_spec=">=1,<2")
 MIX = (("interactive", 0.5), ("batch", 0.3), ("speculative", 0.2))
+# What losing each class's task mid-way costs: speculative branches can be rebuilt, batch work
+# can be retried, interactive work is assumed to have side effects (never evicted).
+RECOVERABILITY = {"interactive": "side_effects", "batch": "retryable", "speculative": "rebuildable"}
 
 
 def descriptor(slots: int, now: float) -> CapabilityDescriptor:
@@ -91,6 +95,7 @@ def requirements(service_class: str, service_s: float, deadline: float) -> TaskR
         estimated_duration_s=service_s,
         deadline=deadline,
         service_class=service_class,  # type: ignore[arg-type]
+        recoverability=RECOVERABILITY[service_class],  # type: ignore[arg-type]
     )
 
 
@@ -107,6 +112,7 @@ class Run:
     refusal_s: list[float] = field(default_factory=list)  # arrival to a final refusal
     all_arrivals: int = 0  # warm-up included
     decisions: int = 0  # admission decisions the manager made (every retry is one)
+    evicted: int = 0  # grants taken back from rebuildable/retryable work for interactive work
 
     @property
     def goodput(self) -> float:
@@ -188,6 +194,7 @@ async def one_run(
             manager.counters[f"admission.{outcome}"]
             for outcome in ("admitted", "rejected", "deferred")
         )
+        run.evicted = manager.counters["admissions_evicted"]
     finally:
         await agent.stop()
         for client in clients:
@@ -253,7 +260,7 @@ def main() -> int:
     )
     print(
         f"{'run':<22}{'arrived':>9}{'good':>7}{'goodput/s':>11}{'vs 1x':>8}"
-        f"{'asks/task':>11}{'no after':>10}  refusals"
+        f"{'asks/task':>11}{'no after':>10}{'evicted':>9}  refusals"
     )
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="bench-overload-") as tmp:
@@ -273,7 +280,7 @@ def main() -> int:
             told = f"{statistics.median(run.refusal_s):.2f} s" if run.refusal_s else "-"
             print(
                 f"{run.label:<22}{run.arrived:>9}{run.good:>7}{run.goodput:>11.1f}"
-                f"{ratio:>7.2f}x{asks:>11.2f}{told:>10}  {refusals or '-'}"
+                f"{ratio:>7.2f}x{asks:>11.2f}{told:>10}{run.evicted:>9}  {refusals or '-'}"
             )
     full = runs[0].goodput
     targets = []
