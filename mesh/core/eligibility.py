@@ -74,6 +74,8 @@ the same order.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -428,6 +430,74 @@ def check_eligibility(
             )
         )
     return EligibilityResult(tuple(verdicts), active_generation, now)
+
+
+def eligibility_key(requirements: TaskRequirements, tenant: str) -> tuple[object, ...]:
+    """Everything of a request that a rule reads — and nothing else — as a hashable value:
+    two requests with the same key get the same verdicts from the same descriptors at the same
+    time. (A test changes each requirement field in turn and checks that any field a rule
+    reads is in here.)"""
+    return (
+        tenant,
+        requirements.capability.name,
+        requirements.capability.version_spec,
+        requirements.task_schema_version,
+        requirements.result_schema_version,
+        tuple((t.name, t.version_spec, t.permits) for t in requirements.required_tools),
+        tuple(requirements.input_classifications),
+        tuple(requirements.regions),
+    )
+
+
+class EligibilityCache:
+    """Recent eligibility results by :func:`eligibility_key`, for one state of the
+    descriptors (the caller passes a ``state`` token that changes whenever a descriptor, an
+    active epoch or the generation does, and clears nothing by hand).
+
+    An entry holds while ``now`` is before the earliest ``expires_at`` of the descriptors that
+    had not expired when it was computed — the only way time changes a verdict — and results
+    in which some pool was filtered as expired are not kept (their detail quotes the time). The
+    result handed out carries the caller's ``now``. Bounded: the oldest entry goes first.
+    """
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self.max_entries = max_entries
+        self._state: object = None
+        self._entries: dict[tuple[object, ...], tuple[EligibilityResult, float]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(
+        self,
+        requirements: TaskRequirements,
+        tenant: str,
+        descriptors: Mapping[str, CapabilityDescriptor],
+        *,
+        state: object,
+        active_epochs: Mapping[str, int],
+        active_generation: int,
+        now: float,
+    ) -> EligibilityResult:
+        if state != self._state:
+            self._entries.clear()
+            self._state = state
+        key = eligibility_key(requirements, tenant)
+        found = self._entries.get(key)
+        if found is not None and now < found[1]:
+            self.hits += 1
+            return dataclasses.replace(found[0], now=now)
+        self.misses += 1
+        result = check_eligibility(
+            requirements, tenant, descriptors,
+            active_epochs=active_epochs, active_generation=active_generation, now=now,
+        )  # fmt: skip
+        if all(v.rule != "not_expired" for v in result.verdicts):
+            live = (d.expires_at for d in descriptors.values() if d.expires_at > now)
+            until = min(live, default=math.inf)  # the already expired stay expired
+            if len(self._entries) >= self.max_entries:
+                del self._entries[next(iter(self._entries))]
+            self._entries[key] = (result, until)
+        return result
 
 
 def fallback_pools(

@@ -177,12 +177,20 @@ class PoolPressure:
     run_demand: dict[str, float] = field(default_factory=dict)  # run -> last asked
     # tenant -> when its refused requests were told to come back (those still ahead wait)
     waiting: dict[str, list[float]] = field(default_factory=dict)
+    # The stage limits, computed once per (capacity, thresholds): checked on every admission.
+    _limits: tuple[int, ...] = ()
+    _limits_of: tuple[int, tuple[float, ...]] | None = None
 
     def limit(self, stage: Stage, policy: PressurePolicy) -> int:
         """Slots in use at which ``stage`` begins (by utilisation alone)."""
+        if self._limits_of != (self.capacity, policy.thresholds):
+            self._limits = tuple(
+                max(1, math.floor(threshold * self.capacity)) for threshold in policy.thresholds
+            )
+            self._limits_of = (self.capacity, policy.thresholds)
         if stage is Stage.REJECT_INTERACTIVE:
             return self.capacity
-        return max(1, math.floor(policy.thresholds[stage - 1] * self.capacity))
+        return self._limits[stage - 1]
 
     def mean_service_s(self) -> float | None:
         return self.service_sum / len(self.service_s) if self.service_s else None

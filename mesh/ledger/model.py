@@ -167,15 +167,25 @@ def normalize_items(items: Iterable[tuple[str, str, int]]) -> tuple[Item, ...]:
     totals: dict[tuple[str, str], int] = {}
     for raw in items:
         pool_id, resource, amount = raw
-        if not isinstance(pool_id, str) or not pool_id:
-            raise LocalProtocolError(f"an item needs a non-empty pool_id, got {raw!r}")
-        if not isinstance(resource, str) or not resource:
-            raise LocalProtocolError(f"an item needs a non-empty resource, got {raw!r}")
-        if isinstance(amount, bool) or not isinstance(amount, int) or amount <= 0:
-            raise LocalProtocolError(f"an item's amount must be a positive int, got {raw!r}")
+        # Exact types first (the common case, cheap); anything else is checked in full.
+        if not (type(pool_id) is str and type(resource) is str and type(amount) is int):
+            _check_item(raw)
+        if not pool_id or not resource or amount <= 0:
+            _check_item(raw)
         key = (pool_id, resource)
         totals[key] = totals.get(key, 0) + amount
-    return tuple(Item(p, r, n) for (p, r), n in sorted(totals.items()))
+    return tuple([Item(p, r, n) for (p, r), n in sorted(totals.items())])
+
+
+def _check_item(raw: tuple[str, str, int]) -> None:
+    """Raise :class:`LocalProtocolError` saying what is wrong with ``raw``, if anything."""
+    pool_id, resource, amount = raw
+    if not isinstance(pool_id, str) or not pool_id:
+        raise LocalProtocolError(f"an item needs a non-empty pool_id, got {raw!r}")
+    if not isinstance(resource, str) or not resource:
+        raise LocalProtocolError(f"an item needs a non-empty resource, got {raw!r}")
+    if isinstance(amount, bool) or not isinstance(amount, int) or amount <= 0:
+        raise LocalProtocolError(f"an item's amount must be a positive int, got {raw!r}")
 
 
 def default_pool(items: tuple[Item, ...]) -> str:

@@ -53,9 +53,9 @@ import orjson
 from mesh.core.eligibility import (
     MODEL_SLOTS,
     TENANT_TOKENS_PREFIX,
+    EligibilityCache,
     EligibilityResult,
     capacities,
-    check_eligibility,
     fallback_pools,
     reservation_items,
     tenant_tokens_resource,
@@ -123,7 +123,7 @@ class DecisionRecord:
 
     def to_json(self) -> str:
         record = {
-            "decision": self.decision.model_dump(mode="json"),
+            "decision": orjson.Fragment(self.decision.model_dump_json()),
             "eligibility": self.eligibility,
             "tenant": self.tenant,
             "estimate": self.estimate,
@@ -178,6 +178,8 @@ class Admitter:
     pressure: PressureBoard = field(init=False)
     rand: Callable[[], float] = random.random  # retry-time jitter (an input, for tests)
     evictions: list[Eviction] = field(default_factory=list)  # committed; drained by the shell
+    eligibility_cache: EligibilityCache = field(default_factory=EligibilityCache)
+    _descriptors_version: int = 0  # bumped whenever a descriptor is activated
     _budgets_set: set[str] = field(default_factory=set)
     _batch: _Batch | None = None  # while ``admit_many`` runs
 
@@ -251,7 +253,18 @@ class Admitter:
             adopted += 1
         return adopted
 
+    def _descriptor_state(self) -> tuple[object, ...]:
+        """Changes whenever what eligibility reads of the descriptors does (also when a
+        test edits ``descriptors`` or ``active_epochs`` directly)."""
+        return (
+            self._descriptors_version,
+            tuple(
+                (pool, id(d), self.active_epochs.get(pool)) for pool, d in self.descriptors.items()
+            ),
+        )
+
     def _activate(self, descriptor: CapabilityDescriptor) -> None:
+        self._descriptors_version += 1
         self.descriptors[descriptor.pool_id] = descriptor
         self.active_epochs[descriptor.pool_id] = descriptor.descriptor_epoch
         # Until the next tick reads the ledger's counters, shed against the described slots.
@@ -329,10 +342,11 @@ class Admitter:
         earlier = self._earlier_decision(request.admission_id, digest)
         if earlier is not None:
             return earlier
-        eligibility = check_eligibility(
+        eligibility = self.eligibility_cache.get(
             request.requirements,
             tenant,
             self.descriptors,
+            state=self._descriptor_state(),
             active_epochs=self.active_epochs,
             active_generation=self.policy.active_generation,
             now=now,

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
@@ -35,7 +36,6 @@ from aio_pika.abc import (
     AbstractRobustChannel,
     AbstractRobustConnection,
     AbstractRobustQueue,
-    DeliveryMode,
 )
 
 from mesh import constants as c
@@ -116,21 +116,119 @@ def _delivery(msg: AbstractIncomingMessage) -> Delivery:
     )
 
 
-class Consumer:
-    """A running consumer; ``cancel()`` stops new deliveries (in-flight ones stay unacked)."""
+async def _resubscribe(consumer: Consumer | RawConsumer) -> None:
+    """After its channel reopened (a reconnect, or the channel alone): consume again.
+    aio-pika swallows exceptions from reopen callbacks: every failure is logged here."""
+    if consumer.cancelled:
+        return
+    try:
+        await consumer.subscribe()
+    except Exception:
+        log.exception("consumer not restored", extra={"queue": consumer.queue_name})
 
-    def __init__(self, queue: AbstractRobustQueue, tag: str, channel: AbstractRobustChannel):
-        self.queue_name = queue.name
-        self._queue = queue
-        self._tag = tag
+
+class _Settle:
+    """Ack or reject one delivery on the channel it came on. On a channel closed since (the
+    connection dropped), there is nothing to settle: the broker has requeued the message."""
+
+    __slots__ = ("_channel", "_tag")
+
+    def __init__(self, channel: aiormq.abc.AbstractChannel, tag: int) -> None:
         self._channel = channel
+        self._tag = tag
+
+    async def ack(self) -> None:
+        await self._settle(self._channel.basic_ack(self._tag), "ack")
+
+    async def reject(self, requeue: bool = False) -> None:
+        await self._settle(self._channel.basic_reject(self._tag, requeue=requeue), "reject")
+
+    async def _settle(self, operation: Awaitable[Any], what: str) -> None:
+        try:
+            await operation
+        except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
+            log.debug("delivery not settled: its channel is gone", extra={"op": what, "err": exc})
+
+
+def _raw_delivery(message: aiormq.abc.DeliveredMessage, settle: Settlement) -> Delivery:
+    props = message.header.properties
+    return Delivery(
+        body=message.body,
+        routing_key=message.routing_key or "",
+        exchange=message.exchange or "",
+        headers=props.headers or {},
+        reply_to=props.reply_to,
+        correlation_id=props.correlation_id,
+        message_id=props.message_id,
+        user_id=props.user_id,
+        redelivered=bool(message.redelivered),
+        _raw=settle,
+    )
+
+
+class _NoSettle:
+    """A no-ack delivery: there is nothing to settle."""
+
+    async def ack(self) -> None:
+        return None
+
+    async def reject(self, requeue: bool = False) -> None:
+        return None
+
+
+_NO_SETTLE = _NoSettle()
+
+
+class Consumer:
+    """A running consumer, registered on aiormq's channel under a robust aio-pika channel;
+    ``cancel()`` stops new deliveries (in-flight ones stay unacked, and can still be acked:
+    the channel stays open)."""
+
+    def __init__(
+        self,
+        channel: AbstractRobustChannel,
+        queue: str,
+        handler: Handler,
+        *,
+        prefetch: int,
+        no_ack: bool,
+    ) -> None:
+        self.queue_name = queue
+        self.cancelled = False
+        self._channel = channel
+        self._handler = handler
+        self._prefetch = prefetch
+        self._no_ack = no_ack
+        self._underlay: aiormq.abc.AbstractChannel | None = None
+        self._tag: str | None = None
+        channel.reopen_callbacks.add(self._reopened)
+
+    async def _reopened(self, *_: Any) -> None:
+        await _resubscribe(self)
+
+    async def subscribe(self) -> None:
+        """Start (or, after a reconnect, restart) deliveries on the current channel."""
+        handler, no_ack = self._handler, self._no_ack
+        underlay = await self._channel.get_underlay_channel()
+
+        async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
+            tag = message.delivery_tag
+            settle = _NO_SETTLE if no_ack or tag is None else _Settle(underlay, tag)
+            await handler(_raw_delivery(message, settle))
+
+        await underlay.basic_qos(prefetch_count=0 if no_ack else self._prefetch)
+        ok = await underlay.basic_consume(self.queue_name, on_message, no_ack=no_ack)
+        self._underlay, self._tag = underlay, ok.consumer_tag
 
     async def cancel(self) -> None:
         """Stop deliveries. Bounded: with the broker unreachable it gives up after a while
         (the broker forgets the consumer with the connection anyway)."""
+        self.cancelled = True
+        if self._underlay is None or self._tag is None:
+            return
         try:
             async with asyncio.timeout(_CONTROL_TIMEOUT_S):
-                await self._queue.cancel(self._tag)
+                await self._underlay.basic_cancel(self._tag)
         except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
             log.debug("consumer cancel incomplete", extra={"queue": self.queue_name, "err": exc})
 
@@ -146,6 +244,10 @@ class RawConsumer:
         self._channel = channel
         self._callback = callback
         self._tag: str | None = None
+        channel.reopen_callbacks.add(self._reopened)
+
+    async def _reopened(self, *_: Any) -> None:
+        await _resubscribe(self)
 
     async def subscribe(self) -> None:
         callback = self._callback
@@ -184,7 +286,6 @@ class AmqpTransport:
         self._exchanges: dict[str, AbstractExchange] = {}
         self._declared: set[ExchangeSpec | QueueSpec | BindingSpec] = set()
         self._queues: dict[str, AbstractRobustQueue] = {}
-        self._raw_consumers: list[RawConsumer] = []
         self._closing = False
         self._queue_specs: dict[str, QueueSpec] = {}
         self._fast_channel: AbstractRobustChannel | None = None
@@ -236,12 +337,6 @@ class AmqpTransport:
         log.warning("reconnected to the broker", extra={"url": redact(self.url)})
         # aio-pika has restored what it knew; forget our cache so later declares are real.
         self._declared.clear()
-        self._raw_consumers = [c for c in self._raw_consumers if not c.cancelled]
-        for consumer in self._raw_consumers:
-            try:
-                await consumer.subscribe()
-            except Exception:
-                log.exception("raw consumer not restored", extra={"queue": consumer.queue_name})
         for callback in self._on_reconnect:
             try:
                 await callback()
@@ -376,36 +471,40 @@ class AmqpTransport:
         ``user_id``, when set, must be this connection's user: RabbitMQ validates it, which is
         what lets the manager trust it as the authenticated publisher (the tenant)."""
         body = message if isinstance(message, bytes) else encode(message)
-        msg = aio_pika.Message(
-            body,
+        properties = aiormq.spec.Basic.Properties(
             content_type=c.CONTENT_TYPE,
-            type=None if isinstance(message, bytes) else message.type,
+            message_type=None if isinstance(message, bytes) else message.type,
             message_id=uuid.uuid4().hex,
             reply_to=reply_to,
             correlation_id=correlation_id,
             user_id=user_id,
             headers=dict(headers) if headers else None,
-            delivery_mode=DeliveryMode.PERSISTENT if persistent else DeliveryMode.NOT_PERSISTENT,
+            delivery_mode=2 if persistent else 1,
             # Whole seconds (AMQP's resolution): the management API reports the head message's
             # timestamp per queue, which is how the manager shows the oldest message's age.
-            timestamp=int(time.time()) if persistent else None,
+            timestamp=datetime.fromtimestamp(int(time.time()), UTC) if persistent else None,
         )
-        target = await self._exchange(exchange)
         timeout = self.publish_timeout_s if timeout_s is None else timeout_s
+        where = f"{exchange or '<default>'}/{routing_key}"
         try:
-            await target.publish(msg, routing_key, mandatory=mandatory, timeout=timeout)
+            # Straight to aiormq on the confirming channel: aio-pika's Exchange.publish is a
+            # thin wrapper, but its Message object costs more than the publish itself.
+            async with asyncio.timeout(timeout):  # the reconnect wait counts, too
+                channel = await self._publish_channel.get_underlay_channel()
+                await channel.basic_publish(
+                    body,
+                    exchange=exchange,
+                    routing_key=routing_key,
+                    properties=properties,
+                    mandatory=mandatory,
+                )
         except aiormq.exceptions.PublishError as exc:
-            raise PublishUnroutable(
-                f"no queue bound for {exchange or '<default>'}/{routing_key} ({exc})"
-            ) from None
+            raise PublishUnroutable(f"no queue bound for {where} ({exc})") from None
         except aiormq.exceptions.DeliveryError as exc:
-            raise PublishNacked(
-                f"broker refused publish to {exchange or '<default>'}/{routing_key} ({exc})"
-            ) from None
+            raise PublishNacked(f"broker refused publish to {where} ({exc})") from None
         except TimeoutError:
             raise PublishTimeout(
-                f"no confirm within {timeout:g} s for {exchange or '<default>'}/{routing_key}; "
-                "the message may still be enqueued"
+                f"no confirm within {timeout:g} s for {where}; the message may still be enqueued"
             ) from None
         except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
             raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
@@ -424,44 +523,34 @@ class AmqpTransport:
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
             raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
 
-    async def _exchange(self, name: str) -> AbstractExchange:
-        if name == DEFAULT_EXCHANGE:
-            return self._publish_channel.default_exchange
-        exchange = self._exchanges.get(name)
-        if exchange is None:
-            exchange = await self._publish_channel.get_exchange(name, ensure=False)
-            self._exchanges[name] = exchange
-        return exchange
-
     # ---- consuming ------------------------------------------------------------------------
     async def consume(
         self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False
     ) -> Consumer:
-        """Consume ``queue`` on its own channel. With ``no_ack`` nothing needs acking."""
+        """Consume ``queue`` on its own channel. With ``no_ack`` nothing needs acking.
+
+        Each delivery goes from aiormq straight into a :class:`Delivery` (no aio-pika
+        ``IncomingMessage``, one task per message instead of two); the consumer subscribes
+        again whenever its channel reopens (after a reconnect: before the ``on_reconnect``
+        callbacks run)."""
         channel = await self._connection.channel()
         try:
-            await channel.set_qos(prefetch_count=0 if no_ack else prefetch)
-            q = await self._queue_on(channel, queue)
+            await self._queue_on(channel, queue)  # it exists (and aio-pika restores it)
+            consumer = Consumer(channel, queue, handler, prefetch=prefetch, no_ack=no_ack)
+            await consumer.subscribe()
         except BaseException:
             if not channel.is_closed:
                 await channel.close()
             raise
-
-        async def on_message(msg: AbstractIncomingMessage) -> None:
-            await handler(_delivery(msg))
-
-        tag = await q.consume(on_message, no_ack=no_ack)
-        return Consumer(q, tag, channel)
+        return consumer
 
     async def consume_raw(self, queue: str, callback: Callable[[bytes], None]) -> RawConsumer:
         """The cheapest path, for superseded messages (heartbeats): no acks, and only the body
-        handed to a synchronous callback, straight from aiormq without aio-pika's per-message
-        wrapper. Re-subscribed by the transport after every reconnect."""
+        handed to a synchronous callback. Re-subscribed whenever its channel reopens."""
         channel = await self._connection.channel()
         await self._queue_on(channel, queue)
         consumer = RawConsumer(channel, queue, callback)
         await consumer.subscribe()
-        self._raw_consumers.append(consumer)
         return consumer
 
     async def dead_letter(
