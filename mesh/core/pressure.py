@@ -471,30 +471,42 @@ class PressureBoard:
         return p.queue_depth * service / p.capacity if service else 0.0
 
     def _stage(self, p: PoolPressure) -> Stage:
-        return self._stage_and_cause(p)[0]
+        return self._stage_of(p)[0]
 
-    def _stage_and_cause(self, p: PoolPressure) -> tuple[Stage, str]:
-        """The pool's stage, and what put it there (for the journal)."""
+    def _stage_of(self, p: PoolPressure) -> tuple[Stage, str]:
+        """The pool's stage, and which source put it there (the cause is worded only when
+        the stage changes: this runs on every admission)."""
         if not self.policy.enabled:
-            return Stage.NORMAL, "shedding is off"
+            return Stage.NORMAL, "off"
         by_use = Stage.NORMAL
-        for stage in (Stage.SHED_SPECULATIVE, Stage.PAUSE_BATCH, Stage.TIGHTEN):
-            if p.capacity > 0 and p.used >= p.limit(stage, self.policy):
-                by_use = stage
+        if p.capacity > 0:
+            for stage in (Stage.SHED_SPECULATIVE, Stage.PAUSE_BATCH, Stage.TIGHTEN):
+                if p.used >= p.limit(stage, self.policy):
+                    by_use = stage
         if p.blocked:
-            return Stage.REJECT_INTERACTIVE, "broker alarm: publishers blocked"
+            return Stage.REJECT_INTERACTIVE, "blocked"
         if p.queue_depth > 0 and p.oldest_age_s > self.policy.queue_age_s:
             full = p.capacity > 0 and p.used >= p.capacity
             top = Stage.REJECT_INTERACTIVE if full else Stage.TIGHTEN
             by_signal = Stage(min(top, by_use + 1))
             if by_signal > by_use:
-                return by_signal, f"oldest queued task waited {p.oldest_age_s:.1f} s"
-        return by_use, f"utilisation {p.used}/{p.capacity}"
+                return by_signal, "queue age"
+        return by_use, "utilisation"
+
+    def _stage_and_cause(self, p: PoolPressure) -> tuple[Stage, str]:
+        """The pool's stage, and what put it there (for the journal)."""
+        stage, source = self._stage_of(p)
+        cause = {
+            "off": "shedding is off",
+            "blocked": "broker alarm: publishers blocked",
+            "queue age": f"oldest queued task waited {p.oldest_age_s:.1f} s",
+        }.get(source, f"utilisation {p.used}/{p.capacity}")
+        return stage, cause
 
     def _restage(self, pool_id: str, p: PoolPressure, now: float) -> None:
-        stage, cause = self._stage_and_cause(p)
-        if stage == p.stage:
+        if self._stage_of(p)[0] == p.stage:
             return
+        stage, cause = self._stage_and_cause(p)
         self.changes.append(StageChange(pool_id, p.stage, stage, now, cause))
         p.stage, p.since = stage, now
 

@@ -34,6 +34,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from typing import Final, NamedTuple
 
 from mesh.errors import LocalProtocolError, StoreError
@@ -162,8 +163,24 @@ def normalize_items(items: Iterable[tuple[str, str, int]]) -> tuple[Item, ...]:
     """Items in the ledger's one global order, ``(pool_id, resource)``, duplicates summed.
 
     Every store takes counters in this order, so two transactions never wait on each other's
-    rows in opposite orders.
+    rows in opposite orders. (Requests of one shape ask for the same items: the result is
+    remembered per items tuple.)
     """
+    key = tuple(items)
+    for raw in key:  # only exact types may use the memo (True == 1 and 1.0 == 1 as keys)
+        if type(raw) is not tuple or len(raw) != 3:
+            return _normalize(key)
+        if type(raw[0]) is not str or type(raw[1]) is not str or type(raw[2]) is not int:
+            return _normalize(key)
+    return _normalized(key)
+
+
+@lru_cache(maxsize=4096)
+def _normalized(items: tuple[tuple[str, str, int], ...]) -> tuple[Item, ...]:
+    return _normalize(items)
+
+
+def _normalize(items: Iterable[tuple[str, str, int]]) -> tuple[Item, ...]:
     totals: dict[tuple[str, str], int] = {}
     for raw in items:
         pool_id, resource, amount = raw

@@ -215,6 +215,14 @@ class _Rollback(Exception):
         self.outcome = outcome
 
 
+# The log rows of a planned prepare, as (event, state entered), spelled out once.
+_PREPARED = ((LedgerEvent.PREPARED.value, TRANSITIONS[LedgerEvent.PREPARED].target.value),)
+_PREPARED_ACTIVATED = (
+    *_PREPARED,
+    (LedgerEvent.ACTIVATED.value, TRANSITIONS[LedgerEvent.ACTIVATED].target.value),
+)
+
+
 @dataclass(slots=True)
 class _Plan:
     """A planned batch: what it has read, and what it will write before COMMIT."""
@@ -646,12 +654,9 @@ class SqlLedger(abc.ABC):
             (admission_id, digest, pool_id, state.value, fence, expires_at, now, now)
         )
         plan.items += [(admission_id, *item) for item in items]
-        events = (
-            [LedgerEvent.PREPARED, LedgerEvent.ACTIVATED] if activate else [LedgerEvent.PREPARED]
-        )
         plan.log += [
-            (now, admission_id, event.value, TRANSITIONS[event].target.value, fence)
-            for event in events
+            (now, admission_id, event, target, fence)
+            for event, target in (_PREPARED_ACTIVATED if activate else _PREPARED)
         ]
         reservation = Reservation(
             admission_id, digest, pool_id, state, fence, items, expires_at, now, now

@@ -172,6 +172,8 @@ class Admitter:
     ledger: LedgerStore
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     grantors: Sequence[ExternalGrantor] = ()
+    # Change these two through publish_descriptor, load_descriptors and set_active_epoch only:
+    # the eligibility cache keys on their version.
     descriptors: dict[str, CapabilityDescriptor] = field(default_factory=dict)
     active_epochs: dict[str, int] = field(default_factory=dict)
     decisions: OrderedDict[str, DecisionRecord] = field(default_factory=OrderedDict)
@@ -253,15 +255,16 @@ class Admitter:
             adopted += 1
         return adopted
 
-    def _descriptor_state(self) -> tuple[object, ...]:
-        """Changes whenever what eligibility reads of the descriptors does (also when a
-        test edits ``descriptors`` or ``active_epochs`` directly)."""
-        return (
-            self._descriptors_version,
-            tuple(
-                (pool, id(d), self.active_epochs.get(pool)) for pool, d in self.descriptors.items()
-            ),
-        )
+    def _descriptor_state(self) -> int:
+        """Changes whenever what eligibility reads of the descriptors does: change
+        ``descriptors`` and ``active_epochs`` only through the methods here."""
+        return self._descriptors_version
+
+    def set_active_epoch(self, pool_id: str, epoch: int) -> None:
+        """Make ``epoch`` the pool's active descriptor epoch (a rollout that moves on before
+        its descriptor arrives): descriptors of other epochs are no longer eligible."""
+        self._descriptors_version += 1
+        self.active_epochs[pool_id] = epoch
 
     def _activate(self, descriptor: CapabilityDescriptor) -> None:
         self._descriptors_version += 1

@@ -124,7 +124,7 @@ async def test_explain_reproduces_the_filtering_of_a_recorded_decision_exactly(
         # A rollout that has moved the pool's active epoch on before its descriptor arrived.
         # Nothing on the wire does this yet (the manager activates what it accepts), so the
         # test sets the state the epoch rule guards against.
-        manager.admitter.active_epochs["rag-rollout"] = ROLLOUT_EPOCH
+        manager.admitter.set_active_epoch("rag-rollout", ROLLOUT_EPOCH)
         await asyncio.sleep(1.2)  # rag-expiring expires
 
         granted = await client.admit(REQUIREMENTS, admission_id="adm-explain")
