@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 from enum import StrEnum
+from functools import lru_cache
 from typing import Annotated, Any, Literal, Self
 
 import orjson
@@ -79,11 +80,20 @@ class AdmissionReason(StrEnum):
 
 
 def _check_specifier(text: str) -> str:
+    if not _valid_specifier(text):
+        raise ValueError(f"{text!r} is not a valid PEP 440 version specifier set")
+    return text
+
+
+@lru_cache(maxsize=4096)
+def _valid_specifier(text: str) -> bool:
+    """Parsing a specifier set is the dearest part of validating requirements, and producers
+    send the same few ranges over and over: remember the verdict per string."""
     try:
         SpecifierSet(text)
     except InvalidSpecifier:
-        raise ValueError(f"{text!r} is not a valid PEP 440 version specifier set") from None
-    return text
+        return False
+    return True
 
 
 PoolId = Annotated[
