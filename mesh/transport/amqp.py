@@ -32,7 +32,6 @@ import aio_pika
 import aiormq
 from aio_pika.abc import (
     AbstractExchange,
-    AbstractIncomingMessage,
     AbstractRobustChannel,
     AbstractRobustConnection,
     AbstractRobustQueue,
@@ -99,21 +98,6 @@ class Delivery:
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
-
-
-def _delivery(msg: AbstractIncomingMessage) -> Delivery:
-    return Delivery(
-        body=msg.body,
-        routing_key=msg.routing_key or "",
-        exchange=msg.exchange or "",
-        headers=msg.headers or {},
-        reply_to=msg.reply_to,
-        correlation_id=msg.correlation_id,
-        message_id=msg.message_id,
-        user_id=msg.user_id,
-        redelivered=bool(msg.redelivered),
-        _raw=msg,
-    )
 
 
 async def _resubscribe(consumer: Consumer | RawConsumer) -> None:
@@ -578,9 +562,11 @@ class AmqpTransport:
         async with asyncio.timeout(timeout_s + _CONTROL_TIMEOUT_S):
             channel = await self._connection.channel()
             try:
-                q = await channel.get_queue(queue, ensure=False)
-                msg = await q.get(no_ack=True, fail=False, timeout=timeout_s)
-                return None if msg is None else _delivery(msg)
+                underlay = await channel.get_underlay_channel()
+                msg = await underlay.basic_get(queue, no_ack=True, timeout=timeout_s)
+                if isinstance(msg.delivery, aiormq.spec.Basic.GetEmpty):
+                    return None
+                return _raw_delivery(msg, _NO_SETTLE)
             finally:
                 await channel.close()
 
