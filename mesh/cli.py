@@ -31,6 +31,7 @@ from mesh.wire.admission import AdmissionDecision, ExplainReply
 from mesh.wire.models import OrchestrationEvent, Refusal, StatusReply
 
 if TYPE_CHECKING:
+    from mesh.manager.admission import AdmissionPolicy
     from mesh.manager.journal import SqliteJournal
 
 SCHEMAS_DIR = Path("schemas")
@@ -71,7 +72,7 @@ def _on_off(text: str) -> bool:
     return text == "on"
 
 
-def _admission_policy(args: argparse.Namespace) -> Any:
+def _admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
     """The manager's admission policy with the shedding knobs from the command line."""
     from mesh.core.pressure import PressurePolicy
     from mesh.manager.admission import AdmissionPolicy

@@ -135,9 +135,13 @@ class Holding:
     run: str | None = None  # "<tenant>/<run_id>", when the task names its run
 
 
+EVICTION_ORDER = ("rebuildable", "retryable")
+"""The recoverabilities whose admitted work may be evicted, first to go first."""
+
+
 def evict_order(recoverability: str | None) -> int | None:
-    """Eviction order of a recoverability: rebuildable 0, retryable 1, anything else never."""
-    return {"rebuildable": 0, "retryable": 1}.get(recoverability or "")
+    """A recoverability's place in :data:`EVICTION_ORDER`; ``None``: never evicted."""
+    return EVICTION_ORDER.index(recoverability) if recoverability in EVICTION_ORDER else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +249,7 @@ class PressureBoard:
         evict_order: int | None = None,
         run: str | None = None,
     ) -> None:
-        if admission_id in self._holdings:
-            return  # an idempotent replay of a grant already counted
-        self.restore(admission_id, Holding(pool_id, tenant, now, rank, evict_order, run), now)
+        self._hold(admission_id, Holding(pool_id, tenant, now, rank, evict_order, run), now)
 
     def adopt(self, admission_id: str, holding: Holding) -> None:
         """A grant found in the ledger at start (the counters already include it)."""
@@ -275,8 +277,11 @@ class PressureBoard:
 
     def restore(self, admission_id: str, holding: Holding, now: float) -> None:
         """Undo ``ended`` (the transaction that evicted it rolled back)."""
+        self._hold(admission_id, holding, now)
+
+    def _hold(self, admission_id: str, holding: Holding, now: float) -> None:
         if admission_id in self._holdings:
-            return
+            return  # an idempotent replay of a grant already counted
         self._holdings[admission_id] = holding
         p = self.pool(holding.pool_id)
         p.used += 1

@@ -190,6 +190,10 @@ class LedgerStore(Protocol):
 
     def decision(self, admission_id: str) -> DecisionRow | None: ...
 
+    def decisions(self, admission_ids: Sequence[str]) -> dict[str, DecisionRow]:
+        """The recorded decisions of these admissions, in one read (those that have one)."""
+        ...
+
     def maintain(self) -> None:
         """Housekeeping off the commit path (SQLite: a WAL checkpoint); call it periodically."""
         ...
@@ -478,6 +482,9 @@ class SqlLedger(abc.ABC):
         if plan is not None and admission_id in plan.decisions and self._open_batch():
             return plan.decisions[admission_id]
         return self._read(lambda db: self._select_decision(db, admission_id))
+
+    def decisions(self, admission_ids: Sequence[str]) -> dict[str, DecisionRow]:
+        return self._read(lambda db: self._select_decisions(db, admission_ids))
 
     def _select_decision(self, db: Db, admission_id: str) -> DecisionRow | None:
         rows = self._select_decisions(db, [admission_id])

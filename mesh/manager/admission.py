@@ -62,6 +62,7 @@ from mesh.core.eligibility import (
     widening,
 )
 from mesh.core.pressure import (
+    EVICTION_ORDER,
     Holding,
     PressureBoard,
     PressurePolicy,
@@ -163,6 +164,11 @@ class Eviction:
     for_admission: str
     at: float
 
+    @property
+    def recoverability(self) -> str:
+        order = self.holding.evict_order
+        return "(unknown)" if order is None else EVICTION_ORDER[order]
+
 
 @dataclass
 class Admitter:
@@ -192,8 +198,10 @@ class Admitter:
         """Count the grants the ledger holds (after a restart) on the pressure board: the
         fair shares need to know who holds what. Returns how many were adopted."""
         holding = self.ledger.active()
+        rows = self.ledger.decisions([r.admission_id for r in holding])  # one read, not N
         for reservation in holding:
-            decided = self.recorded(reservation.admission_id)
+            row = rows.get(reservation.admission_id)
+            decided = self._from_row(row) if row is not None else None
             estimate = (decided.estimate if decided else None) or {}
             tenant = _tenant_of(reservation) or (decided.tenant if decided else None)
             rank = shed_rank(
@@ -385,12 +393,16 @@ class Admitter:
         if decided is not None:
             return decided
         row = self.ledger.decision(admission_id)
-        if row is None:
-            return None
+        return None if row is None else self._from_row(row)
+
+    @staticmethod
+    def _from_row(row: DecisionRow) -> DecisionRecord | None:
         try:
             return DecisionRecord.from_row(row)
         except ValueError:
-            log.error("a stored decision no longer validates", extra={"admission": admission_id})
+            log.error(
+                "a stored decision no longer validates", extra={"admission": row.admission_id}
+            )
             return None
 
     def explain(self, admission_id: str) -> dict[str, Any] | None:
@@ -557,12 +569,8 @@ class Admitter:
         if isinstance(self.ledger.release(victim_id, victim.fence, now), Refused):
             return False
         holding = self.pressure.ended(victim_id, now, completed=False)
-        assert holding is not None  # ``victim`` found it on the board
-        eviction = Eviction(victim, holding, request.admission_id, now)
-        if self._batch is not None:
-            self._batch.evicted.append(eviction)
-        else:
-            self.evictions.append(eviction)
+        assert holding is not None and self._batch is not None  # found on the board; in a batch
+        self._batch.evicted.append(Eviction(victim, holding, request.admission_id, now))
         log.info(
             "grant evicted",
             extra={"admission_id": victim_id, "pool_id": pool_id, "for": request.admission_id},

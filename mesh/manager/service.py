@@ -556,11 +556,7 @@ class ManagerService:
         for eviction in evictions:  # after the journal: the producer learns of it from here on
             victim = eviction.victim
             self.counters["admissions_evicted"] += 1
-            record = admitter.recorded(victim.admission_id)
-            recoverability = (record.estimate or {}).get("recoverability") if record else None
-            self.observer.metrics.evictions.labels(
-                victim.pool_id, recoverability or "(unknown)"
-            ).inc()
+            self.observer.metrics.evictions.labels(victim.pool_id, eviction.recoverability).inc()
             await self._publish_revocation(
                 victim.pool_id, victim.admission_id, victim.fence, "RELEASED", now, evicted=True
             )

@@ -144,8 +144,6 @@ ServiceClass = Literal["interactive", "batch", "speculative"]
 Recoverability = Literal[
     "rebuildable", "retryable", "side_effects", "awaiting_approval", "near_commit"
 ]
-EVICTABLE: frozenset[str] = frozenset({"rebuildable", "retryable"})
-"""Recoverabilities whose admitted work may be evicted under pressure (rebuildable first)."""
 
 Classifications = Annotated[list[Classification], AfterValidator(distinct), UNIQUE_ITEMS]
 Regions = Annotated[list[Region], AfterValidator(distinct), UNIQUE_ITEMS]

@@ -583,6 +583,16 @@ def test_decisions_are_kept_per_admission_and_never_overwritten_by_another_diges
     )
 
 
+def test_decisions_are_read_many_at_once_as_one_by_one(pool: LedgerStore) -> None:
+    assert pool.record_decision("adm-1", "d1", "admitted", T0, '{"n": 1}')
+    assert pool.record_decision("adm-2", "d2", "deferred", T0, '{"n": 2}')
+
+    rows = pool.decisions(["adm-1", "adm-2", "adm-none"])
+
+    assert rows == {"adm-1": pool.decision("adm-1"), "adm-2": pool.decision("adm-2")}
+    assert pool.decisions([]) == {}
+
+
 def test_maintain_can_run_while_decisions_go_on(pool: LedgerStore) -> None:
     for n in range(50):
         prepared(pool.prepare(f"adm-{n}", "d", [tokens(1)], TTL, T0, activate_ttl_s=TTL))
