@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -151,10 +152,18 @@ def cmd_manager(args: argparse.Namespace) -> int:
         scaler = _build_scaler(args)
         stop = asyncio.Event()
         _stop_on_signals(stop)
-        await ManagerService(settings, scaler=scaler).run_until_stopped(stop)
+        await ManagerService(settings, scaler=scaler).run_until_stopped(stop, _tune_gc)
         return 0
 
     return _run(run())
+
+
+def _tune_gc() -> None:
+    """Once the manager is up: its start-up state out of the collector's sight
+    (:mod:`mesh.gc_tuning`)."""
+    from mesh.gc_tuning import tune_gc
+
+    logging.getLogger("mesh.manager").info(tune_gc())
 
 
 def _build_scaler(args: argparse.Namespace) -> Scaler | None:

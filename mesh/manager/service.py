@@ -275,8 +275,12 @@ class ManagerService:
         self._ledger_thread.shutdown(wait=False)
         log.info("manager stopped", extra={"manager_id": self.settings.manager_id})
 
-    async def run_until_stopped(self, stop: asyncio.Event) -> None:
+    async def run_until_stopped(
+        self, stop: asyncio.Event, on_started: Callable[[], None] | None = None
+    ) -> None:
         await self.start()
+        if on_started is not None:
+            on_started()
         try:
             await stop.wait()
         finally:
