@@ -492,6 +492,16 @@ class AmqpTransport:
             ) from None
         except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
             raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
+        except asyncio.CancelledError:
+            # aiormq fails a closing connection's pending futures with CancelledError (its
+            # default close reason; a missed-heartbeats close too): the connection died, this
+            # task was not cancelled. A real cancellation of the caller still propagates.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise TransportError(
+                f"publish to {exchange}/{routing_key} failed: the connection closed"
+            ) from None
 
     async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None:
         """Fire-and-forget on a channel without confirms: for superseded messages (heartbeats)."""
