@@ -1,0 +1,50 @@
+"""The fault suite (issue 7): the mesh under broker kills, frozen processes, network faults and
+bad input, each test ending on the invariants of :mod:`tests.faults.accounting`.
+
+Every test collected under this directory is marked ``faults`` (and ``integration``: they need
+the real broker), so ``pytest -m faults`` runs the suite alone and ``pytest -m "not faults"``
+everything else. Destructive broker tests never touch the shared broker on 5672: they start
+their own node (:mod:`tests.faults.broker_node`) on its own ports and data directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .broker_node import BrokerNode, node_unavailable_reason
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.faults)
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def fault_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerNode]:
+    """A RabbitMQ node of the suite's own (ports 5682/25682/15682), started once per session
+    and left running between tests; a test that kills it restarts it before it ends."""
+    reason = node_unavailable_reason()
+    if reason is not None:
+        pytest.fail(reason)  # never a skip: a fault suite that did not run is a red build
+    node = BrokerNode(tmp_path_factory.mktemp("fault-broker"))
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture
+def broker(fault_broker: BrokerNode) -> Iterator[BrokerNode]:
+    """The suite's node, up and without alarms when the test starts and when it ends."""
+    fault_broker.ensure_running()
+    yield fault_broker
+    fault_broker.clear_alarms()
+    fault_broker.ensure_running()
