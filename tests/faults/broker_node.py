@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -260,7 +261,7 @@ class BrokerNode:
 
     def queue(self, name: str) -> dict[str, Any]:
         """The management API's view of a queue (``messages``, ``consumers``…)."""
-        quoted = urllib.request.quote(name, safe="")
+        quoted = urllib.parse.quote(name, safe="")
         result: dict[str, Any] = self.api(f"/api/queues/%2F/{quoted}")
         return result
 

@@ -29,7 +29,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def fault_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerNode]:
     """A RabbitMQ node of the suite's own (ports 5682/25682/15682), started once per session
-    and left running between tests; a test that kills it restarts it before it ends."""
+    and left running between tests; the ``node`` fixture restarts it
+    after a test that killed it."""
     reason = node_unavailable_reason()
     if reason is not None:
         pytest.fail(reason)  # never a skip: a fault suite that did not run is a red build
@@ -42,8 +43,10 @@ def fault_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerNod
 
 
 @pytest.fixture
-def broker(fault_broker: BrokerNode) -> Iterator[BrokerNode]:
-    """The suite's node, up and without alarms when the test starts and when it ends."""
+def node(fault_broker: BrokerNode) -> Iterator[BrokerNode]:
+    """The suite's node, up and without alarms when the test starts and when it ends. (Not
+    ``broker``: that is the shared broker of ``tests/conftest.py``, which ``amqp_url`` and
+    ``namespace``'s clean-up rest on.)"""
     fault_broker.ensure_running()
     yield fault_broker
     fault_broker.clear_alarms()

@@ -45,12 +45,12 @@ TransportMaker = Callable[[str], Awaitable[AmqpTransport]]
 
 
 @pytest.fixture
-async def connect(broker: BrokerNode) -> AsyncIterator[TransportMaker]:
+async def connect(node: BrokerNode) -> AsyncIterator[TransportMaker]:
     made: list[AmqpTransport] = []
 
     async def make(name: str) -> AmqpTransport:
         transport = await AmqpTransport.connect(
-            broker.amqp_url + URL_OPTIONS, name=name, publish_timeout_s=PUBLISH_TIMEOUT_S
+            node.amqp_url + URL_OPTIONS, name=name, publish_timeout_s=PUBLISH_TIMEOUT_S
         )
         made.append(transport)
         return transport
@@ -69,19 +69,12 @@ async def workload(
     declarations = work_queue(namespace, queue_type, **arguments)
     producer = await connect(f"{namespace}:producer")
     consumer = await connect(f"{namespace}:consumer")
-    await producer.declare(declarations)
-    return Workload(
-        producer,
-        consumer,
-        exchange=declarations.exchanges[0].name,
-        queue=declarations.queues[0].name,
-        publish_timeout_s=PUBLISH_TIMEOUT_S,
-    )
+    return await Workload.over(producer, consumer, declarations, PUBLISH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 async def test_kill_9_mid_stream_loses_nothing_confirmed(
-    broker: BrokerNode, connect: TransportMaker, namespace: str, queue_type: QueueType
+    node: BrokerNode, connect: TransportMaker, namespace: str, queue_type: QueueType
 ) -> None:
     work = await workload(connect, namespace, queue_type)
     if queue_type == "quorum":
@@ -89,16 +82,16 @@ async def test_kill_9_mid_stream_loses_nothing_confirmed(
         # few minutes: a single node killed before that forgets the queue's log and starts an
         # empty, leaderless member (rabbitmq-server#10070, #15725; this suite found it). A
         # graceful restart saves it — what a queue older than a few minutes has anyway.
-        await asyncio.to_thread(broker.restart_app)
+        await asyncio.to_thread(node.restart_app)
     work.handle_s = 0.01  # deliveries are in flight (unacked) when the broker dies
     await work.consume()
     producing = asyncio.create_task(work.produce(ids("k", 400)))
 
     await when(lambda: work.tally.confirmed >= 150, "150 confirms before the kill")
-    await asyncio.to_thread(broker.kill9)
+    await asyncio.to_thread(node.kill9)
     confirmed_at_kill = work.tally.confirmed
     await asyncio.sleep(1.0)  # publishes meet a dead broker: unknown, retried
-    restart_s = await asyncio.to_thread(broker.start)
+    restart_s = await asyncio.to_thread(node.start)
 
     await asyncio.wait_for(producing, 120)
     await work.settled()
@@ -109,14 +102,14 @@ async def test_kill_9_mid_stream_loses_nothing_confirmed(
 
 
 async def test_a_graceful_restart_brings_the_consumer_back(
-    broker: BrokerNode, connect: TransportMaker, namespace: str
+    node: BrokerNode, connect: TransportMaker, namespace: str
 ) -> None:
     work = await workload(connect, namespace, "quorum")
     await work.consume()
     await work.produce(ids("before", 50))
     await work.settled()
 
-    await asyncio.to_thread(broker.restart_app)
+    await asyncio.to_thread(node.restart_app)
     back_at = time.monotonic()
     # Back means working, not listed: one message through, from publish to applied (the
     # management API's consumer count lags by its 5 s statistics interval).
@@ -132,14 +125,14 @@ async def test_a_graceful_restart_brings_the_consumer_back(
 
 
 async def test_the_broker_closing_every_connection_loses_nothing(
-    broker: BrokerNode, connect: TransportMaker, namespace: str
+    node: BrokerNode, connect: TransportMaker, namespace: str
 ) -> None:
     work = await workload(connect, namespace, "quorum")
     work.handle_s = 0.01
     await work.consume()
     producing = asyncio.create_task(work.produce(ids("c", 300)))
     await when(lambda: work.tally.confirmed >= 100, "100 confirms")
-    await asyncio.to_thread(broker.close_all_connections)
+    await asyncio.to_thread(node.close_all_connections)
     await asyncio.wait_for(producing, 90)
     await work.settled()
     work.tally.check()
@@ -148,19 +141,19 @@ async def test_the_broker_closing_every_connection_loses_nothing(
 
 @pytest.mark.parametrize("alarm", ["disk", "memory"])
 async def test_under_a_resource_alarm_publishes_become_unknown_in_time_and_nothing_is_lost(
-    broker: BrokerNode, connect: TransportMaker, namespace: str, alarm: str
+    node: BrokerNode, connect: TransportMaker, namespace: str, alarm: str
 ) -> None:
     work = await workload(connect, namespace, "quorum")
     await work.consume()
     await work.produce(ids("pre", 20))
 
-    raise_alarm = broker.raise_disk_alarm if alarm == "disk" else broker.raise_memory_alarm
+    raise_alarm = node.raise_disk_alarm if alarm == "disk" else node.raise_memory_alarm
     await asyncio.to_thread(raise_alarm)
     outcomes = [await work.publish_one(f"blocked-{n}") for n in range(3)]
     assert outcomes == ["unknown"] * 3  # blocked, not refused: the outcome is unknown
     assert work.tally.slowest_publish_s <= PUBLISH_TIMEOUT_S + 1.0  # and bounded by its timeout
 
-    await asyncio.to_thread(broker.clear_alarms)
+    await asyncio.to_thread(node.clear_alarms)
     # The producer retries what it does not know about, under the same IDs.
     await work.produce([f"blocked-{n}" for n in range(3)] + ids("post", 20))
     await work.settled()
@@ -168,7 +161,7 @@ async def test_under_a_resource_alarm_publishes_become_unknown_in_time_and_nothi
 
 
 async def test_a_full_queue_nacks_and_loses_nothing_confirmed(
-    broker: BrokerNode, connect: TransportMaker, namespace: str
+    node: BrokerNode, connect: TransportMaker, namespace: str
 ) -> None:
     work = await workload(connect, namespace, "quorum", max_length=10, overflow="reject-publish")
     outcomes = [await work.publish_one(business_id) for business_id in ids("f", 30)]
@@ -192,7 +185,7 @@ async def test_an_unroutable_publish_is_returned_never_confirmed(
 
 
 async def test_a_poison_message_is_dead_lettered_while_traffic_flows(
-    broker: BrokerNode, connect: TransportMaker, namespace: str
+    node: BrokerNode, connect: TransportMaker, namespace: str
 ) -> None:
     dlx, dlq = f"{namespace}.dlx", f"{namespace}.dlq"
     work = await workload(connect, namespace, "quorum", dead_letter_exchange=dlx, delivery_limit=3)

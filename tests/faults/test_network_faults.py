@@ -91,14 +91,7 @@ async def work(proxy: TcpProxy, namespace: str) -> AsyncIterator[Workload]:
             stack.push_async_callback(transport.close)
             transports.append(transport)
         producer, consumer = transports
-        await producer.declare(declarations)
-        yield Workload(
-            producer,
-            consumer,
-            exchange=declarations.exchanges[0].name,
-            queue=declarations.queues[0].name,
-            publish_timeout_s=PUBLISH_TIMEOUT_S,
-        )
+        yield await Workload.over(producer, consumer, declarations, PUBLISH_TIMEOUT_S)
 
 
 class Watch:

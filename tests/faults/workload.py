@@ -64,6 +64,24 @@ class Workload:
     publish_timeout_s: float = 2.0
     applied: set[str] = field(default_factory=set)
 
+    @classmethod
+    async def over(
+        cls,
+        producer: AmqpTransport,
+        consumer: AmqpTransport,
+        declarations: Declarations,
+        publish_timeout_s: float,
+    ) -> Workload:
+        """Declare :func:`work_queue`'s ``declarations`` and work on them."""
+        await producer.declare(declarations)
+        return cls(
+            producer,
+            consumer,
+            exchange=declarations.exchanges[0].name,
+            queue=declarations.queues[0].name,
+            publish_timeout_s=publish_timeout_s,
+        )
+
     async def consume(self, prefetch: int = 20) -> None:
         await self.consumer.consume(self.queue, self._on_message, prefetch=prefetch)
 
