@@ -236,6 +236,10 @@ class ManagerService:
             ]
         )
         await self._observe_deployments()
+        # The first tick is the baseline the stall check measures from: without it, a manager
+        # stopped (SIGSTOP, a VM pause) before its first periodic tick would judge every
+        # agent's silence meanwhile as theirs and evict them all on waking.
+        await self._feed(Tick())
         t = self.topology
         self._consumers = [
             await self.transport.consume(t.announce_queue, self._on_announce, prefetch=s.prefetch),

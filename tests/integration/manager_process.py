@@ -11,7 +11,7 @@ prints every journal entry as one JSON line on stdout, so the test sees which pr
 accepted a descriptor and which decided each admission::
 
     {"event": "ready", "manager_id": "m-a", "pid": 1234}
-    {"event": "log", "manager_id": "m-a", "kind": "admission", "detail": {...}}
+    {"event": "log", "manager_id": "m-a", "kind": "admission", "agent_id": "", "detail": {...}}
     {"event": "stopped", "manager_id": "m-a"}
 
 SIGTERM or SIGINT stops it cleanly; SIGKILL is what the crash tests send.
@@ -63,6 +63,7 @@ async def main(config: dict[str, Any]) -> None:
                 "event": "log",
                 "manager_id": manager_id,
                 "kind": event.kind,
+                "agent_id": event.agent_id,
                 "reason": event.reason,
                 "detail": event.detail,
             }
