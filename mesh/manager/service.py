@@ -363,11 +363,13 @@ class ManagerService:
     async def _guarded(
         self, delivery: Delivery, queue: str, handle: Callable[[Delivery], Awaitable[None]]
     ) -> None:
-        """Handle, then ack. Bad input is dead-lettered with its reason; nothing escapes."""
+        """Handle, then ack. Bad input is dead-lettered with its reason; nothing escapes —
+        not even a failure to dead-letter it (the message then goes back to the queue)."""
         try:
-            await handle(delivery)
-        except MessageRejected as exc:
-            await self._dead_letter(delivery, queue, exc)
+            try:
+                await handle(delivery)
+            except MessageRejected as exc:
+                await self._dead_letter(delivery, queue, exc)
         except TransportError as exc:
             # Replies and agent messages are best-effort (counted where they fail), so this is
             # the channel or broker going away: hand the message back to be redelivered (the

@@ -17,6 +17,7 @@ from mesh import constants as c
 from mesh.agent import AgentRuntime, AgentSettings
 from mesh.errors import (
     PublishNacked,
+    PublishTimeout,
     PublishUnroutable,
     TaskInputInvalid,
     TransportError,
@@ -712,5 +713,50 @@ async def test_the_manager_and_an_agent_carry_on_after_their_connections_drop_an
     finally:
         await client.close()
         await runtime.stop()
+        await manager.stop()
+        await broker.close()
+
+
+class _DeadLetterFails(InMemoryTransport):
+    """The manager's transport, except that the first dead-letter republish fails (the
+    dead-letter exchange's confirm never comes)."""
+
+    failures = 1
+
+    async def dead_letter(self, delivery: Delivery, **kwargs: Any) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise PublishTimeout("no confirm for the dead letter")
+        await super().dead_letter(delivery, **kwargs)
+
+
+async def test_bad_input_the_manager_cannot_dead_letter_goes_back_to_its_queue() -> None:
+    broker = InMemoryBroker()
+    transport = _DeadLetterFails(broker, "manager")
+    manager = ManagerService(
+        ManagerSettings(namespace="ns", tick_interval_s=0.05, ledger_url="sqlite::memory:"),
+        transport=transport,
+        journal=SqliteJournal(":memory:"),
+        clock=FakeClock(),
+    )
+    await manager.start()
+    producer = InMemoryTransport(broker, "producer")
+    try:
+        topology = manager.topology
+        await producer.publish(topology.announce_exchange, "agent.x.register", b"not json")
+        dlq = topology.dead_letter_queue
+        for _ in range(100):
+            if broker.queue_info(dlq).ready:
+                break
+            await asyncio.sleep(0.01)
+        # The first attempt failed and the message went back; the second dead-lettered it.
+        [dead] = broker.messages(dlq)
+        assert dead.body == b"not json"
+        assert transport.failures == 0
+        assert manager.counters["handler_errors"] == 0
+        announce = broker.queue_info(topology.announce_queue)
+        assert (announce.ready, announce.unacked) == (0, 0)
+    finally:
+        await producer.close()
         await manager.stop()
         await broker.close()
