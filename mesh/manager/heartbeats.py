@@ -36,12 +36,15 @@ class HeartbeatSink:
         on_commands: Callable[[list[Command]], None],
         counters: Counter[str] | None = None,
         on_heartbeat: Callable[[Heartbeat, float], None] | None = None,
+        on_rejected: Callable[[str], None] | None = None,
     ) -> None:
-        """``on_heartbeat(heartbeat, now_wall)`` sees every valid heartbeat (for metrics)."""
+        """``on_heartbeat(heartbeat, now_wall)`` sees every valid heartbeat, ``on_rejected``
+        the reason code of every bad one (for metrics)."""
         self._core = core
         self._clock = clock
         self._on_commands = on_commands
         self._on_heartbeat = on_heartbeat
+        self._on_rejected = on_rejected
         self.counters: Counter[str] = Counter() if counters is None else counters
 
     def __call__(self, body: bytes) -> None:
@@ -49,6 +52,8 @@ class HeartbeatSink:
             heartbeat = decode_as(body, Heartbeat)
         except MessageRejected as exc:
             self.counters[f"heartbeat_rejected.{exc.reason}"] += 1
+            if self._on_rejected is not None:
+                self._on_rejected(exc.reason)
             log.debug("bad heartbeat dropped", extra={"reason": exc.reason})
             return
         self.counters["heartbeats"] += 1

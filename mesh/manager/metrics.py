@@ -107,6 +107,12 @@ class ManagerMetrics:
             ["reason"],
             registry=r,
         )
+        self.heartbeats_rejected = Counter(
+            "mesh_heartbeats_rejected",
+            "Heartbeats the manager could not decode (counted and dropped), by reason code.",
+            ["reason"],
+            registry=r,
+        )
         self.heartbeat_lag = Histogram(
             "mesh_heartbeat_lag_seconds",
             "Delay between an agent sending a heartbeat and the manager handling it.",

@@ -134,6 +134,9 @@ class Observer:
     def dead_lettered(self, reason: str) -> None:
         self.metrics.dead_lettered.labels(reason).inc()
 
+    def heartbeat_rejected(self, reason: str) -> None:
+        self.metrics.heartbeats_rejected.labels(reason).inc()
+
     def heartbeat(self, sent_at: float, now: float) -> None:
         self.metrics.heartbeat_lag.observe(max(0.0, now - sent_at))
 

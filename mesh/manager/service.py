@@ -200,6 +200,7 @@ class ManagerService:
             self._spawn,
             self.counters,
             on_heartbeat=lambda hb, now: self.observer.heartbeat(hb.sent_at, now),
+            on_rejected=self.observer.heartbeat_rejected,
         )
 
     @property

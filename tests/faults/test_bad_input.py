@@ -27,7 +27,8 @@ and ``HeartbeatSink``):
   ``reply_to``, the requester *also* gets a ``Refusal`` with the same reason. So every bad
   announce/rpc message is dead-lettered, and refusals = the subset sent with ``reply_to``.
 * heartbeat queue: by design not dead-lettered (one broken agent must not flood the DLQ) and
-  never answered: counted in ``heartbeat_rejected.<reason>`` and dropped.
+  never answered: counted in ``heartbeat_rejected.<reason>`` and
+  ``mesh_heartbeats_rejected_total{reason}``, and dropped.
 
 The test asserts that per message, by correlation id: each bad announce/rpc message is in the
 dead-letter queue exactly once, byte for byte, with its reason and source queue; each one sent
@@ -296,17 +297,25 @@ def consumer_tags(api: ManagementApi, queues: list[str]) -> dict[str, set[tuple[
     return found
 
 
-async def scrape(url: str) -> dict[str, float]:
-    """``mesh_dead_lettered_messages_total`` by reason, from the manager's ``/metrics``."""
+async def scrape(url: str, family_name: str = "mesh_dead_lettered_messages") -> dict[str, float]:
+    """A counter family's ``_total`` by reason, from the manager's ``/metrics``."""
     async with aiohttp.ClientSession() as session, session.get(f"{url}metrics") as resp:
         assert resp.status == 200
         text = await resp.text()
     return {
         sample.labels["reason"]: sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "mesh_dead_lettered_messages"
+        if family.name == family_name
         for sample in family.samples
-        if sample.name == "mesh_dead_lettered_messages_total"
+        if sample.name == f"{family_name}_total"
+    }
+
+
+def metric_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {
+        r: after.get(r, 0) - before.get(r, 0)
+        for r in set(after) | set(before)
+        if after.get(r, 0) != before.get(r, 0)
     }
 
 
@@ -421,6 +430,7 @@ async def test_bad_input_is_refused_counted_and_never_stops_the_manager(
         consumers_before = consumer_tags(management_api, queues)
         counters_before = Counter(manager.counters)
         metrics_before = await scrape(metrics_url)
+        heartbeat_metrics_before = await scrape(metrics_url, "mesh_heartbeats_rejected")
 
         # Good traffic shuffled into the bad stream (fixed seed: a fixed interleaving).
         good: list[tuple[str, Any]] = [("register", a) for a in agents]
@@ -477,11 +487,11 @@ async def test_bad_input_is_refused_counted_and_never_stops_the_manager(
         rejected_heartbeats = delta(counters_after, counters_before, "heartbeat_rejected.")
         assert rejected_heartbeats == Counter(b.reason for b in dropped)
         metrics_after = await scrape(metrics_url)
-        assert {
-            r: metrics_after.get(r, 0) - metrics_before.get(r, 0)
-            for r in set(metrics_after) | set(metrics_before)
-            if metrics_after.get(r, 0) != metrics_before.get(r, 0)
-        } == by_reason
+        assert metric_delta(metrics_after, metrics_before) == by_reason
+        heartbeat_metrics_after = await scrape(metrics_url, "mesh_heartbeats_rejected")
+        assert metric_delta(heartbeat_metrics_after, heartbeat_metrics_before) == (
+            Counter(b.reason for b in dropped)
+        )
         for name in ("handler_errors", "reply_failed", "requester_gone"):
             assert counters_after[name] == counters_before[name], name
 
