@@ -14,6 +14,15 @@ from pathlib import Path
 
 import pytest
 
+# Manager processes on a PostgreSQL ledger of the test's own (``managers``, ``pg_schema``,
+# ``ledger``, ``producers``): the fixtures of the two-manager competition tests, shared here.
+from integration.test_admission_competition import (  # noqa: F401 - fixtures, used by name
+    ledger,
+    managers,
+    pg_schema,
+    producers,
+)
+
 from .broker_node import BrokerNode, node_unavailable_reason
 
 HERE = Path(__file__).parent

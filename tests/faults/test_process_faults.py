@@ -29,13 +29,10 @@ import time
 from typing import Any
 
 from integration.harness import RawAgent, eventually
-from integration.test_admission_competition import (  # the manager-process fixtures
+from integration.test_admission_competition import (
     ManagerProcess,
     Managers,
-    ledger,  # noqa: F401 - a fixture, used by name
-    pg_schema,  # noqa: F401 - a fixture, used by name
 )
-from integration.test_admission_competition import managers as managers  # a fixture
 
 from mesh.topology import Topology
 
