@@ -76,13 +76,17 @@ async def workload(
 async def test_kill_9_mid_stream_loses_nothing_confirmed(
     node: BrokerNode, connect: TransportMaker, namespace: str, queue_type: QueueType
 ) -> None:
-    work = await workload(connect, namespace, queue_type)
     if queue_type == "quorum":
         # RabbitMQ 3.10 keeps a quorum queue's Ra registration in a DETS table it saves every
         # few minutes: a single node killed before that forgets the queue's log and starts an
         # empty, leaderless member (rabbitmq-server#10070, #15725; this suite found it). A
-        # graceful restart saves it — what a queue older than a few minutes has anyway.
+        # graceful restart saves it — what a queue older than a few minutes has anyway. (The
+        # queue is declared and the node restarted before the workload connects.)
+        setup = await AmqpTransport.connect(node.amqp_url, name=f"{namespace}:setup")
+        await setup.declare(work_queue(namespace, queue_type))
+        await setup.close()
         await asyncio.to_thread(node.restart_app)
+    work = await workload(connect, namespace, queue_type)
     work.handle_s = 0.01  # deliveries are in flight (unacked) when the broker dies
     await work.consume()
     producing = asyncio.create_task(work.produce(ids("k", 400)))
