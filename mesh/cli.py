@@ -144,6 +144,7 @@ def cmd_manager(args: argparse.Namespace) -> int:
             pool=PoolSettings(scaling=policies),
             ledger_url=args.ledger,
             operator_user=args.operator_user,
+            agent_identity=args.agent_identity,
             http_port=None if args.http_port < 0 else args.http_port,
             http_host=args.http_host,
             management_url=args.management_url or None,
@@ -735,6 +736,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--operator-user",
         default=_env("MESH_OPERATOR_USER", "mesh-operator"),
         help="the broker user whose descriptors are accepted (env MESH_OPERATOR_USER)",
+    )
+    p.add_argument(
+        "--agent-identity",
+        type=_on_off,
+        default=_env("MESH_AGENT_IDENTITY", "off"),
+        metavar="on|off",
+        help="on: each agent has a broker user named as the agent, and a registration or "
+        "heartbeat counts only when published by the agent it names (RabbitMQ validates "
+        "user_id); off: agents may share one user (env MESH_AGENT_IDENTITY, default off)",
     )
     p.add_argument(
         "--http-port",

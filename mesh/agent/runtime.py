@@ -66,6 +66,7 @@ from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from mesh import constants as c
 from mesh.agent.base import Agent
@@ -188,6 +189,10 @@ class AgentRuntime:
         self.counters: Counter[str] = Counter()
         self._transport = transport
         self._owns_transport = transport is None
+        # On a connection of its own the agent signs what it says about itself with its
+        # broker user (RabbitMQ validates user_id): a manager with agent identity on checks
+        # that the user is the agent named. A transport handed in signs nothing.
+        self._user_id = urlsplit(self.settings.amqp_url).username if transport is None else None
         self._incarnation = uuid.uuid4().hex
         self._rng = rng or random.Random()
         self._capabilities = agent.bind()
@@ -419,6 +424,7 @@ class AgentRuntime:
                 registration,
                 persistent=True,
                 timeout_s=self.settings.publish_timeout_s,
+                user_id=self._user_id,
             )
         except PublishUnroutable:
             log.warning(
@@ -501,6 +507,7 @@ class AgentRuntime:
                     self.topology.heartbeat_exchange,
                     names.heartbeat_key(self.agent_id),
                     encode(heartbeat),
+                    user_id=self._user_id,
                 )
         except Exception as exc:  # never let a heartbeat kill the agent
             self.counters["heartbeats_failed"] += 1
@@ -893,6 +900,7 @@ class AgentRuntime:
                 correlation_id=self._incarnation,
                 persistent=True,
                 timeout_s=self.settings.publish_timeout_s,
+                user_id=self._user_id,
             )
         except TransportError as exc:
             log.warning("drain request not delivered", extra=self._extra(error=str(exc)))
@@ -975,6 +983,7 @@ class AgentRuntime:
                 ),
                 persistent=True,
                 timeout_s=self.settings.publish_timeout_s,
+                user_id=self._user_id,
             )
         except TransportError as exc:
             log.warning("deregistration not delivered", extra=self._extra(error=str(exc)))

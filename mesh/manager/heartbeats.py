@@ -22,6 +22,7 @@ from mesh.errors import MessageRejected
 from mesh.manager.clock import Clock
 from mesh.wire.codec import decode_as
 from mesh.wire.models import Heartbeat
+from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +38,28 @@ class HeartbeatSink:
         counters: Counter[str] | None = None,
         on_heartbeat: Callable[[Heartbeat, float], None] | None = None,
         on_rejected: Callable[[str], None] | None = None,
+        verify_identity: bool = False,
     ) -> None:
         """``on_heartbeat(heartbeat, now_wall)`` sees every valid heartbeat, ``on_rejected``
-        the reason code of every bad one (for metrics)."""
+        the reason code of every bad one (for metrics). With ``verify_identity`` a heartbeat
+        counts only if its ``agent_id`` is the broker user that published it (RabbitMQ
+        validated the ``user_id``); any other is ``NOT_AUTHORIZED``, counted and dropped."""
         self._core = core
         self._clock = clock
         self._on_commands = on_commands
         self._on_heartbeat = on_heartbeat
         self._on_rejected = on_rejected
+        self._verify_identity = verify_identity
         self.counters: Counter[str] = Counter() if counters is None else counters
 
-    def __call__(self, body: bytes) -> None:
+    def __call__(self, body: bytes, user_id: str | None = None) -> None:
         try:
             heartbeat = decode_as(body, Heartbeat)
+            if self._verify_identity and heartbeat.agent_id != user_id:
+                raise MessageRejected(
+                    Reason.NOT_AUTHORIZED,
+                    f"a heartbeat for {heartbeat.agent_id!r} published by {user_id!r}",
+                )
         except MessageRejected as exc:
             self.counters[f"heartbeat_rejected.{exc.reason}"] += 1
             if self._on_rejected is not None:
@@ -64,6 +74,6 @@ class HeartbeatSink:
         if commands:
             self._on_commands(commands)
 
-    def ingest_many(self, bodies: Iterable[bytes]) -> None:
-        for body in bodies:
-            self(body)
+    def ingest_many(self, bodies: Iterable[tuple[bytes, str | None]]) -> None:
+        for body, user_id in bodies:
+            self(body, user_id)

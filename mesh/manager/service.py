@@ -201,6 +201,7 @@ class ManagerService:
             self.counters,
             on_heartbeat=lambda hb, now: self.observer.heartbeat(hb.sent_at, now),
             on_rejected=self.observer.heartbeat_rejected,
+            verify_identity=settings.agent_identity,
         )
 
     @property
@@ -324,16 +325,24 @@ class ManagerService:
 
     async def _handle_announce(self, delivery: Delivery) -> None:
         message = decode_as(delivery.body, *_ANNOUNCE_TYPES)
-        self.counters[f"received.{message.type}"] += 1
         event: Event
         if isinstance(message, AgentRegistration):
-            event = RegistrationReceived(message)
+            event, claimed = RegistrationReceived(message), message.agent_id
         elif isinstance(message, Deregistration):
-            event = DeregistrationReceived(message)
+            event, claimed = DeregistrationReceived(message), message.agent_id
         elif isinstance(message, DrainRequest):
-            event = DrainRequested(message.agent_id, message.reason)
+            event, claimed = DrainRequested(message.agent_id, message.reason), message.agent_id
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
+        if self.settings.agent_identity and claimed != delivery.user_id:
+            # Someone speaking for another agent: dead-lettered (and refused if it asked),
+            # never answered on the named agent's control queue — that agent did not ask.
+            raise MessageRejected(
+                Reason.NOT_AUTHORIZED,
+                f"{message.type} for agent {claimed!r} published by broker user "
+                f"{delivery.user_id!r}: agents speak only for themselves",
+            )
+        self.counters[f"received.{message.type}"] += 1
         await self._feed(event, delivery)  # a drain request may carry reply_to
 
     async def _handle_rpc(self, delivery: Delivery) -> None:

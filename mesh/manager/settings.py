@@ -53,6 +53,10 @@ class ManagerSettings:
     queue_poll_interval_s: float = 5.0
     # Descriptors are accepted only from this broker user (RabbitMQ validates user_id).
     operator_user: str = "mesh-operator"
+    # Agents have broker users of their own, named as the agent: a registration, heartbeat,
+    # deregistration or drain request counts only if published by the agent it names (its
+    # user_id, which RabbitMQ validates). Off: every agent may share one user (development).
+    agent_identity: bool = False
 
 
 _POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)

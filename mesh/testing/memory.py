@@ -97,7 +97,7 @@ from mesh.wire.models import Message
 log = logging.getLogger(__name__)
 
 DeadLetterReason = Literal["rejected", "expired", "maxlen", "delivery_limit"]
-RawCallback = Callable[[bytes], None]
+RawCallback = Callable[[bytes, str | None], None]  # body, user_id
 _Spec = ExchangeSpec | QueueSpec | BindingSpec
 _ConnectionState = Literal["open", "disconnected", "closed"]
 
@@ -641,7 +641,7 @@ class InMemoryBroker:
     def _deliver(self, consumer: _Consumer, message: _Message) -> None:
         loop = asyncio.get_running_loop()
         if consumer.raw is not None:
-            loop.call_soon(self._call_raw, consumer, consumer.epoch, message.body)
+            loop.call_soon(self._call_raw, consumer, consumer.epoch, message.body, message.user_id)
             return
         settlement: _Settlement | _NoAck = _NO_ACK
         if not consumer.no_ack:
@@ -656,11 +656,11 @@ class InMemoryBroker:
         consumer.tasks.add(task)
         task.add_done_callback(consumer.tasks.discard)
 
-    def _call_raw(self, consumer: _Consumer, epoch: int, body: bytes) -> None:
+    def _call_raw(self, consumer: _Consumer, epoch: int, body: bytes, user_id: str | None) -> None:
         if consumer.cancelled or consumer.epoch != epoch or consumer.raw is None:
             return
         try:
-            consumer.raw(body)
+            consumer.raw(body, user_id)
         except Exception:
             log.exception("raw consumer callback failed", extra={"queue": consumer.queue.name})
 
@@ -957,11 +957,14 @@ class InMemoryTransport:
         if outcome == "nacked":
             raise PublishNacked(f"broker refused publish to {where} (a bounded queue is full)")
 
-    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None:
+    async def publish_fast(
+        self, exchange: str, routing_key: str, body: bytes, *, user_id: str | None = None
+    ) -> None:
         """Fire-and-forget: never returned, never nacked, dropped if the exchange is missing."""
         broker = self._open()
+        message = _Message(body, exchange, routing_key, message_id=None, user_id=user_id)
         try:
-            broker._publish(_Message(body, exchange, routing_key, message_id=None), mandatory=False)
+            broker._publish(message, mandatory=False)
         except NotFound:
             log.debug("fast publish to a missing exchange dropped", extra={"exchange": exchange})
         await asyncio.sleep(0)
@@ -999,7 +1002,8 @@ class InMemoryTransport:
         return InMemoryConsumer(broker, consumer)
 
     async def consume_raw(self, queue: str, callback: RawCallback) -> InMemoryConsumer:
-        """No acks; only the body, handed to a synchronous callback soon after delivery."""
+        """No acks; only the body and ``user_id``, handed to a synchronous callback soon after
+        delivery."""
         broker = self._open()
         self._redeclare_own(queue)
         consumer = broker._consume(self, queue, raw=callback)

@@ -98,6 +98,8 @@ class Delivery:
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
+RawCallback = Callable[[bytes, str | None], None]
+"""A raw consumer's callback: the body, and the ``user_id`` RabbitMQ validated (if any)."""
 
 
 async def _resubscribe(consumer: Consumer | RawConsumer) -> None:
@@ -220,9 +222,7 @@ class Consumer:
 class RawConsumer:
     """A no-ack consumer registered on aiormq's channel under a robust aio-pika channel."""
 
-    def __init__(
-        self, channel: AbstractRobustChannel, queue: str, callback: Callable[[bytes], None]
-    ) -> None:
+    def __init__(self, channel: AbstractRobustChannel, queue: str, callback: RawCallback) -> None:
         self.queue_name = queue
         self.cancelled = False
         self._channel = channel
@@ -237,7 +237,7 @@ class RawConsumer:
         callback = self._callback
 
         async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
-            callback(message.body)
+            callback(message.body, message.header.properties.user_id)
 
         underlay = await self._channel.get_underlay_channel()
         ok = await underlay.basic_consume(self.queue_name, on_message, no_ack=True)
@@ -503,16 +503,24 @@ class AmqpTransport:
                 f"publish to {exchange}/{routing_key} failed: the connection closed"
             ) from None
 
-    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None:
-        """Fire-and-forget on a channel without confirms: for superseded messages (heartbeats)."""
+    async def publish_fast(
+        self, exchange: str, routing_key: str, body: bytes, *, user_id: str | None = None
+    ) -> None:
+        """Fire-and-forget on a channel without confirms: for superseded messages (heartbeats).
+        ``user_id`` as for :meth:`publish` (RabbitMQ validates it: the manager may trust it)."""
         try:
             if self._fast_channel is None:
                 self._fast_channel = await self._connection.channel(publisher_confirms=False)
             # Straight to aiormq (the robust channel's current underlying channel): without
             # confirms, aio-pika's Exchange and Message objects only add per-message work.
             channel = await self._fast_channel.get_underlay_channel()
+            properties = (
+                _FAST_PROPERTIES
+                if user_id is None
+                else aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE, user_id=user_id)
+            )
             await channel.basic_publish(
-                body, exchange=exchange, routing_key=routing_key, properties=_FAST_PROPERTIES
+                body, exchange=exchange, routing_key=routing_key, properties=properties
             )
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
             raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
@@ -538,9 +546,10 @@ class AmqpTransport:
             raise
         return consumer
 
-    async def consume_raw(self, queue: str, callback: Callable[[bytes], None]) -> RawConsumer:
+    async def consume_raw(self, queue: str, callback: RawCallback) -> RawConsumer:
         """The cheapest path, for superseded messages (heartbeats): no acks, and only the body
-        handed to a synchronous callback. Re-subscribed whenever its channel reopens."""
+        (and the validated ``user_id``) handed to a synchronous callback. Re-subscribed
+        whenever its channel reopens."""
         channel = await self._connection.channel()
         await self._queue_on(channel, queue)
         consumer = RawConsumer(channel, queue, callback)

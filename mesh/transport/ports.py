@@ -47,7 +47,9 @@ class Transport(Protocol):
         user_id: str | None = None,
     ) -> None: ...
 
-    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None: ...
+    async def publish_fast(
+        self, exchange: str, routing_key: str, body: bytes, *, user_id: str | None = None
+    ) -> None: ...
 
     async def dead_letter(
         self,
@@ -70,9 +72,14 @@ class Transport(Protocol):
 
 class ManagerTransport(Transport, Protocol):
     """What :class:`~mesh.manager.service.ManagerService` needs: heartbeats are consumed raw
-    (no acks, the body to a synchronous callback), and a dropped connection is reported."""
+    (no acks, the body and the validated user to a synchronous callback), and a dropped
+    connection is reported."""
 
-    async def consume_raw(self, queue: str, callback: Callable[[bytes], None]) -> Subscription: ...
+    async def consume_raw(
+        self, queue: str, callback: Callable[[bytes, str | None], None]
+    ) -> Subscription:
+        """``callback(body, user_id)``: ``user_id`` as the broker validated it (or None)."""
+        ...
 
     def on_disconnect(self, callback: Callable[[], None]) -> None: ...
 

@@ -83,6 +83,7 @@ class RawAgent:
         interval_s: float = 0.5,
         capabilities: list[Capability] | None = None,
         deployment: str = "raw",
+        user_id: str | None = None,
     ) -> None:
         self.transport = transport
         self.topology = topology
@@ -93,6 +94,7 @@ class RawAgent:
         self.capabilities = capabilities or [echo_capability()]
         self.inbox: list[Message] = []
         self.seq = 0
+        self.user_id = user_id  # signs registrations and heartbeats (RabbitMQ validates it)
         self._beating: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -119,7 +121,10 @@ class RawAgent:
 
     async def publish_announce(self, verb: str, body: bytes) -> None:
         await self.transport.publish(
-            self.topology.announce_exchange, names.agent_announce_key(self.agent_id, verb), body
+            self.topology.announce_exchange,
+            names.agent_announce_key(self.agent_id, verb),
+            body,
+            user_id=self.user_id,
         )
 
     async def heartbeat(self) -> None:
@@ -131,7 +136,10 @@ class RawAgent:
             sent_at=time.time(),
         )
         await self.transport.publish_fast(
-            self.topology.heartbeat_exchange, names.heartbeat_key(self.agent_id), encode(hb)
+            self.topology.heartbeat_exchange,
+            names.heartbeat_key(self.agent_id),
+            encode(hb),
+            user_id=self.user_id,
         )
 
     def start_heartbeats(self) -> None:

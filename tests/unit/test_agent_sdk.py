@@ -462,6 +462,7 @@ class FakeTransport:
     depth: int = 0
     published: list[Published] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
+    user_ids: list[str | None] = field(default_factory=list)  # the user_id of every publish
     consumers: dict[str, Handler] = field(default_factory=dict)
     prefetch: dict[str, int] = field(default_factory=dict)
     cancelled: list[str] = field(default_factory=list)
@@ -500,7 +501,9 @@ class FakeTransport:
         persistent: bool = False,
         mandatory: bool = True,
         timeout_s: float | None = None,
+        user_id: str | None = None,
     ) -> None:
+        self.user_ids.append(user_id)
         published = Published(exchange, routing_key, message, reply_to, correlation_id, persistent)
         error = self.publish_error(published)
         if error is not None:
@@ -511,7 +514,10 @@ class FakeTransport:
                 control = next(q for q in self.consumers if q.endswith(".control"))
                 self.deliver(control, make_delivery(reply))
 
-    async def publish_fast(self, exchange: str, routing_key: str, body: bytes) -> None:
+    async def publish_fast(
+        self, exchange: str, routing_key: str, body: bytes, *, user_id: str | None = None
+    ) -> None:
+        self.user_ids.append(user_id)
         if self.fast_error is not None:
             raise self.fast_error
         message = decode(body)

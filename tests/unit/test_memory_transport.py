@@ -518,14 +518,14 @@ async def test_each_delivery_runs_in_its_own_task_started_in_delivery_order(
 
 async def test_a_raw_consumer_gets_bodies_without_acks(transport: InMemoryTransport) -> None:
     await declare(transport, queues=(queue("hb"),))
-    bodies: list[bytes] = []
-    await transport.consume_raw("hb", bodies.append)
+    got: list[tuple[bytes, str | None]] = []
+    await transport.consume_raw("hb", lambda body, user_id: got.append((body, user_id)))
 
     await transport.publish_fast("", "hb", b"beat-1")
-    await transport.publish_fast("", "hb", b"beat-2")
+    await transport.publish_fast("", "hb", b"beat-2", user_id="agent-a")
     await settle()
 
-    assert bodies == [b"beat-1", b"beat-2"]
+    assert got == [(b"beat-1", None), (b"beat-2", "agent-a")]
 
 
 # ---- queue and connection lifetimes -----------------------------------------------------------
