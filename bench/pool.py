@@ -564,9 +564,9 @@ class Bench:
         done = asyncio.Event()
         received = 0
 
-        def counted(body: bytes) -> None:
+        def counted(body: bytes, user_id: str | None) -> None:
             nonlocal received
-            sink(body)
+            sink(body, user_id)
             received += 1
             if received == count:
                 done.set()
