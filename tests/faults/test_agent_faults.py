@@ -133,10 +133,10 @@ def redelivered_ids(log_dir: Path, agent_id: str) -> set[str]:
     return set(REDELIVERED.findall(path.read_text())) if path.exists() else set()
 
 
-async def test_an_agent_killed_with_tasks_in_flight_loses_none_and_completes_each_once(
-    manager: ManagerService, client: MeshClient, scaler: LocalProcessScaler, tmp_path: Path
-) -> None:
-    started = time.monotonic()
+async def two_live_agents(
+    manager: ManagerService, client: MeshClient, scaler: LocalProcessScaler
+) -> tuple[str, str]:
+    """The echo pool described, two echo agents started and Ready: (victim, survivor)."""
     accepted = await client.publish_descriptor(echo_descriptor(SLOTS))
     assert accepted.type == "mesh.descriptor-accepted.v1", accepted
     await scaler.scale_to("echo", 2)
@@ -149,6 +149,14 @@ async def test_an_agent_killed_with_tasks_in_flight_loses_none_and_completes_eac
         timeout_s=30,
         what="both agents Ready",
     )
+    return victim, survivor
+
+
+async def test_an_agent_killed_with_tasks_in_flight_loses_none_and_completes_each_once(
+    manager: ManagerService, client: MeshClient, scaler: LocalProcessScaler, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    victim, survivor = await two_live_agents(manager, client, scaler)
 
     load, stop = Load(), asyncio.Event()
     workers = [asyncio.create_task(produce(client, load, stop, w)) for w in range(WORKERS)]

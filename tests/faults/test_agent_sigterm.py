@@ -48,7 +48,6 @@ from pathlib import Path
 import aio_pika
 import pytest
 from integration.harness import eventually
-from integration.test_backpressure import echo_descriptor
 from integration.test_rolling_deploy import free_port, is_ready, ready_status
 
 from mesh.manager.journal import SqliteJournal
@@ -62,12 +61,12 @@ from .accounting import Tally
 from .test_agent_faults import (
     HEARTBEAT_S,
     LIVE,
-    SLOTS,
     WORKERS,
     Load,
     produce,
     redelivered_ids,
     reported_in_flight,
+    two_live_agents,
 )
 
 # The fault test's fixtures: the manager in-process, and the producer's client.
@@ -156,18 +155,7 @@ async def test_sigterm_under_load_drains_finishes_in_flight_and_exits_without_re
 ) -> None:
     scaler, ports = scaler_and_ports
     started = time.monotonic()
-    accepted = await client.publish_descriptor(echo_descriptor(SLOTS))
-    assert accepted.type == "mesh.descriptor-accepted.v1", accepted
-    await scaler.scale_to("echo", 2)
-    victim, survivor = scaler.pods("echo")
-    await eventually(
-        lambda: all(
-            (a := manager.core.agents.get(x)) is not None and a.state in LIVE
-            for x in (victim, survivor)
-        ),
-        timeout_s=30,
-        what="both agents Ready",
-    )
+    victim, survivor = await two_live_agents(manager, client, scaler)
     await eventually(lambda: is_ready(ports[victim]), what=f"{victim}'s /ready")
 
     load, stop = Load(), asyncio.Event()
