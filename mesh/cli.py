@@ -67,6 +67,16 @@ def _thresholds(text: str) -> tuple[float, float, float]:
     return low, mid, high
 
 
+def _liveness_probe() -> float | None:
+    """``MESH_LIVENESS_PROBE_S``: seconds between broker liveness probes (unset or 0: off)."""
+    text = os.environ.get("MESH_LIVENESS_PROBE_S", "").strip()
+    try:
+        seconds = float(text) if text else 0.0
+    except ValueError:
+        raise SystemExit(f"MESH_LIVENESS_PROBE_S={text!r}: say a number of seconds") from None
+    return seconds if seconds > 0 else None
+
+
 def _on_off(text: str) -> bool:
     if text not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"{text!r}: say on or off")
@@ -145,6 +155,7 @@ def cmd_manager(args: argparse.Namespace) -> int:
             ledger_url=args.ledger,
             operator_user=args.operator_user,
             agent_identity=args.agent_identity,
+            liveness_probe_s=_liveness_probe(),
             http_port=None if args.http_port < 0 else args.http_port,
             http_host=args.http_host,
             management_url=args.management_url or None,
@@ -200,6 +211,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         http_host=args.http_host,
         http_port=args.http_port,
+        liveness_probe_s=_liveness_probe(),
     )
 
     async def run() -> int:

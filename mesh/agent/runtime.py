@@ -159,6 +159,10 @@ class AgentSettings:
     """Serve ``/ready``, ``/healthz`` and ``/drain`` on this port (0: any free one; None: no)."""
     http_drain_deadline_s: float | None = None
     """When ``/drain`` answers at the latest (None: ``drain_timeout_s + shutdown_grace_s - 2``)."""
+    liveness_probe_s: float | None = None
+    """Probe the broker this often and reconnect when it stops answering (None: off). A
+    handler that blocks the event loop for twice this long would be taken for a dead broker:
+    keep it well above the longest synchronous stretch of your handlers."""
 
 
 def backoff_delay(
@@ -367,6 +371,7 @@ class AgentRuntime:
                 name=f"agent:{self.agent_id}",
                 publish_timeout_s=self.settings.publish_timeout_s,
                 connect_timeout_s=self.settings.connect_timeout_s,
+                liveness_probe_s=self.settings.liveness_probe_s,
             )
         self._transport.on_reconnect(self._on_reconnect)
         return self._transport

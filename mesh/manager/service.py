@@ -215,7 +215,10 @@ class ManagerService:
         s = self.settings
         if self._transport is None:
             self._transport = await AmqpTransport.connect(
-                s.amqp_url, name=f"manager:{s.manager_id}", publish_timeout_s=s.publish_timeout_s
+                s.amqp_url,
+                name=f"manager:{s.manager_id}",
+                publish_timeout_s=s.publish_timeout_s,
+                liveness_probe_s=s.liveness_probe_s,
             )
         if self._journal is None:
             self._journal = SqliteJournal(s.journal_path)

@@ -57,6 +57,10 @@ class ManagerSettings:
     # deregistration or drain request counts only if published by the agent it names (its
     # user_id, which RabbitMQ validates). Off: every agent may share one user (development).
     agent_identity: bool = False
+    # Probe the broker every so many seconds and reconnect when it stops answering (a
+    # blackholed path is noticed within four intervals; the AMQP heartbeat alone takes
+    # minutes at RabbitMQ's default). None: off.
+    liveness_probe_s: float | None = None
 
 
 _POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)

@@ -19,6 +19,7 @@ outcome. Business IDs travel in headers or ``correlation_id``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -274,6 +275,8 @@ class AmqpTransport:
         self._queue_specs: dict[str, QueueSpec] = {}
         self._fast_channel: AbstractRobustChannel | None = None
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        self._watchdog: asyncio.Task[None] | None = None
+        self.probes_unanswered = 0
         connection.reconnect_callbacks.add(self._reconnected)
 
     @classmethod
@@ -284,8 +287,14 @@ class AmqpTransport:
         name: str,
         publish_timeout_s: float = c.DEFAULT_PUBLISH_TIMEOUT_S,
         connect_timeout_s: float = 10.0,
+        liveness_probe_s: float | None = None,
     ) -> AmqpTransport:
-        """Connect, or raise :class:`BrokerUnavailable` with one sentence that says what to do."""
+        """Connect, or raise :class:`BrokerUnavailable` with one sentence that says what to do.
+
+        ``liveness_probe_s``: also probe the broker every so many seconds and drop the
+        connection (so it reconnects) when a probe gets no answer within twice that: a
+        silent broker (a blackholed path) is noticed within four intervals, where the AMQP
+        heartbeat alone takes ``(heartbeat + 1) * 3`` s or more (aiormq's rule)."""
         try:
             connection = await aio_pika.connect_robust(
                 url, client_properties={"connection_name": name}, timeout=connect_timeout_s
@@ -297,7 +306,10 @@ class AmqpTransport:
                 "or point MESH_AMQP_URL at a running broker"
             ) from None
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        return cls(connection, channel, url=url, publish_timeout_s=publish_timeout_s)
+        transport = cls(connection, channel, url=url, publish_timeout_s=publish_timeout_s)
+        if liveness_probe_s is not None:
+            transport.watch(liveness_probe_s)
+        return transport
 
     @property
     def is_closed(self) -> bool:
@@ -329,8 +341,55 @@ class AmqpTransport:
 
     async def close(self) -> None:
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
         if not self._connection.is_closed:
             await self._connection.close()
+
+    # ---- liveness ---------------------------------------------------------------------------
+    def watch(self, interval_s: float) -> None:
+        """Start the liveness probe (see :meth:`connect`)."""
+        if interval_s <= 0:
+            raise ValueError(f"the liveness probe interval must be > 0, got {interval_s}")
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._probe_forever(interval_s))
+
+    async def _probe_forever(self, interval_s: float) -> None:
+        """One round trip (``basic.qos`` on the publish channel: it consumes nothing, so
+        the setting changes nothing) every ``interval_s``. Unanswered within twice that, the
+        broker is taken for gone: the connection is closed — its close callbacks run, and the
+        robust connection reconnects once the broker answers again. Not while the broker
+        blocks us (an alarm: it stops reading our socket on purpose) or while reconnecting."""
+        while not self._closing:
+            await asyncio.sleep(interval_s)
+            connection = self._connection
+            if connection.is_closed or connection.reconnecting or self.blocked:
+                continue
+            try:
+                async with asyncio.timeout(2 * interval_s):
+                    channel = await self._publish_channel.get_underlay_channel()
+                    await channel.basic_qos(prefetch_count=0)
+            except TimeoutError:
+                self.probes_unanswered += 1
+                log.warning(
+                    "the broker did not answer a liveness probe; dropping the connection",
+                    extra={"url": redact(self.url), "waited_s": 2 * interval_s},
+                )
+                await self._drop(interval_s)
+            except (aiormq.exceptions.AMQPError, RuntimeError, ConnectionError) as exc:
+                log.debug("liveness probe on a closing connection", extra={"error": str(exc)})
+
+    async def _drop(self, wait_s: float) -> None:
+        """Close the current AMQP connection without waiting on a broker that does not
+        answer (its Close-Ok would never come): the close callbacks run either way."""
+        underlay = self._connection.transport
+        if underlay is None:
+            return
+        with contextlib.suppress(Exception):  # TimeoutError included
+            async with asyncio.timeout(wait_s):
+                await underlay.connection.close(ConnectionError("liveness probe unanswered"))
 
     # ---- declaration ----------------------------------------------------------------------
     async def declare(self, declarations: Declarations) -> None:

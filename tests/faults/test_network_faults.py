@@ -221,3 +221,47 @@ async def test_frames_split_into_single_bytes_still_arrive_whole(
     assert work.tally.confirmed == count
     assert work.tally.unknown == 0
     assert writes == forwarded > count * 100  # every write was one byte, of whole frames
+
+
+PROBE_S = 0.5
+
+
+async def test_the_liveness_probe_notices_a_blackhole_within_four_intervals(
+    proxy: TcpProxy, namespace: str
+) -> None:
+    """With the AMQP heartbeat at 60 s (aiormq would take over three minutes), the transport's
+    own probe (``liveness_probe_s``) drops a silent connection within four probe intervals;
+    the robust connection comes back once the path passes, and publishes flow again."""
+    url = f"amqp://guest:guest@127.0.0.1:{proxy.port}/?heartbeat=60&reconnect_interval=0.5"
+    transport = await AmqpTransport.connect(
+        url,
+        name=f"{namespace}:probed",
+        publish_timeout_s=PUBLISH_TIMEOUT_S,
+        liveness_probe_s=PROBE_S,
+    )
+    declarations = work_queue(namespace)
+    try:
+        work = await Workload.over(transport, transport, declarations, PUBLISH_TIMEOUT_S)
+        watch = Watch(transport)
+        loop = asyncio.get_running_loop()
+        await work.consume()
+        await work.produce(ids("before", 10))
+        await asyncio.sleep(3 * PROBE_S)  # probes answered meanwhile: nothing is dropped
+        assert not watch.dropped and transport.probes_unanswered == 0
+
+        proxy.blackhole()
+        silent_at = loop.time()
+        await when(lambda: bool(watch.dropped), "the probe to drop the connection", 10)
+        detected_s = watch.dropped[0] - silent_at
+        proxy.pass_through()
+        await when(lambda: bool(watch.reconnected), "the reconnection", 10)
+        await work.produce(ids("after", 10))
+        await work.settled(timeout_s=15)
+        work.tally.check()
+        print(f"blackhole noticed after {detected_s:.2f} s (bound {4 * PROBE_S} s)")
+        assert detected_s <= 4 * PROBE_S + MARGIN_S
+        assert transport.probes_unanswered >= 1
+    finally:
+        proxy.pass_through()
+        await transport.close()
+        await delete_directly(declarations)
