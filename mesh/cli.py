@@ -67,14 +67,26 @@ def _thresholds(text: str) -> tuple[float, float, float]:
     return low, mid, high
 
 
-def _liveness_probe() -> float | None:
-    """``MESH_LIVENESS_PROBE_S``: seconds between broker liveness probes (unset or 0: off)."""
-    text = os.environ.get("MESH_LIVENESS_PROBE_S", "").strip()
+def _probe_interval(text: str) -> float | None:
+    """An argparse type: seconds between broker liveness probes; 0 (or empty) is off."""
     try:
-        seconds = float(text) if text else 0.0
+        seconds = float(text) if text.strip() else 0.0
     except ValueError:
-        raise SystemExit(f"MESH_LIVENESS_PROBE_S={text!r}: say a number of seconds") from None
-    return seconds if seconds > 0 else None
+        raise argparse.ArgumentTypeError(f"{text!r}: say a number of seconds") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return seconds or None
+
+
+def _add_liveness_probe(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--liveness-probe",
+        type=_probe_interval,
+        default=_env("MESH_LIVENESS_PROBE_S", "0"),
+        metavar="SECONDS",
+        help="probe the broker this often and reconnect when it stops answering; a silent "
+        "path is noticed within four intervals (env MESH_LIVENESS_PROBE_S, default 0: off)",
+    )
 
 
 def _on_off(text: str) -> bool:
@@ -155,7 +167,7 @@ def cmd_manager(args: argparse.Namespace) -> int:
             ledger_url=args.ledger,
             operator_user=args.operator_user,
             agent_identity=args.agent_identity,
-            liveness_probe_s=_liveness_probe(),
+            liveness_probe_s=args.liveness_probe,
             http_port=None if args.http_port < 0 else args.http_port,
             http_host=args.http_host,
             management_url=args.management_url or None,
@@ -211,7 +223,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         http_host=args.http_host,
         http_port=args.http_port,
-        liveness_probe_s=_liveness_probe(),
+        liveness_probe_s=args.liveness_probe,
     )
 
     async def run() -> int:
@@ -749,6 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("MESH_OPERATOR_USER", "mesh-operator"),
         help="the broker user whose descriptors are accepted (env MESH_OPERATOR_USER)",
     )
+    _add_liveness_probe(p)
     p.add_argument(
         "--agent-identity",
         type=_on_off,
@@ -857,6 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between heartbeats, at least 5 (env HEARTBEAT_INTERVAL_S)",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0)
+    _add_liveness_probe(p)
     p.add_argument(
         "--http-port",
         type=int,

@@ -47,13 +47,13 @@ from pathlib import Path
 
 import aio_pika
 import pytest
-from integration.harness import eventually
-from integration.test_rolling_deploy import free_port, is_ready, ready_status
+from integration.harness import eventually, http_agent_scaler
+from integration.test_rolling_deploy import is_ready, ready_status
 
 from mesh.manager.journal import SqliteJournal
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
-from mesh.scaler.local import LocalProcessScaler, sample_command
+from mesh.scaler.local import LocalProcessScaler
 from mesh.topology import names
 
 from . import test_agent_faults as faults
@@ -89,19 +89,12 @@ async def scaler_and_ports(
     amqp_url: str, namespace: str, tmp_path: Path
 ) -> AsyncIterator[tuple[LocalProcessScaler, dict[str, int]]]:
     """The scaler, and the HTTP port of each agent it starts."""
-    ports: dict[str, int] = {}
-    extra = ["--drain-timeout", str(DRAIN_TIMEOUT_S)]
-    sample = sample_command(namespace, amqp_url, HEARTBEAT_S, extra_args=extra)
-
-    def command_for(deployment: str, agent_id: str) -> list[str]:
-        ports[agent_id] = free_port()
-        http = ["--http-host", "127.0.0.1", "--http-port", str(ports[agent_id])]
-        return [*sample(deployment, agent_id), *http]
-
-    local = LocalProcessScaler(
-        command_for,
-        log_dir=tmp_path / "agents",
-        env={"MESH_LOG_FORMAT": "text"},
+    local, ports = http_agent_scaler(
+        namespace,
+        amqp_url,
+        tmp_path / "agents",
+        heartbeat_s=HEARTBEAT_S,
+        drain_timeout_s=DRAIN_TIMEOUT_S,
         termination_grace_s=GRACE_S,
     )
     yield local, ports

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from integration.harness import eventually
 
 from mesh.errors import PublishUnroutable
 from mesh.topology import BindingSpec, Declarations, ExchangeSpec, QueueSpec
@@ -33,7 +34,7 @@ from mesh.transport import Delivery
 from mesh.transport.amqp import AmqpTransport
 
 from .broker_node import BrokerNode
-from .workload import Workload, ids, when, work_queue
+from .workload import POLL_S, Workload, ids, work_queue
 
 CONSUMER_BACK_WITHIN_S = 10.0
 """After a graceful restart, the consumer is back this soon after AMQP answers again."""
@@ -91,7 +92,12 @@ async def test_kill_9_mid_stream_loses_nothing_confirmed(
     await work.consume()
     producing = asyncio.create_task(work.produce(ids("k", 400)))
 
-    await when(lambda: work.tally.confirmed >= 150, "150 confirms before the kill")
+    await eventually(
+        lambda: work.tally.confirmed >= 150,
+        what="150 confirms before the kill",
+        timeout_s=60,
+        poll_s=POLL_S,
+    )
     await asyncio.to_thread(node.kill9)
     confirmed_at_kill = work.tally.confirmed
     await asyncio.sleep(1.0)  # publishes meet a dead broker: unknown, retried
@@ -135,7 +141,9 @@ async def test_the_broker_closing_every_connection_loses_nothing(
     work.handle_s = 0.01
     await work.consume()
     producing = asyncio.create_task(work.produce(ids("c", 300)))
-    await when(lambda: work.tally.confirmed >= 100, "100 confirms")
+    await eventually(
+        lambda: work.tally.confirmed >= 100, what="100 confirms", timeout_s=60, poll_s=POLL_S
+    )
     await asyncio.to_thread(node.close_all_connections)
     await asyncio.wait_for(producing, 90)
     await work.settled()

@@ -24,12 +24,13 @@ from collections.abc import AsyncIterator
 
 import aio_pika
 import pytest
+from integration.harness import eventually
 
 from mesh.topology import Declarations
 from mesh.transport.amqp import AmqpTransport
 
 from .tcp_proxy import TcpProxy
-from .workload import Workload, ids, when, work_queue
+from .workload import POLL_S, Workload, ids, work_queue
 
 BROKER = ("127.0.0.1", 5672)
 BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -140,12 +141,22 @@ async def test_a_blackhole_is_detected_by_heartbeats_and_no_publish_outlives_its
     loop = asyncio.get_running_loop()
     await work.consume()
     producing = asyncio.create_task(work.produce(ids("bh", 60), give_up_after_s=40))
-    await when(lambda: work.tally.confirmed >= 20, "20 confirms before the blackhole")
+    await eventually(
+        lambda: work.tally.confirmed >= 20,
+        what="20 confirms before the blackhole",
+        timeout_s=60,
+        poll_s=POLL_S,
+    )
 
     proxy.blackhole()
     silent_at = loop.time()
     bound_s = heartbeat_detection_bound_s(HEARTBEAT_S)
-    await when(lambda: bool(watch.dropped), "the heartbeat to notice", bound_s + 5)
+    await eventually(
+        lambda: bool(watch.dropped),
+        what="the heartbeat to notice",
+        timeout_s=bound_s + 5,
+        poll_s=POLL_S,
+    )
     detected_s = watch.dropped[0] - silent_at
     unknown_while_silent = work.tally.unknown
 
@@ -175,11 +186,18 @@ async def test_reset_connections_make_publishes_unknown_in_time_and_then_reconne
     loop = asyncio.get_running_loop()
     await work.consume()
     producing = asyncio.create_task(work.produce(ids("rst", 60), give_up_after_s=30))
-    await when(lambda: work.tally.confirmed >= 20, "20 confirms before the resets")
+    await eventually(
+        lambda: work.tally.confirmed >= 20,
+        what="20 confirms before the resets",
+        timeout_s=60,
+        poll_s=POLL_S,
+    )
 
     proxy.reset()
     reset_at = loop.time()
-    await when(lambda: bool(watch.dropped), "the reset to be noticed", 5)
+    await eventually(
+        lambda: bool(watch.dropped), what="the reset to be noticed", timeout_s=5, poll_s=POLL_S
+    )
     noticed_s = watch.dropped[0] - reset_at
     await asyncio.sleep(4 * RECONNECT_INTERVAL_S)  # reconnect attempts are reset, too
     accepted_while_resetting = proxy.connections
@@ -251,10 +269,17 @@ async def test_the_liveness_probe_notices_a_blackhole_within_four_intervals(
 
         proxy.blackhole()
         silent_at = loop.time()
-        await when(lambda: bool(watch.dropped), "the probe to drop the connection", 10)
+        await eventually(
+            lambda: bool(watch.dropped),
+            what="the probe to drop the connection",
+            timeout_s=10,
+            poll_s=POLL_S,
+        )
         detected_s = watch.dropped[0] - silent_at
         proxy.pass_through()
-        await when(lambda: bool(watch.reconnected), "the reconnection", 10)
+        await eventually(
+            lambda: bool(watch.reconnected), what="the reconnection", timeout_s=10, poll_s=POLL_S
+        )
         await work.produce(ids("after", 10))
         await work.settled(timeout_s=15)
         work.tally.check()

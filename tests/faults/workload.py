@@ -21,21 +21,13 @@ from mesh.transport.amqp import AmqpTransport
 from .accounting import Tally
 
 RETRY_PAUSE_S = 0.2
+POLL_S = 0.02
+"""How often the fault tests look at a condition: a stream moves on quickly."""
 
 
 def ids(prefix: str, count: int) -> list[str]:
     """``count`` business IDs, ``<prefix>-0000`` on."""
     return [f"{prefix}-{n:04d}" for n in range(count)]
-
-
-async def when(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    """Poll ``check`` until it holds; fail saying ``what`` after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def work_queue(

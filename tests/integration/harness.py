@@ -4,6 +4,7 @@ wire protocol by hand (what an agent in another language would do)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -13,6 +14,7 @@ from typing import Any
 from mesh.core.pool import PoolSettings
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
+from mesh.scaler.local import LocalProcessScaler, sample_command
 from mesh.topology import Topology, names
 from mesh.transport import AmqpTransport, Delivery
 from mesh.wire import (
@@ -46,8 +48,10 @@ async def eventually(
     *,
     timeout_s: float = 15.0,
     what: str = "condition",
+    poll_s: float = 0.1,
 ) -> None:
-    """Poll ``check`` until it is true; fail with ``what`` after ``timeout_s``."""
+    """Poll ``check`` every ``poll_s`` until it is true; fail with ``what`` after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = check()
@@ -57,7 +61,7 @@ async def eventually(
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(poll_s)
 
 
 def echo_capability(version: str = "1.0.0", max_concurrency: int = 2) -> Capability:
@@ -161,3 +165,38 @@ async def start_manager(settings: ManagerSettings) -> ManagerService:
     manager = ManagerService(settings)
     await manager.start()
     return manager
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http_agent_scaler(
+    namespace: str,
+    amqp_url: str,
+    log_dir: Path,
+    *,
+    heartbeat_s: float,
+    drain_timeout_s: float,
+    termination_grace_s: float,
+) -> tuple[LocalProcessScaler, dict[str, int]]:
+    """A local scaler of ``mesh agent`` processes that each serve ``/ready`` on a free port
+    of their own, and the port of each agent it starts (filled in as it starts them)."""
+    ports: dict[str, int] = {}
+    extra = ["--drain-timeout", str(drain_timeout_s)]
+    sample = sample_command(namespace, amqp_url, heartbeat_s, extra_args=extra)
+
+    def command_for(deployment: str, agent_id: str) -> list[str]:
+        ports[agent_id] = free_port()
+        http = ["--http-host", "127.0.0.1", "--http-port", str(ports[agent_id])]
+        return [*sample(deployment, agent_id), *http]
+
+    scaler = LocalProcessScaler(
+        command_for,
+        log_dir=log_dir,
+        env={"MESH_LOG_FORMAT": "text"},
+        termination_grace_s=termination_grace_s,
+    )
+    return scaler, ports

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import itertools
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -29,9 +28,9 @@ from mesh.errors import MeshError
 from mesh.manager.journal import SqliteJournal
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
-from mesh.scaler.local import LocalProcessScaler, sample_command
+from mesh.scaler.local import LocalProcessScaler
 
-from .harness import eventually
+from .harness import eventually, http_agent_scaler
 
 WORKERS = 6
 LIVE = (AgentState.READY, AgentState.BUSY)
@@ -64,12 +63,6 @@ async def produce(client: MeshClient, load: Load, stop: asyncio.Event, worker: i
         assert outcome.output["message"] == message
         load.succeeded[message] += 1
         load.served_by[outcome.lease.agent_id] += 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def ready_status(port: int) -> int | None:
@@ -109,18 +102,12 @@ async def scaler_and_ports(
     amqp_url: str, namespace: str, tmp_path: Path
 ) -> AsyncIterator[tuple[LocalProcessScaler, dict[str, int]]]:
     """The scaler, and the HTTP port of each agent it starts."""
-    ports: dict[str, int] = {}
-    sample = sample_command(namespace, amqp_url, 5.0, extra_args=["--drain-timeout", "20"])
-
-    def command_for(deployment: str, agent_id: str) -> list[str]:
-        ports[agent_id] = free_port()
-        http = ["--http-host", "127.0.0.1", "--http-port", str(ports[agent_id])]
-        return [*sample(deployment, agent_id), *http]
-
-    local = LocalProcessScaler(
-        command_for,
-        log_dir=tmp_path / "agents",
-        env={"MESH_LOG_FORMAT": "text"},
+    local, ports = http_agent_scaler(
+        namespace,
+        amqp_url,
+        tmp_path / "agents",
+        heartbeat_s=5.0,
+        drain_timeout_s=20,
         termination_grace_s=25,
     )
     yield local, ports

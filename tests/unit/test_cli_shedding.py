@@ -57,3 +57,21 @@ def test_bad_values_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixt
         build_parser().parse_args(["manager", *argv])
     assert exited.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["manager"], ["agent", "echo"]])
+def test_the_liveness_probe_is_off_by_default_and_set_by_flag_or_environment(
+    command: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MESH_LIVENESS_PROBE_S", raising=False)
+    assert build_parser().parse_args(command).liveness_probe is None
+    assert build_parser().parse_args([*command, "--liveness-probe=2.5"]).liveness_probe == 2.5
+    assert build_parser().parse_args([*command, "--liveness-probe=0"]).liveness_probe is None
+    monkeypatch.setenv("MESH_LIVENESS_PROBE_S", "4")
+    assert build_parser().parse_args(command).liveness_probe == 4.0
+
+
+@pytest.mark.parametrize("value", ["soon", "-1"])
+def test_a_bad_liveness_probe_is_a_usage_error(value: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["manager", f"--liveness-probe={value}"])

@@ -640,16 +640,22 @@ def test_the_fake_clock_moves_only_when_advanced_and_is_a_manager_clock() -> Non
 
 
 # ---- the user story: an agent, the real manager and a client, no broker -------------------
-async def test_an_agent_the_manager_and_a_client_run_a_task_and_drain_without_a_broker() -> None:
-    broker = InMemoryBroker()
-    namespace = "demo"
+async def started_manager(transport: InMemoryTransport, namespace: str) -> ManagerService:
+    """The real manager on the in-memory broker: an in-memory ledger and journal, a fake clock."""
     manager = ManagerService(
         ManagerSettings(namespace=namespace, tick_interval_s=0.05, ledger_url="sqlite::memory:"),
-        transport=InMemoryTransport(broker, "manager"),
+        transport=transport,
         journal=SqliteJournal(":memory:"),
         clock=FakeClock(),
     )
     await manager.start()
+    return manager
+
+
+async def test_an_agent_the_manager_and_a_client_run_a_task_and_drain_without_a_broker() -> None:
+    broker = InMemoryBroker()
+    namespace = "demo"
+    manager = await started_manager(InMemoryTransport(broker, "manager"), namespace)
     runtime = AgentRuntime(
         CalcAgent("calc-1", heartbeat_interval_s=5.0),
         AgentSettings(namespace=namespace, drain_timeout_s=5.0),
@@ -687,13 +693,7 @@ async def test_the_manager_and_an_agent_carry_on_after_their_connections_drop_an
     broker = InMemoryBroker()
     manager_transport = InMemoryTransport(broker, "manager")
     agent_transport = InMemoryTransport(broker, "calc-1")
-    manager = ManagerService(
-        ManagerSettings(namespace="ns", tick_interval_s=0.05, ledger_url="sqlite::memory:"),
-        transport=manager_transport,
-        journal=SqliteJournal(":memory:"),
-        clock=FakeClock(),
-    )
-    await manager.start()
+    manager = await started_manager(manager_transport, "ns")
     runtime = AgentRuntime(
         CalcAgent("calc-1", heartbeat_interval_s=5.0),
         AgentSettings(namespace="ns"),
@@ -733,13 +733,7 @@ class _DeadLetterFails(InMemoryTransport):
 async def test_bad_input_the_manager_cannot_dead_letter_goes_back_to_its_queue() -> None:
     broker = InMemoryBroker()
     transport = _DeadLetterFails(broker, "manager")
-    manager = ManagerService(
-        ManagerSettings(namespace="ns", tick_interval_s=0.05, ledger_url="sqlite::memory:"),
-        transport=transport,
-        journal=SqliteJournal(":memory:"),
-        clock=FakeClock(),
-    )
-    await manager.start()
+    manager = await started_manager(transport, "ns")
     producer = InMemoryTransport(broker, "producer")
     try:
         topology = manager.topology
