@@ -68,7 +68,10 @@ def _ddl(s: str) -> list[str]:
             fence        BIGINT NOT NULL UNIQUE,
             expires_at   DOUBLE PRECISION NOT NULL,
             created_at   DOUBLE PRECISION NOT NULL,
-            updated_at   DOUBLE PRECISION NOT NULL)""",
+            updated_at   DOUBLE PRECISION NOT NULL,
+            items        TEXT)""",
+        # Schemas of an earlier version: their old reservations' items stay in ledger_item.
+        f'ALTER TABLE "{s}".ledger_reservation ADD COLUMN IF NOT EXISTS items TEXT',
         f"""CREATE INDEX IF NOT EXISTS ledger_reservation_due
             ON "{s}".ledger_reservation (expires_at) WHERE state IN ('PREPARING', 'ACTIVE')""",
         f"""CREATE TABLE IF NOT EXISTS "{s}".ledger_item (

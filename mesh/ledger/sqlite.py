@@ -34,7 +34,10 @@ T = TypeVar("T")
 # is a plain INTEGER PRIMARY KEY — rows are never deleted (the triggers), so a seq is never
 # reused and AUTOINCREMENT's extra bookkeeping row would buy nothing; and fences need no
 # UNIQUE index: they come from the one counter row, inside the single writer's transaction.
-# Files created by an earlier version keep their tables as they are; the SQL works on both.
+# A reservation's items are JSON in its own row (``items``), not rows of ``ledger_item``: one
+# b-tree page fewer per admission. Files created by an earlier version keep their tables as
+# they are, gain the ``items`` column, and keep their old reservations' items in
+# ``ledger_item`` (read for those rows only); the SQL works on both.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS ledger_capacity (
     pool_id  TEXT    NOT NULL,
@@ -52,7 +55,8 @@ CREATE TABLE IF NOT EXISTS ledger_reservation (
     fence        INTEGER NOT NULL,
     expires_at   REAL    NOT NULL,
     created_at   REAL    NOT NULL,
-    updated_at   REAL    NOT NULL
+    updated_at   REAL    NOT NULL,
+    items        TEXT
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS ledger_reservation_due ON ledger_reservation (expires_at)
     WHERE state IN ('PREPARING', 'ACTIVE');
@@ -136,6 +140,9 @@ class SqliteLedger(SqlLedger):
             self._conn.execute("BEGIN IMMEDIATE")
             for statement in _statements(_SCHEMA):
                 self._conn.execute(statement)
+            columns = self._conn.execute("PRAGMA table_info(ledger_reservation)").fetchall()
+            if "items" not in {column[1] for column in columns}:  # a file of an earlier version
+                self._conn.execute("ALTER TABLE ledger_reservation ADD COLUMN items TEXT")
             self._conn.execute("COMMIT")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the ledger at {path}: {exc}") from exc
