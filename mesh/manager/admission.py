@@ -124,7 +124,7 @@ class DecisionRecord:
 
     def to_json(self) -> str:
         record = {
-            "decision": orjson.Fragment(self.decision.model_dump_json()),
+            "decision": orjson.Fragment(self.decision.model_dump_json(exclude_defaults=True)),
             "eligibility": self.eligibility,
             "tenant": self.tenant,
             "estimate": self.estimate,
