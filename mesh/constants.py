@@ -23,6 +23,7 @@ DEAD_LETTER_EXCHANGE: Final = "dead-letter"
 
 # Routing-key prefixes.
 RK_AGENT: Final = "agent"  # agent.<agent_id>.<register|deregister|drain>
+AGENT_ANNOUNCE_VERBS: Final = ("register", "deregister", "drain")  # the <verb> above
 RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>
 RK_LOG: Final = "log"  # log.<agent_id>.<kind>
 RK_CAPABILITY: Final = "capability"  # capability.<capability name>.<agent_id>

@@ -1,0 +1,98 @@
+"""What one agent's broker user may do: RabbitMQ permissions, computed from the names.
+
+RabbitMQ checks three regular expressions per user and vhost — *configure* (declare and delete),
+*write* (publish to an exchange; bind a queue), *read* (consume a queue; bind *from* an
+exchange) — against resource names, and, per topic exchange, *topic permissions*: which
+routing keys the user may publish with. An agent ``X`` of pool ``P`` in namespace ``N`` gets
+exactly what it uses (see docs/security.md for the table and what each is for):
+
+- configure: its two queues, ``N.agent.X.control`` and ``N.agent.X.tasks`` — nothing shared,
+  since configure on an exchange would also let it delete the exchange (the agent only checks
+  the shared exchanges with passive declares: ``AgentSettings.shared_topology = "check"``);
+- write: its two queues (to bind them), the ``N.announce``, ``N.heartbeat`` and
+  ``N.dead-letter`` exchanges, and ``amq.default`` (results go to ``reply_to`` queues);
+- read: its two queues, its pool's queue ``N.pool.P.tasks``, and the exchanges its queues are
+  bound from: ``N.agents``, ``N.tasks``, ``N.events``;
+- topic: on ``N.announce`` only ``agent.X.register|deregister|drain``; on ``N.heartbeat`` only
+  ``hb.X``. Another agent's routing key is refused by the broker (``ACCESS_REFUSED``).
+
+Names are matched whole (``^…$``) with every literal part escaped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from mesh import constants as c
+from mesh.topology import names
+
+
+@dataclass(frozen=True, slots=True)
+class TopicPermission:
+    exchange: str
+    write: str
+    read: str
+
+
+@dataclass(frozen=True, slots=True)
+class AgentPermissions:
+    """The vhost permissions and topic permissions of one agent's broker user."""
+
+    configure: str
+    write: str
+    read: str
+    topics: tuple[TopicPermission, ...]
+
+
+NOTHING = "^$"
+"""A pattern no resource name matches (RabbitMQ's way to grant nothing)."""
+
+
+_META = re.compile(r"([.\\^$|?*+()\[\]{}])")
+
+
+def literal(name: str) -> str:
+    """``name`` as a pattern matching itself: only real metacharacters escaped (names are
+    ``[A-Za-z0-9_.-]``, so in practice the dots), which keeps them readable in the UI."""
+    return _META.sub(r"\\\1", name)
+
+
+def _any_of(*literals: str) -> str:
+    return "^(" + "|".join(literal(name) for name in literals) + ")$"
+
+
+def agent_permissions(namespace: str, agent_id: str, pool_id: str) -> AgentPermissions:
+    own = (
+        names.agent_control_queue(namespace, agent_id),
+        names.agent_task_queue(namespace, agent_id),
+    )
+    announce = names.exchange(namespace, c.ANNOUNCE_EXCHANGE)
+    heartbeat = names.exchange(namespace, c.HEARTBEAT_EXCHANGE)
+    return AgentPermissions(
+        configure=_any_of(*own),
+        write=_any_of(
+            *own,
+            announce,
+            heartbeat,
+            names.exchange(namespace, c.DEAD_LETTER_EXCHANGE),
+            "amq.default",
+        ),
+        read=_any_of(
+            *own,
+            names.pool_task_queue(namespace, pool_id),
+            names.exchange(namespace, c.AGENTS_EXCHANGE),
+            names.exchange(namespace, c.TASKS_EXCHANGE),
+            names.exchange(namespace, c.EVENTS_EXCHANGE),
+        ),
+        topics=(
+            TopicPermission(
+                announce,
+                write=_any_of(
+                    *(names.agent_announce_key(agent_id, v) for v in c.AGENT_ANNOUNCE_VERBS)
+                ),
+                read=NOTHING,
+            ),
+            TopicPermission(heartbeat, write=_any_of(names.heartbeat_key(agent_id)), read=NOTHING),
+        ),
+    )

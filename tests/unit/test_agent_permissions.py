@@ -1,0 +1,82 @@
+"""The broker permissions of one agent's user, as regular expressions over names (pure).
+
+RabbitMQ matches them with PCRE against whole resource names; Python's ``re.fullmatch`` of
+these anchored patterns agrees for the names the mesh uses (``[A-Za-z0-9_.-]``). The broker's
+own verdicts are checked in ``tests/integration/test_agent_permissions.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mesh.topology import Topology, names
+from mesh.topology.permissions import agent_permissions, literal
+
+NS, AGENT, POOL = "prod-eu", "calc-1", "calc"
+P = agent_permissions(NS, AGENT, POOL)
+T = Topology(NS)
+
+
+def allows(pattern: str, name: str) -> bool:
+    return re.fullmatch(pattern, name) is not None
+
+
+def test_it_may_configure_its_own_two_queues_and_nothing_shared() -> None:
+    assert allows(P.configure, T.agent_control_queue(AGENT))
+    assert allows(P.configure, T.agent_task_queue(AGENT))
+    for name in (*T.shared_exchanges(), T.dead_letter_queue, T.pool_task_queue(POOL)):
+        assert not allows(P.configure, name), name
+
+
+@pytest.mark.parametrize(
+    "other", ["calc-10", "calc-", "calc", "xcalc-1", "calc-1x", "calc_1"], ids=repr
+)
+def test_similar_agent_ids_get_nothing_of_its_own(other: str) -> None:
+    for pattern in (P.configure, P.write, P.read):
+        assert not allows(pattern, T.agent_task_queue(other))
+        assert not allows(pattern, T.agent_control_queue(other))
+    announce, heartbeat = P.topics
+    assert not allows(heartbeat.write, names.heartbeat_key(other))
+    assert not allows(announce.write, names.agent_announce_key(other, "register"))
+
+
+def test_it_writes_where_an_agent_publishes_and_reads_what_it_consumes() -> None:
+    for exchange in (T.announce_exchange, T.heartbeat_exchange, T.dead_letter_exchange):
+        assert allows(P.write, exchange)
+    assert allows(P.write, "amq.default")  # results to reply_to queues
+    for forbidden in (T.events_exchange, T.tasks_exchange, T.control_exchange, T.agents_exchange):
+        assert not allows(P.write, forbidden), forbidden
+    for readable in (T.pool_task_queue(POOL), T.agents_exchange, T.tasks_exchange):
+        assert allows(P.read, readable)
+    for unreadable in (
+        T.pool_task_queue("search"),
+        T.dead_letter_queue,
+        T.announce_queue,
+        T.heartbeat_queue,
+        T.rpc_queue,
+    ):
+        assert not allows(P.read, unreadable), unreadable
+
+
+def test_its_topic_permissions_name_only_its_own_routing_keys() -> None:
+    announce, heartbeat = P.topics
+    assert (announce.exchange, heartbeat.exchange) == (T.announce_exchange, T.heartbeat_exchange)
+    for verb in ("register", "deregister", "drain"):
+        assert allows(announce.write, names.agent_announce_key(AGENT, verb))
+    assert not allows(announce.write, names.agent_announce_key(AGENT, "anything"))
+    assert allows(heartbeat.write, names.heartbeat_key(AGENT))
+    assert not allows(heartbeat.write, f"{names.heartbeat_key(AGENT)}.x")
+
+
+def test_another_namespace_is_another_world() -> None:
+    other = Topology("prod-eux")
+    for pattern in (P.configure, P.write, P.read):
+        assert not allows(pattern, other.agent_task_queue(AGENT))
+    assert not allows(P.write, other.heartbeat_exchange)
+
+
+def test_a_literal_escapes_only_metacharacters() -> None:
+    assert literal("prod-eu.agent.calc_1.tasks") == r"prod-eu\.agent\.calc_1\.tasks"
+    assert allows(literal("a+b(c)"), "a+b(c)") and not allows(literal("a.b"), "axb")
