@@ -35,6 +35,11 @@ class TransportError(MeshError):
     """Talking to the broker failed."""
 
 
+class TopologyMissing(TransportError):
+    """An exchange the caller only checks (a passive declare) does not exist: whoever owns
+    the shared topology — the manager — has not declared it yet."""
+
+
 class BrokerUnavailable(TransportError):
     """The broker cannot be reached."""
 

@@ -159,6 +159,12 @@ class AgentSettings:
     """Serve ``/ready``, ``/healthz`` and ``/drain`` on this port (0: any free one; None: no)."""
     http_drain_deadline_s: float | None = None
     """When ``/drain`` answers at the latest (None: ``drain_timeout_s + shutdown_grace_s - 2``)."""
+    shared_topology: Literal["declare", "check"] = "declare"
+    """``declare``: declare the namespace's shared exchanges (idempotent; needs configure
+    permission on them). ``check``: only check they exist (passive declares) and declare
+    nothing but the agent's own queues — for an agent whose broker user has exactly its own
+    permissions (``mesh broker add-agent``; docs/security.md). Then the manager must have
+    declared the topology first, else start fails with :class:`mesh.errors.TopologyMissing`."""
     liveness_probe_s: float | None = None
     """Probe the broker this often and reconnect when it stops answering (None: off). A
     handler that blocks the event loop for twice this long would be taken for a dead broker:
@@ -290,7 +296,12 @@ class AgentRuntime:
             await self._start_http()
             transport = await self._connect()
             bound = 2 * self.agent.total_concurrency
-            await transport.declare(self.topology.agent(self.agent_id, bound) + self._grant_feed())
+            own = self.topology.agent_queues(self.agent_id, bound) + self._grant_feed()
+            if self.settings.shared_topology == "check":
+                await transport.check_exchanges(self.topology.shared_exchanges())
+            else:
+                own = self.topology.shared() + own
+            await transport.declare(own)
             self._control_consumer = await transport.consume(
                 self._control_queue, self._on_control, prefetch=_CONTROL_PREFETCH
             )

@@ -81,12 +81,18 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from mesh import constants as c
-from mesh.errors import LocalProtocolError, PublishNacked, PublishUnroutable, TransportError
+from mesh.errors import (
+    LocalProtocolError,
+    PublishNacked,
+    PublishUnroutable,
+    TopologyMissing,
+    TransportError,
+)
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, ExchangeType, QueueSpec
 from mesh.transport import dead_letters
 from mesh.transport.amqp import DEFAULT_EXCHANGE, Delivery, Handler
@@ -876,6 +882,14 @@ class InMemoryTransport:
             self._declared[spec] = None
             self._topology[spec] = None
         await asyncio.sleep(0)
+
+    async def check_exchanges(self, names: Sequence[str]) -> None:
+        """Raise :class:`mesh.errors.TopologyMissing` unless every exchange exists."""
+        broker = self._open()
+        missing = [name for name in names if name not in broker._exchanges]
+        await asyncio.sleep(0)
+        if missing:
+            raise TopologyMissing(f"no exchange {missing[0]!r} (declared by the manager)")
 
     async def try_declare(self, declarations: Declarations) -> bool:
         """``declare``, but a queue that exists with other arguments answers ``False``."""

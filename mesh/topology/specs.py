@@ -246,7 +246,15 @@ class Topology:
         """The most a pool's queue can hold: its limit and the quorum queue's overshoot."""
         return max(1, model_slots) + self.pool_queue_overshoot
 
+    def shared_exchanges(self) -> tuple[str, ...]:
+        """The names of the shared exchanges (what an agent that may not declare them checks)."""
+        return tuple(exchange.name for exchange in self.shared().exchanges)
+
     def agent(self, agent_id: str, task_queue_bound: int) -> Declarations:
+        """The shared topology and the agent's own queues (:meth:`agent_queues`)."""
+        return self.shared() + self.agent_queues(agent_id, task_queue_bound)
+
+    def agent_queues(self, agent_id: str, task_queue_bound: int) -> Declarations:
         """An agent's control queue (gone with the agent) and its bounded task queue."""
         control = QueueSpec(self.agent_control_queue(agent_id), durable=False, auto_delete=True)
         tasks = QueueSpec(
@@ -262,4 +270,4 @@ class Topology:
             BindingSpec(control.name, self.agents_exchange, agent_id),
             BindingSpec(tasks.name, self.tasks_exchange, agent_id),
         )
-        return self.shared() + Declarations(queues=(control, tasks), bindings=bindings)
+        return Declarations(queues=(control, tasks), bindings=bindings)

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, cast
@@ -44,6 +44,7 @@ from mesh.errors import (
     PublishNacked,
     PublishTimeout,
     PublishUnroutable,
+    TopologyMissing,
     TransportError,
 )
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec
@@ -417,6 +418,25 @@ class AmqpTransport:
                     self._queues[b.queue] = queue
                 await queue.bind(b.exchange, routing_key=b.routing_key)
                 self._declared.add(b)
+
+    async def check_exchanges(self, names: Sequence[str]) -> None:
+        """Check that each exchange exists with passive declares (which need no permission),
+        on a channel of their own: a missing one closes that channel (404), not ours."""
+        async with asyncio.timeout(_CONTROL_TIMEOUT_S):
+            channel = await self._connection.channel()
+            try:
+                for name in names:
+                    try:
+                        await channel.declare_exchange(name, passive=True)
+                    except aio_pika.exceptions.ChannelNotFoundEntity:
+                        raise TopologyMissing(
+                            f"exchange {name!r} does not exist: the manager declares the "
+                            "namespace's shared topology — start it first (or let this "
+                            "client declare it: shared_topology='declare')"
+                        ) from None
+            finally:
+                if not channel.is_closed:
+                    await channel.close()
 
     async def try_declare(self, declarations: Declarations) -> bool:
         """Declare on a channel of its own; ``False`` if a queue already exists with other

@@ -8,7 +8,7 @@ top. :class:`~mesh.transport.AmqpTransport` meets all three, and so does
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from mesh.topology.specs import Declarations
@@ -27,6 +27,10 @@ class Transport(Protocol):
     one; tests and users can pass their own (an in-memory one, a recording fake)."""
 
     async def declare(self, declarations: Declarations) -> None: ...
+
+    async def check_exchanges(self, names: Sequence[str]) -> None:
+        """Raise :class:`mesh.errors.TopologyMissing` unless every exchange exists."""
+        ...
 
     async def consume(
         self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False

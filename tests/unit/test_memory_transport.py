@@ -20,6 +20,7 @@ from mesh.errors import (
     PublishTimeout,
     PublishUnroutable,
     TaskInputInvalid,
+    TopologyMissing,
     TransportError,
 )
 from mesh.manager.clock import Clock
@@ -752,5 +753,33 @@ async def test_bad_input_the_manager_cannot_dead_letter_goes_back_to_its_queue()
         assert (announce.ready, announce.unacked) == (0, 0)
     finally:
         await producer.close()
+        await manager.stop()
+        await broker.close()
+
+
+async def test_a_checking_agent_needs_the_managers_topology_and_declares_only_its_own() -> None:
+    # shared_topology="check": what an agent whose broker user may not declare exchanges does.
+    broker = InMemoryBroker()
+    namespace = "demo"
+
+    def checking_agent() -> AgentRuntime:
+        return AgentRuntime(
+            CalcAgent("calc-1", heartbeat_interval_s=5.0),
+            AgentSettings(namespace=namespace, drain_timeout_s=5.0, shared_topology="check"),
+            InMemoryTransport(broker, "calc-1"),
+        )
+
+    with pytest.raises(TopologyMissing, match=f"{namespace}\\."):
+        await checking_agent().start()
+    assert broker.exchange_names() == [], "a checking agent declared nothing shared"
+
+    manager = await started_manager(InMemoryTransport(broker, "manager"), namespace)
+    runtime = checking_agent()
+    try:
+        await runtime.start()
+        assert "calc-1" in manager.core.agents
+        assert broker.has_queue(f"{namespace}.agent.calc-1.tasks")
+    finally:
+        await runtime.stop()
         await manager.stop()
         await broker.close()
