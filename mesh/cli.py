@@ -12,10 +12,12 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import signal
 import sys
 import textwrap
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from mesh import constants as c
 from mesh import logs
+from mesh.broker_admin import DEFAULT_MANAGEMENT_URL
 from mesh.errors import BrokerUnavailable, MeshError, RequestTimeout
 from mesh.scaler.base import Scaler
 from mesh.topology import names
@@ -224,6 +227,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         http_host=args.http_host,
         http_port=args.http_port,
         liveness_probe_s=args.liveness_probe,
+        shared_topology=args.shared_topology,
     )
 
     async def run() -> int:
@@ -683,6 +687,53 @@ def cmd_descriptor(args: argparse.Namespace) -> int:
     return _run(_with_client(args, publish))
 
 
+# ---- mesh broker ----------------------------------------------------------------------------
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from mesh.broker_admin import BrokerAdmin, BrokerAdminError
+
+    vhost = urllib.parse.unquote(urllib.parse.urlsplit(args.amqp_url).path[1:]) or "/"
+    try:
+        admin = BrokerAdmin(args.management_url, vhost=vhost)
+        if args.action == "remove-agent":
+            if admin.remove_agent(args.agent_id):
+                print(f"{args.agent_id}: broker user deleted; its connections are closed")
+            else:
+                print(f"{args.agent_id}: no such broker user")
+            return 0
+        if not args.pool:
+            print("mesh: broker add-agent needs --pool POOL", file=sys.stderr)
+            return 2
+        password, generated = os.environ.get(args.password_env or "", ""), False
+        if args.password_env and not password:
+            print(f"mesh: ${args.password_env} is empty or unset", file=sys.stderr)
+            return 2
+        if not password:
+            password, generated = secrets.token_urlsafe(24), True
+        permissions = admin.add_agent(
+            args.agent_id, password, namespace=args.namespace, pool_id=args.pool
+        )
+    except BrokerAdminError as exc:
+        print(f"mesh: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.agent_id}: broker user with its own permissions on vhost {vhost!r}")
+    print(f"  configure  {permissions.configure}")
+    print(f"  write      {permissions.write}")
+    print(f"  read       {permissions.read}")
+    for topic in permissions.topics:
+        print(f"  topic      {topic.exchange}: write {topic.write}")
+    if generated:
+        parts = urllib.parse.urlsplit(args.amqp_url)
+        netloc = f"{urllib.parse.quote(args.agent_id)}:{password}@{parts.hostname}"
+        netloc += f":{parts.port}" if parts.port else ""
+        print(
+            "  its AMQP URL (shown once; pass it as MESH_AMQP_URL with MESH_SHARED_TOPOLOGY=check):"
+        )
+        print(f"  {urllib.parse.urlunsplit(parts._replace(netloc=netloc))}")
+    return 0
+
+
 # ---- mesh schemas ---------------------------------------------------------------------------
 
 
@@ -870,6 +921,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between heartbeats, at least 5 (env HEARTBEAT_INTERVAL_S)",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--shared-topology",
+        choices=("declare", "check"),
+        default=_env("MESH_SHARED_TOPOLOGY", "declare"),
+        help="declare the namespace's shared exchanges, or only check that the manager has "
+        "(for a broker user made by `mesh broker add-agent`; env MESH_SHARED_TOPOLOGY, "
+        "default %(default)s)",
+    )
     _add_liveness_probe(p)
     p.add_argument(
         "--http-port",
@@ -954,6 +1013,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("publish",))
     p.add_argument("file", help="a JSON file holding one mesh.capability-descriptor.v1")
     p.set_defaults(func=cmd_descriptor)
+
+    p = sub.add_parser("broker", help="operators: broker users of agents (management API)")
+    p.add_argument("action", choices=("add-agent", "remove-agent"))
+    p.add_argument("agent_id", help="the agent's ID, which is also its broker user's name")
+    p.add_argument("--pool", help="add-agent: the pool (Deployment) whose task queue it reads")
+    p.add_argument(
+        "--password-env",
+        metavar="VAR",
+        help="add-agent: take the password from this environment variable (default: a new "
+        "random one, printed once in the agent's AMQP URL)",
+    )
+    p.add_argument(
+        "--management-url",
+        default=_env("MESH_MANAGEMENT_URL", DEFAULT_MANAGEMENT_URL),
+        help="RabbitMQ management API with an administrator's credentials "
+        "(env MESH_MANAGEMENT_URL; default http://guest:***@127.0.0.1:15672)",
+    )
+    p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("schemas", help="export or check the JSON Schemas of the wire contract")
     p.add_argument("action", choices=("export", "check"))

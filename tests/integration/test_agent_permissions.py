@@ -1,0 +1,219 @@
+"""Per-agent broker permissions (issue 7): each agent's user may do what it needs, nothing else.
+
+The users are made the way operators make them — :class:`mesh.broker_admin.BrokerAdmin`, what
+``mesh broker add-agent`` runs — with the permissions of
+:func:`mesh.topology.permissions.agent_permissions`, and deleted afterwards. The broker does
+the refusing (``ACCESS_REFUSED`` closes the channel); the manager (``--agent-identity on``)
+would refuse the same again, but these messages never reach it.
+
+* An SDK agent under exactly these permissions (``shared_topology="check"``) registers, takes
+  a task, returns the result and drains.
+* Another agent's routing keys — heartbeat and announcement — are refused, and nobody is
+  registered or kept alive by them.
+* Another agent's queue, and another pool's queue, cannot be consumed; its own pool's can.
+* Shared exchanges can be neither declared nor deleted; an agent that would declare them
+  (``shared_topology="declare"``) cannot start.
+* Before the manager has declared the topology, a ``check`` agent fails with
+  ``TopologyMissing`` and says what to do.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mesh.agent import AgentRuntime, AgentSettings
+from mesh.broker_admin import BrokerAdmin
+from mesh.errors import TopologyMissing, TransportError
+from mesh.manager.service import ManagerService
+from mesh.producer import MeshClient
+from mesh.samples import SAMPLES
+from mesh.topology import Topology, names
+from mesh.transport.amqp import AmqpTransport
+from mesh.wire.models import Heartbeat
+
+from .harness import eventually, manager_settings, start_manager
+
+PASSWORD = "permissions-test"
+POOL = "calc"  # the calc sample's deployment
+
+
+@pytest.fixture
+def admin(management_api: Any, amqp_url: str) -> BrokerAdmin:
+    parts = urllib.parse.urlsplit(amqp_url)
+    credentials = f"{parts.username or 'guest'}:{parts.password or 'guest'}"
+    management = urllib.parse.urlsplit(management_api.base_url)
+    url = management._replace(netloc=f"{credentials}@{management.netloc}").geturl()
+    return BrokerAdmin(url, vhost=management_api.vhost)
+
+
+@pytest.fixture
+def agent_users(admin: BrokerAdmin, amqp_url: str, namespace: str) -> Iterator[Callable[..., str]]:
+    """``make(agent_id, pool=POOL)``: the agent's user with its own permissions; returns its
+    AMQP URL. Every user made is deleted afterwards."""
+    made: list[str] = []
+    parts = urllib.parse.urlsplit(amqp_url)
+
+    def make(agent_id: str, pool: str = POOL) -> str:
+        admin.add_agent(agent_id, PASSWORD, namespace=namespace, pool_id=pool)
+        made.append(agent_id)
+        netloc = f"{agent_id}:{PASSWORD}@{parts.hostname}:{parts.port or 5672}"
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+    yield make
+    for agent_id in made:
+        admin.remove_agent(agent_id)
+
+
+@pytest.fixture
+async def manager(amqp_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[ManagerService]:
+    service = await start_manager(
+        manager_settings(
+            namespace, tmp_path / "journal.sqlite3", amqp_url=amqp_url, agent_identity=True
+        )
+    )
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def connect() -> AsyncIterator[Callable[[str, str], Any]]:
+    made: list[AmqpTransport] = []
+
+    async def make(url: str, name: str) -> AmqpTransport:
+        transport = await AmqpTransport.connect(url, name=name, publish_timeout_s=3.0)
+        made.append(transport)
+        return transport
+
+    yield make
+    for transport in reversed(made):
+        await transport.close()
+
+
+def agent_name(tag: str) -> str:
+    return f"perm-{uuid.uuid4().hex[:8]}-{tag}"
+
+
+def calc_runtime(name: str, url: str, namespace: str, **settings: Any) -> AgentRuntime:
+    return AgentRuntime(
+        SAMPLES["calc"](name, heartbeat_interval_s=5.0),
+        AgentSettings(amqp_url=url, namespace=namespace, shared_topology="check", **settings),
+    )
+
+
+async def test_an_sdk_agent_with_only_its_own_permissions_registers_serves_and_drains(
+    manager: ManagerService, agent_users: Callable[..., str], amqp_url: str, namespace: str
+) -> None:
+    name = agent_name("calc")
+    runtime = calc_runtime(name, agent_users(name), namespace)
+    await runtime.start()
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="permissions-client")
+    try:
+        assert name in manager.core.agents
+        outcome = await client.run_task("math.evaluate", {"expression": "6 * 7"})
+        assert outcome.output["value"] == 42 and outcome.lease.agent_id == name
+        await runtime.drain("test over")
+        await eventually(lambda: name not in manager.core.agents, what="the agent deregistered")
+        assert runtime.counters["results_requeued"] == 0
+    finally:
+        await client.close()
+        await runtime.stop()
+
+
+async def test_another_agents_routing_keys_are_refused_by_the_broker(
+    manager: ManagerService,
+    agent_users: Callable[..., str],
+    connect: Any,
+    namespace: str,
+) -> None:
+    # Each refusal closes the channel: every attempt on a connection of its own.
+    name, victim = agent_name("mallory"), agent_name("victim")
+    topology, url = Topology(namespace), agent_users(name)
+    beat = Heartbeat(agent_id=victim, incarnation="i-1", seq=0, sent_at=1.0)
+
+    with pytest.raises(TransportError, match="ACCESS_REFUSED"):
+        await (await connect(url, name)).publish(
+            topology.heartbeat_exchange, names.heartbeat_key(victim), beat, user_id=name
+        )
+    with pytest.raises(TransportError, match="ACCESS_REFUSED"):
+        await (await connect(url, name)).publish(
+            topology.announce_exchange,
+            names.agent_announce_key(victim, "deregister"),
+            b"{}",
+            user_id=name,
+        )
+    # Its own keys go through (the manager then judges the content: not a registered agent).
+    await (await connect(url, name)).publish(
+        topology.heartbeat_exchange,
+        names.heartbeat_key(name),
+        Heartbeat(agent_id=name, incarnation="i-1", seq=0, sent_at=1.0),
+        user_id=name,
+    )
+    assert victim not in manager.core.agents and name not in manager.core.agents
+
+
+async def test_another_agents_queue_and_another_pools_queue_are_refused(
+    manager: ManagerService,
+    agent_users: Callable[..., str],
+    amqp_url: str,
+    connect: Any,
+    namespace: str,
+) -> None:
+    topology = Topology(namespace)
+    owner = await connect(amqp_url, "queue-owner")  # an operator declares what exists
+    victim = agent_name("victim")
+    await owner.declare(
+        topology.agent_queues(victim, 4) + topology.pool(POOL, 4) + topology.pool("search", 4)
+    )
+    name = agent_name("mallory")
+
+    async def ignore(_: Any) -> None:
+        return None
+
+    url = agent_users(name)
+    for foreign in (topology.agent_task_queue(victim), topology.pool_task_queue("search")):
+        with pytest.raises(Exception, match="ACCESS_REFUSED"):
+            await (await connect(url, name)).consume(foreign, ignore)
+    own_pool = await (await connect(url, name)).consume(topology.pool_task_queue(POOL), ignore)
+    await own_pool.cancel()
+
+
+async def test_shared_exchanges_can_be_neither_declared_nor_deleted(
+    manager: ManagerService,
+    agent_users: Callable[..., str],
+    connect: Any,
+    namespace: str,
+    management_api: Any,
+) -> None:
+    topology = Topology(namespace)
+    name = agent_name("mallory")
+    url = agent_users(name)
+
+    with pytest.raises(Exception, match="ACCESS_REFUSED"):
+        await (await connect(url, name)).declare(topology.shared())
+    with pytest.raises(Exception, match="ACCESS_REFUSED"):
+        transport = await connect(url, name)
+        await transport._publish_channel.exchange_delete(topology.announce_exchange)
+    assert management_api.get_exchange(topology.announce_exchange)["name"]
+
+    declaring = AgentRuntime(
+        SAMPLES["calc"](name, heartbeat_interval_s=5.0),
+        AgentSettings(amqp_url=url, namespace=namespace, shared_topology="declare"),
+    )
+    with pytest.raises(Exception, match="ACCESS_REFUSED"):
+        await declaring.start()
+    assert name not in manager.core.agents
+
+
+async def test_a_checking_agent_before_the_manager_fails_with_topology_missing(
+    agent_users: Callable[..., str], namespace: str
+) -> None:
+    name = agent_name("early")
+    runtime = calc_runtime(name, agent_users(name), namespace)
+    with pytest.raises(TopologyMissing, match="start it first"):
+        await runtime.start()
