@@ -92,6 +92,16 @@ def _add_liveness_probe(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
+    return value
+
+
 def _on_off(text: str) -> bool:
     if text not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"{text!r}: say on or off")
@@ -110,7 +120,8 @@ def _admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
             queue_age_s=args.shed_queue_age,
             low_priority=args.low_priority,
             evict=args.eviction,
-        )
+        ),
+        lease_ttl_s=args.lease_ttl,
     )
 
 
@@ -170,6 +181,7 @@ def cmd_manager(args: argparse.Namespace) -> int:
             ledger_url=args.ledger,
             operator_user=args.operator_user,
             agent_identity=args.agent_identity,
+            lease_key_file=Path(args.lease_key) if args.lease_key else None,
             liveness_probe_s=args.liveness_probe,
             http_port=None if args.http_port < 0 else args.http_port,
             http_host=args.http_host,
@@ -228,6 +240,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         liveness_probe_s=args.liveness_probe,
         shared_topology=args.shared_topology,
+        lease_public_keys=tuple(Path(path) for path in args.lease_public_key),
     )
 
     async def run() -> int:
@@ -823,6 +836,21 @@ def build_parser() -> argparse.ArgumentParser:
         "user_id); off: agents may share one user (env MESH_AGENT_IDENTITY, default off)",
     )
     p.add_argument(
+        "--lease-key",
+        metavar="FILE",
+        default=_env("MESH_LEASE_KEY", ""),
+        help="sign an invocation lease into every grant with this Ed25519 key, created (with "
+        "FILE.pub for agents and tools) if absent (env MESH_LEASE_KEY; default: no leases)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=_positive_seconds,
+        default=_env("MESH_LEASE_TTL_S", "") or None,
+        metavar="SECONDS",
+        help="a lease expires with its grant, or this long after issue if sooner "
+        "(env MESH_LEASE_TTL_S)",
+    )
+    p.add_argument(
         "--http-port",
         type=int,
         default=int(_env("MESH_HTTP_PORT", "8090")),
@@ -928,6 +956,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="declare the namespace's shared exchanges, or only check that the manager has "
         "(for a broker user made by `mesh broker add-agent`; env MESH_SHARED_TOPOLOGY, "
         "default %(default)s)",
+    )
+    p.add_argument(
+        "--lease-public-key",
+        action="append",
+        metavar="FILE",
+        default=[path for path in [os.environ.get("MESH_LEASE_PUBLIC_KEY")] if path],
+        help="require an invocation lease signed by this manager key on every granted task "
+        "(the manager's --lease-key FILE.pub; repeat for a key rotation; env "
+        "MESH_LEASE_PUBLIC_KEY)",
     )
     _add_liveness_probe(p)
     p.add_argument(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from mesh.errors import LocalProtocolError
-from mesh.wire.models import AppliedDegradation, Degradation, Task
+from mesh.wire.models import AppliedDegradation, Degradation, InvocationLease, Task
 
 
 class DegradationNotAllowed(LocalProtocolError):
@@ -45,11 +45,18 @@ class TaskContext:
     deadline: float | None
     allowed_degradations: frozenset[str]
     applied: dict[str, AppliedDegradation] = field(default_factory=dict)
+    lease: InvocationLease | None = None
+    """The invocation lease of the task's grant: what the handler presents to the tools it
+    calls (each checks it with the manager's public key, :mod:`mesh.leases`)."""
 
     @classmethod
     def of(cls, task: Task) -> TaskContext:
         return cls(
-            task.task_id, task.capability, task.deadline, frozenset(task.allowed_degradations)
+            task.task_id,
+            task.capability,
+            task.deadline,
+            frozenset(task.allowed_degradations),
+            lease=task.grant.lease if task.grant is not None else None,
         )
 
     def remaining_s(self, now: float | None = None) -> float:

@@ -65,6 +65,7 @@ import uuid
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -89,6 +90,7 @@ from mesh.errors import (
     PublishUnroutable,
     TransportError,
 )
+from mesh.leases import ConsumptionPoint, LeaseVerifier
 from mesh.topology import BindingSpec, Declarations, Topology, names
 from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery
 from mesh.transport.ports import Subscription
@@ -159,6 +161,10 @@ class AgentSettings:
     """Serve ``/ready``, ``/healthz`` and ``/drain`` on this port (0: any free one; None: no)."""
     http_drain_deadline_s: float | None = None
     """When ``/drain`` answers at the latest (None: ``drain_timeout_s + shutdown_grace_s - 2``)."""
+    lease_public_keys: tuple[Path, ...] = ()
+    """The managers' lease public keys (``<lease key>.pub``). Set: every granted task must
+    carry a valid invocation lease for its admission, checked at claim and before the result,
+    and a result goes out at most once per lease (:mod:`mesh.leases`). Empty: not checked."""
     shared_topology: Literal["declare", "check"] = "declare"
     """``declare``: declare the namespace's shared exchanges (idempotent; needs configure
     permission on them). ``check``: only check they exist (passive declares) and declare
@@ -206,6 +212,13 @@ class AgentRuntime:
         self._incarnation = uuid.uuid4().hex
         self._rng = rng or random.Random()
         self._capabilities = agent.bind()
+        keys = self.settings.lease_public_keys
+        self._leases = LeaseVerifier.from_files(keys) if keys else None
+        self._result_point = (
+            ConsumptionPoint(self._leases, f"the results of {agent.agent_id}")
+            if self._leases is not None
+            else None
+        )
         self._task_queue = self.topology.agent_task_queue(agent.agent_id)
         self._control_queue = self.topology.agent_control_queue(agent.agent_id)
         self._phase: Phase = "new"
@@ -625,12 +638,28 @@ class AgentRuntime:
         grant = task.grant
         if grant is None:
             return None  # the lease path
-        return check_grant(
+        now = time.time()
+        problem = check_grant(
             grant,
             pool_id=self.agent.deployment,
-            now=time.time(),
+            now=now,
             revoked_fence=self._revoked.fence(grant.admission_id),
             active_epoch=self._active_epoch,
+        )
+        if problem is not None or self._leases is None:
+            return problem
+        lease = grant.lease
+        if lease is None:
+            return "no invocation lease (this agent requires one: mesh manager --lease-key)"
+        assert self._result_point is not None
+        if self._result_point.consumed(lease):
+            return "lease replayed: a result was already published under it here"
+        return self._leases.check(
+            lease,
+            now=now,
+            admission_id=grant.admission_id,
+            fence=grant.fence,
+            pool_id=self.agent.deployment,
         )
 
     def _grant_refused(
@@ -677,6 +706,9 @@ class AgentRuntime:
         if result.error is not None and result.error.code in (Reason.EVICTED, Reason.GRANT_INVALID):
             return result  # already refused on the way
         problem = self._grant_problem(task)
+        lease = task.grant.lease if task.grant is not None else None
+        if problem is None and self._result_point is not None and lease is not None:
+            problem = self._result_point.consume(lease, now=time.time())  # once per lease
         if problem is None:
             return result
         return self._grant_refused(task, problem, "before the result", result.started_at, extra)
@@ -724,6 +756,8 @@ class AgentRuntime:
             if await self._send_result(delivery, result, extra):
                 await _ack(delivery, extra)
             else:
+                if self._result_point is not None and task.grant and task.grant.lease:
+                    self._result_point.give_back(task.grant.lease)  # not published after all
                 await _requeue(delivery, extra)
         finally:
             if counted:

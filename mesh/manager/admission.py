@@ -71,6 +71,7 @@ from mesh.core.pressure import (
     shed_rank,
 )
 from mesh.errors import StoreError
+from mesh.leases import LeaseSigner
 from mesh.ledger.model import TENANT_POOL, LedgerReason, Prepared, Refused, Reservation
 from mesh.ledger.store import DecisionRow, LedgerStore, Usage
 from mesh.wire.admission import (
@@ -105,6 +106,9 @@ class AdmissionPolicy:
     grant_ttl_s: float = 120.0  # an ACTIVE grant lives this long unless released
     active_generation: int = 1  # the policy generation descriptors must carry
     default_tenant_tokens: int = 10_000_000  # a tenant's token budget unless set otherwise
+    # An invocation lease (when the manager signs them) expires with its grant, or this long
+    # after it was issued if that is sooner.
+    lease_ttl_s: float | None = None
     pressure: PressurePolicy = field(default_factory=PressurePolicy)  # shedding, retry times
 
 
@@ -187,6 +191,7 @@ class Admitter:
     rand: Callable[[], float] = random.random  # retry-time jitter (an input, for tests)
     evictions: list[Eviction] = field(default_factory=list)  # committed; drained by the shell
     eligibility_cache: EligibilityCache = field(default_factory=EligibilityCache)
+    lease_signer: LeaseSigner | None = None  # signs an invocation lease into every grant
     _descriptors_version: int = 0  # bumped whenever a descriptor is activated
     _budgets_set: set[str] = field(default_factory=set)
     _batch: _Batch | None = None  # while ``admit_many`` runs
@@ -435,13 +440,15 @@ class Admitter:
         # to retry after ``retry_after_ms`` retries with the same admission ID.
         return None
 
-    def _replay(self, reservation: Reservation, now: float) -> AdmissionDecision:
+    def _replay(
+        self, reservation: Reservation, now: float, tools: Sequence[str] = ()
+    ) -> AdmissionDecision:
         """A decision rebuilt from the ledger alone (after a manager restart)."""
         if reservation.state == "ACTIVE":
-            return self._admitted(reservation, [])
+            return self._admitted(reservation, [], tools=tools, now=now)
         if reservation.state == "PREPARING" and reservation.expires_at > now:
             # A manager stopped between prepare and activate; the same request finishes it.
-            return self._take_external_then_activate(reservation, now)
+            return self._take_external_then_activate(reservation, now, tools=tools)
         return _refused(
             reservation.admission_id,
             AdmissionReason.STALE_FENCE,
@@ -481,13 +488,16 @@ class Admitter:
             if _short_of_slots(prepared) and self._evict_for(request, tenant, pool_id, now):
                 prepared = self._prepare(request, digest, items, pool_id, now)
             if isinstance(prepared, Prepared):
+                tools = [tool.name for tool in req.required_tools]
                 if prepared.replayed:  # reserved before, by a manager that stopped mid-way
-                    decision = self._replay(prepared.reservation, now)
+                    decision = self._replay(prepared.reservation, now, tools)
                 elif prepared.reservation.state == "ACTIVE":
-                    decision = self._admitted(prepared.reservation, [], fallback_for)
+                    decision = self._admitted(
+                        prepared.reservation, [], fallback_for, tools=tools, now=now
+                    )
                 else:
                     decision = self._take_external_then_activate(
-                        prepared.reservation, now, fallback_for
+                        prepared.reservation, now, fallback_for, tools=tools
                     )
                 if decision.outcome == "admitted":
                     self._count_grant(request.admission_id, pool_id, req, tenant, now)
@@ -613,7 +623,12 @@ class Admitter:
                 yield pool_id, primary.pool_id
 
     def _take_external_then_activate(
-        self, reservation: Reservation, now: float, fallback_for: str | None = None
+        self,
+        reservation: Reservation,
+        now: float,
+        fallback_for: str | None = None,
+        *,
+        tools: Sequence[str] = (),
     ) -> AdmissionDecision:
         taken: list[tuple[ExternalGrantor, str]] = []
         for grantor in sorted(self.grantors, key=lambda g: g.name):  # one global fixed order
@@ -638,7 +653,8 @@ class Admitter:
         if isinstance(active, Refused):
             self._compensate(reservation, taken, now)
             return _refused(reservation.admission_id, AdmissionReason.STALE_FENCE, active.detail)
-        return self._admitted(active, [grant_id for _, grant_id in taken], fallback_for)
+        external = [grant_id for _, grant_id in taken]
+        return self._admitted(active, external, fallback_for, tools=tools, now=now)
 
     def _compensate(
         self, reservation: Reservation, taken: list[tuple[ExternalGrantor, str]], now: float
@@ -650,18 +666,40 @@ class Admitter:
         self.ledger.release(reservation.admission_id, reservation.fence, now)
 
     def _admitted(
-        self, reservation: Reservation, external: list[str], fallback_for: str | None = None
+        self,
+        reservation: Reservation,
+        external: list[str],
+        fallback_for: str | None = None,
+        *,
+        tools: Sequence[str] = (),
+        now: float,
     ) -> AdmissionDecision:
         descriptor = self.descriptors.get(reservation.pool_id)
+        epoch = descriptor.descriptor_epoch if descriptor else 1
+        lease = None
+        if self.lease_signer is not None:
+            expires = reservation.expires_at
+            if self.policy.lease_ttl_s is not None:
+                expires = min(expires, now + self.policy.lease_ttl_s)
+            lease = self.lease_signer.sign(
+                admission_id=reservation.admission_id,
+                pool_id=reservation.pool_id,
+                fence=reservation.fence,
+                descriptor_epoch=epoch,
+                tools=tools,
+                issued_at=now,
+                expires_at=expires,
+            )
         grant = AdmissionGrant(
             admission_id=reservation.admission_id,
             pool_id=reservation.pool_id,
-            descriptor_epoch=descriptor.descriptor_epoch if descriptor else 1,
+            descriptor_epoch=epoch,
             policy_generation=self.policy.active_generation,
             fence=reservation.fence,
             grant_ids=[f"ledger:{reservation.admission_id}:{reservation.fence}", *external],
             expires_at=reservation.expires_at,
             fallback_for=fallback_for,
+            lease=lease,
         )
         return AdmissionDecision(
             admission_id=reservation.admission_id, outcome="admitted", grant=grant

@@ -67,6 +67,7 @@ from mesh.errors import (
     PublishUnroutable,
     TransportError,
 )
+from mesh.leases import LeaseSigner
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore, Usage
 from mesh.manager.admission import Admitter, Eviction, ExternalGrantor
@@ -228,6 +229,12 @@ class ManagerService:
             isinstance(self._ledger, SqliteLedger) if s.ledger_inline is None else s.ledger_inline
         )
         self.admitter = Admitter(self._ledger, s.admission, self._grantors)
+        if s.lease_key_file is not None:
+            self.admitter.lease_signer = LeaseSigner.load_or_create(s.lease_key_file)
+            log.info(
+                "signing invocation leases",
+                extra={"key_id": self.admitter.lease_signer.key_id, "file": str(s.lease_key_file)},
+            )
         adopted = await self._on_ledger(self.admitter.load_descriptors)
         held = await self._on_ledger(self.admitter.recover_pressure, self.clock.now().wall)
         log.info("descriptors loaded from the ledger", extra={"pools": adopted, "grants": held})

@@ -57,6 +57,10 @@ class ManagerSettings:
     # deregistration or drain request counts only if published by the agent it names (its
     # user_id, which RabbitMQ validates). Off: every agent may share one user (development).
     agent_identity: bool = False
+    # Sign an invocation lease into every grant with this Ed25519 key (PKCS#8 PEM; created
+    # with its public key ``<file>.pub`` if absent; managers sharing a ledger share it).
+    # Agents and tools check leases with the public key (mesh.leases). None: no leases.
+    lease_key_file: Path | None = None
     # Probe the broker every so many seconds and reconnect when it stops answering (a
     # blackholed path is noticed within four intervals; the AMQP heartbeat alone takes
     # minutes at RabbitMQ's default). None: off.

@@ -45,6 +45,7 @@ from mesh.wire.models import (
     CapabilityName,
     Degradations,
     Identifier,
+    InvocationLease,
     Message,
     SemVer,
     Timestamp,
@@ -349,6 +350,11 @@ class AdmissionGrant(WireModel):
     fallback_for: PoolId | None = Field(
         default=None,
         description="Set when a fallback pool was granted: the primary pool it stands in for.",
+    )
+    lease: InvocationLease | None = Field(
+        default=None,
+        description="The invocation lease an attempt presents at each consumption point "
+        "(when the manager signs them: mesh manager --lease-key).",
     )
 
 

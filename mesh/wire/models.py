@@ -230,6 +230,35 @@ class OrchestrationEvent(Message):
     detail: dict[str, Any] = Field(default_factory=dict)
 
 
+class InvocationLease(WireModel):
+    """A short-lived credential for one admission, signed by the manager (Ed25519).
+
+    Narrower than anything else an agent holds: it names one admission at one fence, one pool,
+    the tools the task may use, and expires with the grant or sooner. What an attempt presents
+    at each consumption point — the agent's own claim and result, and any tool service — which
+    checks it with the manager's public key only (:mod:`mesh.leases`): no verifier can mint one.
+    """
+
+    lease_id: Identifier
+    admission_id: Identifier
+    pool_id: AgentId
+    fence: Annotated[int, Field(ge=1)]
+    descriptor_epoch: Annotated[int, Field(ge=1)]
+    tools: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+        default_factory=list, max_length=64, description="The tools it may be presented to."
+    )
+    issued_at: Timestamp
+    expires_at: Timestamp
+    key_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")] = Field(
+        description="Which manager key signed it: the first 16 hex digits of the SHA-256 of "
+        "the raw public key."
+    )
+    signature: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{86}$")] = Field(
+        description="Ed25519 over the canonical JSON (sorted keys) of every other field, "
+        "base64url without padding."
+    )
+
+
 class TaskGrant(WireModel):
     """The admission grant a task runs under: the fields of ``AdmissionGrant``, mirrored here so
     the task model needs nothing from :mod:`mesh.wire.admission` (which imports this module).
@@ -250,6 +279,9 @@ class TaskGrant(WireModel):
     fallback_for: AgentId | None = Field(
         default=None,
         description="Set when a fallback pool was granted: the primary pool it stands in for.",
+    )
+    lease: InvocationLease | None = Field(
+        default=None, description="The invocation lease, when the manager signs them."
     )
 
     @classmethod
