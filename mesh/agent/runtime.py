@@ -34,6 +34,17 @@ where the manager announces revoked grants (``grant_revoked``) and the pool's ac
 epoch (``descriptor_active``); see
 :mod:`mesh.agent.grants` for the rules. Tasks without a grant are not affected.
 
+Self-fencing. The manager declares an agent lost once it has heard nothing for
+``missed_heartbeats_before_lost`` heartbeat intervals, and the broker gives the agent's unacked
+tasks to others once its connection is gone. An agent that was frozen (``SIGSTOP``, a paused
+VM, an event loop blocked) for that long must not deliver the work it held when it wakes: that
+work has moved on. So the runtime times the gaps between its own heartbeats (monotonic clock);
+a gap longer than ``self_fence_after_s`` (default: the manager's default rule,
+``MISSED_HEARTBEATS_BEFORE_LOST`` intervals, less half an interval of margin) fences every task
+claimed before it ended: its result is withheld (counted ``results_fenced``, logged) and the task
+is requeued — a no-op if the broker already took it back, and otherwise the way it reaches an
+agent the manager still counts. Fencing too eagerly costs a rerun, never a loss.
+
 Control messages (each acked; garbage dead-lettered):
 
 * ``RegistrationAccepted`` / ``RegistrationRefused`` answer the pending registration;
@@ -59,6 +70,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 import uuid
@@ -165,6 +177,10 @@ class AgentSettings:
     """The managers' lease public keys (``<lease key>.pub``). Set: every granted task must
     carry a valid invocation lease for its admission, checked at claim and before the result,
     and a result goes out at most once per lease (:mod:`mesh.leases`). Empty: not checked."""
+    self_fence_after_s: float | None = None
+    """A gap this long between two of our heartbeats fences out the tasks claimed before it
+    (see the module doc). None: ``MISSED_HEARTBEATS_BEFORE_LOST`` intervals less half of one,
+    matching a manager with the default rule; set it below a manager's own rule."""
     shared_topology: Literal["declare", "check"] = "declare"
     """``declare``: declare the namespace's shared exchanges (idempotent; needs configure
     permission on them). ``check``: only check they exist (passive declares) and declare
@@ -232,6 +248,8 @@ class AgentRuntime:
         self._draining = False
         self._refusing = False  # past the drain deadline: answer queued tasks, do not run them
         self._heartbeat_seq = 0
+        self._last_beat: float | None = None  # monotonic time of our last heartbeat sent
+        self._fenced_before = -math.inf  # tasks claimed before this (monotonic) are fenced
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._control_consumer: Subscription | None = None
         self._task_consumer: Subscription | None = None
@@ -520,7 +538,30 @@ class AgentRuntime:
             next_at = max(next_at + interval, loop.time())
             await asyncio.sleep(next_at - loop.time())
 
+    @property
+    def self_fence_after_s(self) -> float:
+        configured = self.settings.self_fence_after_s
+        if configured is not None:
+            return configured
+        interval = self.agent.heartbeat_interval_s
+        return c.MISSED_HEARTBEATS_BEFORE_LOST * interval - interval / 2
+
+    def _note_silence(self, now: float) -> None:
+        """If we have been silent longer than the manager tolerates, fence out every task
+        claimed until ``now`` (called before each heartbeat and before each result)."""
+        last = self._last_beat
+        if last is None or now - last <= self.self_fence_after_s or self._fenced_before >= last:
+            return
+        self._fenced_before = now
+        self.counters["silences"] += 1
+        log.warning(
+            "this agent was silent long enough to be declared lost; the work it held is "
+            "fenced out (results withheld, tasks requeued)",
+            extra=self._extra(silent_s=round(now - last, 1), fence_after_s=self.self_fence_after_s),
+        )
+
     async def _send_heartbeat(self) -> None:
+        self._note_silence(time.monotonic())
         heartbeat = Heartbeat(
             agent_id=self.agent_id,
             incarnation=self._incarnation,
@@ -546,6 +587,7 @@ class AgentRuntime:
             )
         else:
             self.counters["heartbeats_sent"] += 1
+            self._last_beat = time.monotonic()
 
     # ---- control messages -----------------------------------------------------------------
     async def _on_control(self, delivery: Delivery) -> None:
@@ -747,8 +789,15 @@ class AgentRuntime:
         counted = task.capability in self._in_flight
         if counted:
             self._in_flight[task.capability] += 1
+        claimed = time.monotonic()
         try:
             result = await self._run_handler(delivery, task, extra)
+            self._note_silence(time.monotonic())
+            if claimed <= self._fenced_before:
+                self.counters["results_fenced"] += 1
+                log.warning("result withheld: claimed before a silence; requeued", extra=extra)
+                await _requeue(delivery, extra)
+                return
             result = self._at_consumption(task, result, extra)
             self.counters[f"tasks_{result.status}"] += 1
             if result.error is not None:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import random
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -1108,5 +1109,49 @@ async def test_a_grant_revoked_while_the_task_runs_withholds_its_output() -> Non
         assert result.error is not None and result.error.code is Reason.GRANT_INVALID
         assert "before the result" in result.error.message
         assert settled(delivery) == "ack" and runtime.counters["grants_refused"] == 1
+    finally:
+        await runtime.stop()
+
+
+async def test_a_result_claimed_before_a_long_silence_is_withheld_and_the_task_requeued() -> None:
+    # Self-fencing: a gap between two of our heartbeats longer than self_fence_after_s (here:
+    # the previous beat made to look 100 s old while a handler runs, as after a SIGSTOP) means
+    # the manager has declared us lost and the broker has handed our tasks to others.
+    gate = asyncio.Event()
+    started = asyncio.Event()
+
+    class Frozen(Agent):
+        deployment = "frozen"
+
+        @capability("f.wait", version="1.0.0", input_schema=OBJECT_ANY, output_schema=OBJECT_ANY)
+        async def wait(self, payload: dict[str, Any]) -> dict[str, Any]:
+            started.set()
+            await gate.wait()
+            return {"done": True}
+
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport, Frozen("frozen-1"))
+    await runtime.start()
+    try:
+        await asyncio.sleep(0)  # the first heartbeat
+        interval = runtime.agent.heartbeat_interval_s
+        assert runtime.self_fence_after_s == 3 * interval - interval / 2  # the default rule
+        first = make_delivery(make_task("f.wait", {}, task_id="held"), reply_to="reply.q")
+        handling = transport.deliver("t.agent.frozen-1.tasks", first)
+        await started.wait()
+        runtime._last_beat = time.monotonic() - 100.0  # the freeze
+        gate.set()
+        await handling
+        assert settled(first) == "requeue"
+        assert transport.of_type(TaskResult) == [], "the fenced result went out"
+        assert runtime.counters["results_fenced"] == 1 and runtime.counters["silences"] == 1
+
+        # A task claimed after the silence is not fenced.
+        second = make_delivery(make_task("f.wait", {}, task_id="after"), reply_to="reply.q")
+        await transport.deliver("t.agent.frozen-1.tasks", second)
+        assert settled(second) == "ack"
+        [result] = transport.of_type(TaskResult)
+        assert result.correlation_id == "after"
+        assert runtime.counters["silences"] == 1  # one silence, noticed once
     finally:
         await runtime.stop()
