@@ -1,0 +1,181 @@
+"""An agent frozen (``SIGSTOP``) longer than its heartbeat window: declared lost, its work moves
+on, and when it wakes its late results are fenced out.
+
+Two real ``mesh agent echo`` processes take admitted tasks from the pool's queue while
+producers keep a stream of ``submit`` calls going (each task sleeps 300-600 ms). The victim's
+broker connection has a 2 s AMQP heartbeat, so the broker drops it a few seconds into the
+freeze and redelivers its unacked tasks to the survivor. The victim stays frozen past the
+manager's rule (3 missed 5 s heartbeats), then gets ``SIGCONT``. The test shows:
+
+1. every task completes exactly once for the producer: no failure, no second result, and no
+   *late* reply — the woken agent finished the handlers it held, but withheld their results
+   (its log: ``result withheld``; without the fence those results went out after the
+   reconnect and the producer counted them as late replies);
+2. the manager declared the victim lost once (journal: ``-> Terminated``, ``no heartbeat``);
+3. the tasks the victim held were redelivered and served by the survivor, once each;
+4. the woken victim noticed its own silence (one ``silent long enough`` line), registered
+   again, and served tasks after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from integration.harness import eventually
+
+from mesh.core.lifecycle import AgentState
+from mesh.manager.journal import SqliteJournal
+from mesh.manager.service import ManagerService
+from mesh.producer import MeshClient
+from mesh.scaler.local import LocalProcessScaler, sample_command
+
+from .accounting import Tally
+from .test_agent_faults import (
+    HEARTBEAT_S,
+    MISSES,
+    WORKERS,
+    Load,
+    client,
+    manager,
+    produce,
+    redelivered_ids,
+    reported_in_flight,
+    two_live_agents,
+)
+
+__all__ = ["client", "manager"]  # fixtures, used by name
+
+AMQP_HEARTBEAT_S = 2  # the broker drops a frozen agent's connection after ~2 missed ones
+FREEZE_S = MISSES * HEARTBEAT_S + 3.0  # past the manager's rule (and its tick)
+
+
+@pytest.fixture
+async def scaler(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> AsyncIterator[LocalProcessScaler]:
+    separator = "&" if "?" in amqp_url else "?"
+    local = LocalProcessScaler(
+        sample_command(
+            namespace, f"{amqp_url}{separator}heartbeat={AMQP_HEARTBEAT_S}", HEARTBEAT_S
+        ),
+        log_dir=tmp_path / "agents",
+        env={"MESH_LOG_FORMAT": "text"},
+        termination_grace_s=10,
+    )
+    yield local
+    await local.close()
+
+
+def log_lines(log_dir: Path, agent_id: str, needle: str) -> list[str]:
+    path = log_dir / f"{agent_id}.log"
+    text = path.read_text() if path.exists() else ""
+    return [line for line in text.splitlines() if needle in line]
+
+
+async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_out(
+    manager: ManagerService, client: MeshClient, scaler: LocalProcessScaler, tmp_path: Path
+) -> None:
+    victim, survivor = await two_live_agents(manager, client, scaler)
+    log_dir = tmp_path / "agents"
+    load, stop = Load(), asyncio.Event()
+    workers = [asyncio.create_task(produce(client, load, stop, w)) for w in range(WORKERS)]
+    pid = scaler.pid(victim)
+    assert pid is not None
+    try:
+        await eventually(
+            lambda: {r.agent_id for rs in load.results.values() for r in rs} >= {victim, survivor},
+            timeout_s=30,
+            what="both agents serving",
+        )
+        await eventually(
+            lambda: reported_in_flight(manager, victim) >= 2,
+            timeout_s=15,
+            what=f"{victim} to hold tasks",
+        )
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = time.time()
+        try:
+            await eventually(
+                lambda: victim not in manager.core.agents,
+                timeout_s=FREEZE_S + 5,
+                what=f"the manager to declare {victim} lost",
+            )
+            await asyncio.sleep(max(0.0, frozen_at + FREEZE_S - time.time()))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        woke_at = time.time()
+        await eventually(
+            lambda: (
+                (a := manager.core.agents.get(victim)) is not None
+                and a.state in (AgentState.READY, AgentState.BUSY)
+            ),
+            timeout_s=30,
+            what=f"{victim} registered again",
+        )
+        await eventually(
+            lambda: any(
+                r.agent_id == victim and r.started_at > woke_at
+                for rs in load.results.values()
+                for r in rs
+            ),
+            timeout_s=30,
+            what=f"{victim} serving again",
+        )
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*workers), 40)
+
+    # (1) Exactly once for the producer; nothing late.
+    tally = Tally()
+    tally.attempted = tally.confirmed = len(load.submitted)
+    tally.confirmed_ids = set(load.submitted)
+    for message, results in load.results.items():
+        for _ in results:
+            tally.delivered(message)
+            tally.applied(message)
+    assert load.failed == [], load.failed
+    tally.check()
+    assert client.counters["late_replies"] == 0, "a fenced result reached the producer"
+    withheld = log_lines(log_dir, victim, "result withheld")
+    assert withheld, f"{victim} held tasks when frozen but withheld no result"
+    print(
+        f"froze {victim} for {FREEZE_S:g} s holding tasks; on waking it withheld "
+        f"{len(withheld)} result(s) (the rest of its handlers were cancelled with the dropped "
+        f"connection); {len(load.submitted)} tasks, each answered once"
+    )
+
+    # (2) Declared lost once.
+    journal = SqliteJournal(tmp_path / "journal.sqlite3")
+    try:
+        moves = journal.tail(500, agent_id=victim)
+    finally:
+        journal.close()
+    lost = [e for e in moves if e.to_state == AgentState.TERMINATED.value]
+    assert len(lost) == 1 and "no heartbeat" in lost[0].reason, [
+        (e.from_state, e.to_state, e.reason) for e in moves
+    ]
+
+    # (3) Its tasks moved on to the survivor and were served once there.
+    moved = redelivered_ids(log_dir, survivor)
+    assert moved, "nothing the victim held was redelivered"
+    by_task_id = {r.task_id: (m, r) for m, rs in load.results.items() for r in rs}
+    for task_id in moved:
+        message, result = by_task_id[task_id]
+        assert result.agent_id == survivor and len(load.results[message]) == 1
+        assert result.started_at < woke_at, "redelivered while the victim was still frozen"
+
+    # (4) It knew it had been silent, once, and no result of its came from before it woke
+    # for a task started before the freeze.
+    assert len(log_lines(log_dir, victim, "silent long enough")) == 1
+    assert not [
+        r
+        for rs in load.results.values()
+        for r in rs
+        if r.agent_id == victim and r.started_at < frozen_at and r.finished_at > frozen_at
+    ]
