@@ -174,4 +174,13 @@ class DeletePod:
     reason: str
 
 
-Command = AppendLog | Announce | SendToAgent | Reply | ScaleTo | DeletePod
+@dataclass(frozen=True, slots=True)
+class FenceAgent:
+    """Cut a lost agent off the broker (close its connections), so the broker requeues the
+    tasks it still holds now instead of when its AMQP heartbeat finally times out."""
+
+    agent_id: str
+    reason: str
+
+
+Command = AppendLog | Announce | SendToAgent | Reply | ScaleTo | DeletePod | FenceAgent

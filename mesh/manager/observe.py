@@ -116,6 +116,47 @@ class Observer:
             await self._session.close()
             self._session = None
 
+    async def close_agent_connections(self, agent_id: str, reason: str) -> int | None:
+        """Close every connection named ``agent:<agent_id>`` (the name agents give theirs)
+        through the management API; how many were closed, or ``None`` without the API or when
+        it fails (logged)."""
+        if self._api is None:
+            return None
+        name = f"agent:{agent_id}"
+        url = f"{self._api}/api/connections"
+        try:
+            session = self._client_session()
+            params = {"columns": "name,client_properties.connection_name"}
+            async with session.get(url, params=params) as response:
+                response.raise_for_status()
+                rows = await response.json()
+            names = [
+                str(row["name"])
+                for row in rows
+                if (row.get("client_properties") or {}).get("connection_name") == name
+            ]
+            for connection in names:
+                headers = {"X-Reason": f"mesh: agent {agent_id} lost: {reason}"[:200]}
+                async with session.delete(
+                    f"{url}/{quote(connection, safe='')}", headers=headers
+                ) as response:
+                    if response.status not in (204, 404):  # 404: closed meanwhile
+                        response.raise_for_status()
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+            log.warning(
+                "cannot close a lost agent's connections",
+                extra={"agent_id": agent_id, "error": str(exc)},
+            )
+            return None
+        return len(names)
+
+    def _client_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers=self._auth, timeout=aiohttp.ClientTimeout(total=3)
+            )
+        return self._session
+
     # ---- events -----------------------------------------------------------------------------
     def admitted(
         self,
@@ -165,11 +206,7 @@ class Observer:
         url = f"{self._api}/api/queues/{quote(self.vhost, safe='')}"
         params = {"columns": "name,messages,head_message_timestamp"}
         try:
-            if self._session is None:
-                self._session = aiohttp.ClientSession(
-                    headers=self._auth, timeout=aiohttp.ClientTimeout(total=3)
-                )
-            async with self._session.get(url, params=params) as response:
+            async with self._client_session().get(url, params=params) as response:
                 response.raise_for_status()
                 rows = await response.json()
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:

@@ -47,6 +47,7 @@ from mesh.core.events import (
     DeregistrationReceived,
     DrainRequested,
     Event,
+    FenceAgent,
     FindRequested,
     LogEntry,
     RegistrationReceived,
@@ -110,6 +111,9 @@ from mesh.wire.models import (
 from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
+
+_FENCE_ATTEMPTS = 4
+_FENCE_RETRY_S = 2.0  # 4 attempts over 6 s: past one statistics round of the management API
 T = TypeVar("T")
 
 _ANNOUNCE_TYPES = (AgentRegistration, Deregistration, DrainRequest)
@@ -463,6 +467,10 @@ class ManagerService:
                 await self._publish_event(key, _to_wire(cmd.entry))
             elif isinstance(cmd, ScaleTo | DeletePod):
                 await self._scale(cmd)
+            elif isinstance(cmd, FenceAgent):
+                task = asyncio.create_task(self._fence(cmd))  # it may retry: not inline
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     def _append(self, entries: list[LogEntry]) -> list[OrchestrationEvent]:
         if self._journal is None:
@@ -812,6 +820,28 @@ class ManagerService:
         if replicas is None:
             log.error("managed deployment does not exist", extra={"deployment": deployment})
         self.core.handle(ScaleObserved(deployment, replicas), self.clock.now())
+
+    async def _fence(self, cmd: FenceAgent) -> None:
+        """Close a lost agent's connections through the management API: the broker requeues
+        what it held at once, and if it is only frozen it wakes up disconnected. The API lists
+        a new connection only after its next statistics round (5 s by default), so finding
+        none is tried again for a while."""
+        for attempt in range(_FENCE_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(_FENCE_RETRY_S)
+            closed = await self.observer.close_agent_connections(cmd.agent_id, cmd.reason)
+            if closed is None:
+                self.counters["fence_unavailable"] += 1
+                return
+            if closed:
+                self.counters["agent_connections_closed"] += closed
+                log.info(
+                    "lost agent cut off the broker",
+                    extra={"agent_id": cmd.agent_id, "closed": closed},
+                )
+                return
+        self.counters["fence_found_no_connection"] += 1
+        log.info("lost agent has no connection left to close", extra={"agent_id": cmd.agent_id})
 
     async def _scale(self, cmd: ScaleTo | DeletePod) -> None:
         if self.scaler is None:

@@ -12,6 +12,7 @@ from mesh.core import (
     Command,
     ConnectionLost,
     ConnectionRestored,
+    FenceAgent,
     InvalidVersionSpec,
     PoolSettings,
     Reply,
@@ -619,6 +620,8 @@ def test_an_agent_silent_for_three_intervals_is_lost_and_never_found_again(pool:
     assert [(a.capability, a.agent_id, a.entry.kind) for a in announcements(out)] == [
         ("calc.add", "old", "capability_withdrawn")
     ]
+    # ... and cut off the broker, so what it still holds is requeued now.
+    assert [c for c in out if isinstance(c, FenceAgent)] == [FenceAgent("old", lost.reason)]
     assert "old" not in pool.core.agents
 
     later = pool.run_for(100, heartbeats=["new"])
@@ -639,6 +642,13 @@ def test_a_busy_agent_that_goes_silent_is_lost_with_its_leases(pool: Pool) -> No
     assert transitions(out) == [("Busy", "Terminated", "lost")]
     assert pool.core.leases == {}
     assert refusal_reason_of_release(pool, lease.lease_id) is Reason.UNKNOWN_LEASE
+
+
+def test_only_a_lost_agent_is_cut_off_the_broker_not_one_that_leaves(pool: Pool) -> None:
+    pool.register("leaving")
+    out = pool.deregister("leaving")
+    assert "leaving" not in pool.core.agents
+    assert [c for c in out if isinstance(c, FenceAgent)] == []
 
 
 def test_heartbeats_keep_an_agent_alive_indefinitely(pool: Pool) -> None:
