@@ -2,17 +2,19 @@
 on, and when it wakes its late results are fenced out.
 
 Two real ``mesh agent echo`` processes take admitted tasks from the pool's queue while
-producers keep a stream of ``submit`` calls going (each task sleeps 300-600 ms). The victim's
-broker connection has a 2 s AMQP heartbeat, so the broker drops it a few seconds into the
-freeze and redelivers its unacked tasks to the survivor. The victim stays frozen past the
-manager's rule (3 missed 5 s heartbeats), then gets ``SIGCONT``. The test shows:
+producers keep a stream of ``submit`` calls going (each task sleeps 300-600 ms). The victim is
+frozen past the manager's rule (3 missed 5 s heartbeats), then gets ``SIGCONT``. Its AMQP
+heartbeat is the default (60 s), so the broker alone would keep its connection — and the tasks
+it holds — through the freeze; the manager, which has the management API, closes the lost
+agent's connections, and the broker redelivers at once. The test shows:
 
 1. every task completes exactly once for the producer: no failure, no second result, and no
    *late* reply — the woken agent finished the handlers it held, but withheld their results
    (its log: ``result withheld``; without the fence those results went out after the
    reconnect and the producer counted them as late replies);
 2. the manager declared the victim lost once (journal: ``-> Terminated``, ``no heartbeat``);
-3. the tasks the victim held were redelivered and served by the survivor, once each;
+3. the tasks the victim held were redelivered and served by the survivor, once each, while
+   the victim was still frozen (after the manager had declared it lost);
 4. the woken victim noticed its own silence (one ``silent long enough`` line), registered
    again, and served tasks after it.
 """
@@ -23,11 +25,14 @@ import asyncio
 import os
 import signal
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from integration.harness import eventually
+from integration.harness import eventually, start_manager
+from integration.test_admission import settings_for
 
 from mesh.core.lifecycle import AgentState
 from mesh.manager.journal import SqliteJournal
@@ -42,28 +47,36 @@ from .test_agent_faults import (
     WORKERS,
     Load,
     client,
-    manager,
     produce,
     redelivered_ids,
     reported_in_flight,
     two_live_agents,
 )
 
-__all__ = ["client", "manager"]  # fixtures, used by name
+__all__ = ["client"]  # a fixture, used by name
 
-AMQP_HEARTBEAT_S = 2  # the broker drops a frozen agent's connection after ~2 missed ones
 FREEZE_S = MISSES * HEARTBEAT_S + 3.0  # past the manager's rule (and its tick)
+
+
+@pytest.fixture
+async def manager(
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
+) -> AsyncIterator[ManagerService]:
+    parts = urllib.parse.urlsplit(amqp_url)
+    api = urllib.parse.urlsplit(management_api.base_url)
+    credentials = f"{parts.username or 'guest'}:{parts.password or 'guest'}"
+    url = api._replace(netloc=f"{credentials}@{api.netloc}").geturl()
+    service = await start_manager(settings_for(amqp_url, namespace, tmp_path, management_url=url))
+    yield service
+    await service.stop()
 
 
 @pytest.fixture
 async def scaler(
     amqp_url: str, namespace: str, tmp_path: Path
 ) -> AsyncIterator[LocalProcessScaler]:
-    separator = "&" if "?" in amqp_url else "?"
     local = LocalProcessScaler(
-        sample_command(
-            namespace, f"{amqp_url}{separator}heartbeat={AMQP_HEARTBEAT_S}", HEARTBEAT_S
-        ),
+        sample_command(namespace, amqp_url, HEARTBEAT_S),
         log_dir=tmp_path / "agents",
         env={"MESH_LOG_FORMAT": "text"},
         termination_grace_s=10,
@@ -106,6 +119,7 @@ async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_o
                 timeout_s=FREEZE_S + 5,
                 what=f"the manager to declare {victim} lost",
             )
+            lost_at = time.time()
             await asyncio.sleep(max(0.0, frozen_at + FREEZE_S - time.time()))
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -146,7 +160,7 @@ async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_o
     assert withheld, f"{victim} held tasks when frozen but withheld no result"
     print(
         f"froze {victim} for {FREEZE_S:g} s holding tasks; on waking it withheld "
-        f"{len(withheld)} result(s) (the rest of its handlers were cancelled with the dropped "
+        f"{len(withheld)} result(s) (the rest of its handlers were cancelled with the closed "
         f"connection); {len(load.submitted)} tasks, each answered once"
     )
 
@@ -168,7 +182,8 @@ async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_o
     for task_id in moved:
         message, result = by_task_id[task_id]
         assert result.agent_id == survivor and len(load.results[message]) == 1
-        assert result.started_at < woke_at, "redelivered while the victim was still frozen"
+        assert lost_at - 1.0 < result.started_at < woke_at, "redelivered on the loss, frozen"
+    assert manager.counters["agent_connections_closed"] >= 1
 
     # (4) It knew it had been silent, once, and no result of its came from before it woke
     # for a task started before the freeze.
