@@ -700,6 +700,21 @@ def cmd_descriptor(args: argparse.Namespace) -> int:
     return _run(_with_client(args, publish))
 
 
+# ---- mesh admission -------------------------------------------------------------------------
+
+
+def cmd_admission(args: argparse.Namespace) -> int:
+    async def revoke(client: Any) -> int:
+        reply = await client.revoke_admission(args.admission_id, args.reason)
+        if not reply.released:
+            print(f"not revoked: {reply.reason} ({reply.detail})", file=sys.stderr)
+            return 1
+        print(f"{args.admission_id}: revoked; its attempt is cancelled and its result refused")
+        return 0
+
+    return _run(_with_client(args, revoke))
+
+
 # ---- mesh broker ----------------------------------------------------------------------------
 
 
@@ -1050,6 +1065,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("publish",))
     p.add_argument("file", help="a JSON file holding one mesh.capability-descriptor.v1")
     p.set_defaults(func=cmd_descriptor)
+
+    p = sub.add_parser("admission", help="operators: revoke an admission for security")
+    p.add_argument("action", choices=("revoke",))
+    p.add_argument("admission_id")
+    p.add_argument("--reason", required=True, help="why (journaled, and shown to the agent)")
+    p.set_defaults(func=cmd_admission)
 
     p = sub.add_parser("broker", help="operators: broker users of agents (management API)")
     p.add_argument("action", choices=("add-agent", "remove-agent"))

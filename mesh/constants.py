@@ -23,6 +23,8 @@ DEAD_LETTER_EXCHANGE: Final = "dead-letter"
 
 # Routing-key prefixes.
 RK_AGENT: Final = "agent"  # agent.<agent_id>.<register|deregister|drain>
+FEATURE_DESCRIPTOR_EPOCHS: Final = "descriptor-epochs"
+AGENT_FEATURES: Final = (FEATURE_DESCRIPTOR_EPOCHS,)  # what the SDK runtime implements
 AGENT_ANNOUNCE_VERBS: Final = ("register", "deregister", "drain")  # the <verb> above
 RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>
 RK_LOG: Final = "log"  # log.<agent_id>.<kind>

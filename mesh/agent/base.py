@@ -211,6 +211,7 @@ class Agent:
                 capabilities=[spec.capability for spec in self.capabilities.values()],
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 metadata=self.metadata,
+                features=list(c.AGENT_FEATURES),  # what the runtime implements
             )
         except ValidationError as exc:
             raise LocalProtocolError(

@@ -48,14 +48,23 @@ Epochs. The manager announces each pool's active descriptor epoch on the same fe
 policy_generation}``) when a descriptor is accepted or adopted, and again every
 ``epoch_announce_interval_s`` so agents that start later learn it. Epochs only grow, so the
 agent keeps the highest it has heard; a grant issued under an older epoch was admitted against
-a descriptor that no longer holds, and is refused. Before the first announcement the agent
-cannot judge epochs and checks the rest (the manager checked epoch and generation at
-admission).
+a descriptor that no longer holds, and is refused — unless its admission is on the pool's
+*draining allowlist*: when the manager advances a pool's epoch, the admissions ACTIVE at that
+moment may finish under the old one (``detail["draining"]``, announced with the epoch until each
+is released or expires; nothing new is admitted under the old epoch). An announcement without
+the key leaves the agent's list as it was (another manager, which did not advance the epoch,
+does not know it). Before the first announcement the agent cannot judge epochs and checks the
+rest (the manager checked epoch and generation at admission).
+
+Security revocations. An operator's revocation (``mesh admission revoke``) carries
+``detail["security"]`` (the reason): the agent stops the attempt if it runs — whatever it
+declared about recoverability — and refuses it with ``GRANT_INVALID``, naming the reason.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any
 
 from mesh import constants as c
@@ -76,6 +85,7 @@ def check_grant(
     now: float,
     revoked_fence: int | None,
     active_epoch: int | None = None,
+    draining: Collection[str] = (),
 ) -> str | None:
     """``None`` if ``grant`` may be used by an agent of ``pool_id`` at ``now``; else why not.
 
@@ -98,10 +108,12 @@ def check_grant(
             f"grant {grant.admission_id} (fence {grant.fence}) was revoked "
             f"(released or expired at fence {revoked_fence})"
         )
-    if active_epoch is not None and grant.descriptor_epoch < active_epoch:
+    stale = active_epoch is not None and grant.descriptor_epoch < active_epoch
+    if stale and grant.admission_id not in draining:
         return (
             f"grant {grant.admission_id} was issued under descriptor epoch "
-            f"{grant.descriptor_epoch}; pool {pool_id!r} is at epoch {active_epoch}"
+            f"{grant.descriptor_epoch}; pool {pool_id!r} is at epoch {active_epoch} and it is "
+            "not on the pool's draining allowlist"
         )
     return None
 
@@ -115,14 +127,22 @@ class RevokedGrants:
             raise ValueError("max_entries must be at least 1")
         self.max_entries = max_entries
         self._fences: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        self._security: OrderedDict[str, str] = OrderedDict()  # admission -> operator's reason
 
-    def revoke(self, admission_id: str, fence: int, *, evicted: bool = False) -> None:
-        """Remember that every grant of ``admission_id`` up to ``fence`` is revoked."""
+    def revoke(
+        self, admission_id: str, fence: int, *, evicted: bool = False, security: str | None = None
+    ) -> None:
+        """Remember that every grant of ``admission_id`` up to ``fence`` is revoked
+        (``security``: by an operator, for this reason)."""
         known = self._fences.pop(admission_id, None)
         if known is not None and known[0] >= fence:
             self._fences[admission_id] = known
         else:
             self._fences[admission_id] = (fence, evicted)
+        if security is not None:
+            self._security[admission_id] = security
+            while len(self._security) > self.max_entries:
+                self._security.popitem(last=False)
         while len(self._fences) > self.max_entries:
             self._fences.popitem(last=False)
 
@@ -130,6 +150,10 @@ class RevokedGrants:
         """The highest fence revoked for ``admission_id``, or ``None``."""
         known = self._fences.get(admission_id)
         return None if known is None else known[0]
+
+    def security_reason(self, admission_id: str) -> str | None:
+        """The operator's reason, if ``admission_id`` was revoked for security."""
+        return self._security.get(admission_id)
 
     def evicted(self, grant: TaskGrant) -> bool:
         """Was ``grant`` revoked by an eviction (rather than a release or an expiry)?"""
@@ -141,6 +165,15 @@ class RevokedGrants:
 
     def __contains__(self, admission_id: object) -> bool:
         return admission_id in self._fences
+
+
+def parse_draining(detail: dict[str, Any]) -> frozenset[str] | None:
+    """The draining allowlist of a ``descriptor_active`` event, or ``None`` if it carries none
+    (a manager that did not advance the epoch does not know it: keep what you have)."""
+    draining = detail.get("draining")
+    if not isinstance(draining, list):
+        return None
+    return frozenset(a for a in draining if isinstance(a, str) and a)
 
 
 def parse_epoch(detail: dict[str, Any]) -> tuple[str, int] | None:

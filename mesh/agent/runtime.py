@@ -89,6 +89,7 @@ from mesh.agent.grants import (
     GRANT_REVOKED,
     RevokedGrants,
     check_grant,
+    parse_draining,
     parse_epoch,
     parse_revocation,
 )
@@ -250,6 +251,7 @@ class AgentRuntime:
         self._heartbeat_seq = 0
         self._last_beat: float | None = None  # monotonic time of our last heartbeat sent
         self._fenced_before = -math.inf  # tasks claimed before this (monotonic) are fenced
+        self._draining_allowlist: frozenset[str] = frozenset()  # older-epoch grants still good
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._control_consumer: Subscription | None = None
         self._task_consumer: Subscription | None = None
@@ -642,6 +644,9 @@ class AgentRuntime:
                 self.counters["events_ignored"] += 1
                 return
             newer = self._active_epoch is None or epoch[1] > self._active_epoch
+            draining = parse_draining(event.detail)
+            if draining is not None and (newer or epoch[1] == self._active_epoch):
+                self._draining_allowlist = draining
             if newer:
                 self._active_epoch = epoch[1]
                 log.info("descriptor epoch", extra=self._extra(descriptor_epoch=epoch[1]))
@@ -655,17 +660,25 @@ class AgentRuntime:
             return
         admission_id, _, fence = parsed
         evicted = event.detail.get("evicted") is True
-        self._revoked.revoke(admission_id, fence, evicted=evicted)
+        security = event.detail.get("security")
+        security = security[:500] if isinstance(security, str) and security else None
+        self._revoked.revoke(admission_id, fence, evicted=evicted, security=security)
         self.counters["grants_revoked_seen"] += 1
         log.info(
             "grant revoked",
             extra=self._extra(admission_id=admission_id, fence=fence, evicted=evicted),
         )
         running = self._running.get(admission_id)
-        if evicted and running is not None:
+        if (evicted or security) and running is not None:
             # Evicted work declared itself rebuildable or retryable: stop it, free the slot.
+            # A security revocation stops it whatever it declared.
             self._evicting.add(admission_id)
             running.cancel()
+
+    @property
+    def draining_allowlist(self) -> frozenset[str]:
+        """Admissions whose grants of an older epoch this agent still honours."""
+        return self._draining_allowlist
 
     @property
     def active_epoch(self) -> int | None:
@@ -687,9 +700,13 @@ class AgentRuntime:
             now=now,
             revoked_fence=self._revoked.fence(grant.admission_id),
             active_epoch=self._active_epoch,
+            draining=self._draining_allowlist,
         )
-        if problem is not None or self._leases is None:
-            return problem
+        if problem is not None:
+            why = self._revoked.security_reason(grant.admission_id)
+            return f"{problem}, for security: {why}" if why and "revoked" in problem else problem
+        if self._leases is None:
+            return None
         lease = grant.lease
         if lease is None:
             return "no invocation lease (this agent requires one: mesh manager --lease-key)"
@@ -825,10 +842,12 @@ class AgentRuntime:
             return await process_task(task, self._capabilities, agent_id=self.agent_id)
         except asyncio.CancelledError:
             if admission_id in self._evicting and current is not None:
-                current.uncancel()  # stopped for an eviction: answer it, do not requeue
-                return self._grant_refused(
-                    task, "the handler was stopped", "while running", time.time(), extra
+                current.uncancel()  # stopped for a revocation: answer it, do not requeue
+                why = self._revoked.security_reason(admission_id)
+                stopped = "the handler was stopped" + (
+                    f": revoked for security ({why})" if why else ""
                 )
+                return self._grant_refused(task, stopped, "while running", time.time(), extra)
             if self._phase == "stopping":
                 # Cancelled at the end of the shutdown grace: answer and keep the task.
                 await self._give_up_task(delivery, task, "cancelled at the shutdown deadline")

@@ -192,6 +192,9 @@ class Admitter:
     evictions: list[Eviction] = field(default_factory=list)  # committed; drained by the shell
     eligibility_cache: EligibilityCache = field(default_factory=EligibilityCache)
     lease_signer: LeaseSigner | None = None  # signs an invocation lease into every grant
+    # pool -> {admission_id: grant expiry}: grants of an older epoch still honoured (the
+    # admissions ACTIVE when this manager advanced the pool's epoch), until released or expired
+    draining: dict[str, dict[str, float]] = field(default_factory=dict)
     _descriptors_version: int = 0  # bumped whenever a descriptor is activated
     _budgets_set: set[str] = field(default_factory=set)
     _batch: _Batch | None = None  # while ``admit_many`` runs
@@ -251,7 +254,44 @@ class Admitter:
         self._activate(descriptor)
         for resource, capacity in capacities(descriptor).items():
             self.ledger.set_capacity(descriptor.pool_id, resource, capacity)
+        if current is not None and descriptor.descriptor_epoch > current:
+            self._advance(descriptor.pool_id, now)
         return None
+
+    def _advance(self, pool_id: str, now: float) -> None:
+        """The pool moved to a new epoch: reservations not yet ACTIVE are released (they would
+        become grants of a retired epoch); the ACTIVE ones go on the draining allowlist — their
+        attempts may finish under the old epoch, nothing new starts under it."""
+        allowlist: dict[str, float] = {}
+        for reservation in self.ledger.active():
+            if reservation.pool_id != pool_id:
+                continue
+            if reservation.state == "PREPARING":
+                if not isinstance(
+                    self.ledger.release(reservation.admission_id, reservation.fence, now), Refused
+                ):
+                    self.pressure.ended(reservation.admission_id, now, completed=False)
+                    log.info(
+                        "reservation released: its pool moved to a new epoch",
+                        extra={"admission_id": reservation.admission_id, "pool_id": pool_id},
+                    )
+            else:
+                allowlist[reservation.admission_id] = reservation.expires_at
+        self.draining[pool_id] = allowlist
+
+    def draining_allowlist(self, pool_id: str, now: float) -> list[str] | None:
+        """The admissions whose older-epoch grants the pool's agents still honour, or ``None``
+        if this manager did not advance the pool (it does not know the list: say nothing)."""
+        allowlist = self.draining.get(pool_id)
+        if allowlist is None:
+            return None
+        for admission_id in [a for a, expires_at in allowlist.items() if expires_at <= now]:
+            del allowlist[admission_id]
+        return sorted(allowlist)
+
+    def _undrain(self, admission_id: str) -> None:
+        for allowlist in self.draining.values():
+            allowlist.pop(admission_id, None)
 
     def load_descriptors(self) -> int:
         """Adopt every stored descriptor newer than ours (at start, and on every tick: other
@@ -737,6 +777,7 @@ class Admitter:
         outcome = self.ledger.release(admission_id, fence, now)
         if not isinstance(outcome, Refused):
             self.pressure.ended(admission_id, now, completed=True)
+            self._undrain(admission_id)
         if isinstance(outcome, Refused):
             return AdmissionReleaseReply(
                 admission_id=admission_id,
@@ -751,6 +792,7 @@ class Admitter:
         expired = self.ledger.expire_due(now)
         for reservation in expired:
             self.pressure.ended(reservation.admission_id, now, completed=False)
+            self._undrain(reservation.admission_id)
         return expired
 
 

@@ -87,7 +87,9 @@ from mesh.wire.admission import (
     AdmissionDecision,
     AdmissionReason,
     AdmissionRelease,
+    AdmissionReleaseReply,
     AdmissionRequest,
+    AdmissionRevoke,
     CapabilityDescriptor,
     DescriptorAccepted,
     ExplainReply,
@@ -104,6 +106,7 @@ from mesh.wire.models import (
     Message,
     OrchestrationEvent,
     Refusal,
+    RegistrationRefused,
     ReleaseRequest,
     StatusReply,
     StatusRequest,
@@ -112,6 +115,9 @@ from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
 
+MAX_DRAINING_ANNOUNCED = 4096
+"""Admission IDs a ``descriptor_active`` event carries at most (~150 KB); past that, the rest
+of an epoch's draining attempts are refused by their agents as of an older epoch."""
 _FENCE_ATTEMPTS = 4
 _FENCE_RETRY_S = 2.0  # 4 attempts over 6 s: past one statistics round of the management API
 T = TypeVar("T")
@@ -125,6 +131,7 @@ _RPC_TYPES = (
     StatusRequest,
     AdmissionRequest,
     AdmissionRelease,
+    AdmissionRevoke,
     CapabilityDescriptor,
     ExplainRequest,
 )
@@ -357,7 +364,39 @@ class ManagerService:
                 f"{delivery.user_id!r}: agents speak only for themselves",
             )
         self.counters[f"received.{message.type}"] += 1
+        if isinstance(message, AgentRegistration) and not self._understands_epochs(message):
+            await self._refuse_registration(message, delivery)
+            return
         await self._feed(event, delivery)  # a drain request may carry reply_to
+
+    def _understands_epochs(self, registration: AgentRegistration) -> bool:
+        """A pool with a descriptor hands out grants bound to its active epoch: its agents
+        must refuse older ones, and say so (``features``)."""
+        descriptors = self.admitter.descriptors if self.admitter is not None else {}
+        described = registration.deployment in descriptors
+        return not described or c.FEATURE_DESCRIPTOR_EPOCHS in registration.features
+
+    async def _refuse_registration(
+        self, registration: AgentRegistration, delivery: Delivery
+    ) -> None:
+        detail = (
+            f"pool {registration.deployment!r} has a capability descriptor, so its tasks carry "
+            f"grants bound to a descriptor epoch; this agent does not list the "
+            f"{c.FEATURE_DESCRIPTOR_EPOCHS!r} feature (an SDK older than epochs?) and would run "
+            "tasks of a retired epoch"
+        )
+        self.counters[f"registration_refused.{Reason.EPOCHS_UNSUPPORTED}"] += 1
+        log.warning(
+            "registration refused",
+            extra={"agent_id": registration.agent_id, "reason": Reason.EPOCHS_UNSUPPORTED.value},
+        )
+        refusal = RegistrationRefused(
+            agent_id=registration.agent_id,
+            incarnation=registration.incarnation,
+            reason=Reason.EPOCHS_UNSUPPORTED,
+            detail=detail,
+        )
+        await self._send_to_agent(registration.agent_id, refusal)
 
     async def _handle_rpc(self, delivery: Delivery) -> None:
         message = decode_as(delivery.body, *_RPC_TYPES)
@@ -366,7 +405,12 @@ class ManagerService:
             await self._reply(delivery, self.status())
             return
         if isinstance(
-            message, AdmissionRequest | AdmissionRelease | CapabilityDescriptor | ExplainRequest
+            message,
+            AdmissionRequest
+            | AdmissionRelease
+            | AdmissionRevoke
+            | CapabilityDescriptor
+            | ExplainRequest,
         ):
             await self._reply(delivery, await self._admission(message, delivery))
             return
@@ -508,7 +552,11 @@ class ManagerService:
 
     async def _admission(
         self,
-        message: AdmissionRequest | AdmissionRelease | CapabilityDescriptor | ExplainRequest,
+        message: AdmissionRequest
+        | AdmissionRelease
+        | AdmissionRevoke
+        | CapabilityDescriptor
+        | ExplainRequest,
         request: Delivery,
     ) -> Message:
         admitter = self.admitter
@@ -519,6 +567,8 @@ class ManagerService:
             return await self._on_ledger(_explain, admitter, message.admission_id)
         if isinstance(message, CapabilityDescriptor):
             return await self._publish_descriptor(admitter, message, request, now)
+        if isinstance(message, AdmissionRevoke):
+            return await self._revoke_admission(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
             started = self.clock.now().mono
             reply = await self._on_ledger(
@@ -599,6 +649,56 @@ class ManagerService:
                 victim.pool_id, victim.admission_id, victim.fence, "RELEASED", now, evicted=True
             )
         return decisions
+
+    async def _revoke_admission(
+        self, admitter: Admitter, message: AdmissionRevoke, request: Delivery, now: float
+    ) -> AdmissionReleaseReply:
+        """A security revocation: release whatever holds the admission, at its current fence,
+        and tell its pool — the attempt is cancelled where it runs and its result refused."""
+        if request.user_id != self.settings.operator_user:
+            self.counters["revoke_not_authorized"] += 1
+            return AdmissionReleaseReply(
+                admission_id=message.admission_id,
+                released=False,
+                reason=AdmissionReason.NOT_AUTHORIZED,
+                detail=f"only the operator user may revoke; this came from {request.user_id!r}",
+            )
+        held = await self._on_ledger(admitter.ledger.get, message.admission_id)
+        if held is None or held.state not in ("PREPARING", "ACTIVE"):
+            state = "unknown" if held is None else held.state
+            return AdmissionReleaseReply(
+                admission_id=message.admission_id,
+                released=False,
+                reason=AdmissionReason.NOT_FOUND,
+                detail=f"nothing to revoke: the admission is {state}",
+            )
+        reply = await self._on_ledger(admitter.release, held.admission_id, held.fence, now)
+        if reply.released:
+            self.counters["admissions_revoked"] += 1
+            self._append(
+                [
+                    LogEntry(
+                        at=now,
+                        kind="admission_revoked",
+                        reason=message.reason,
+                        detail={
+                            "admission_id": held.admission_id,
+                            "pool_id": held.pool_id,
+                            "fence": held.fence,
+                            "by": request.user_id,
+                        },
+                    )
+                ]
+            )
+            log.warning(
+                "admission revoked",
+                extra={"admission_id": held.admission_id, "reason": message.reason},
+            )
+            await self._publish_revocation(
+                held.pool_id, held.admission_id, held.fence, "RELEASED", now,
+                security=message.reason,
+            )  # fmt: skip
+        return reply
 
     async def _publish_descriptor(
         self, admitter: Admitter, descriptor: CapabilityDescriptor, request: Delivery, now: float
@@ -725,15 +825,25 @@ class ManagerService:
         now = self.clock.now()
         self._epochs_announced_at = now.mono
         for descriptor in descriptors:
+            detail: dict[str, Any] = {
+                "pool_id": descriptor.pool_id,
+                "descriptor_epoch": descriptor.descriptor_epoch,
+                "policy_generation": self.settings.admission.active_generation,
+            }
+            draining = (  # the admitter's state lives on the ledger thread
+                await self._on_ledger(
+                    self.admitter.draining_allowlist, descriptor.pool_id, now.wall
+                )
+                if self.admitter is not None
+                else None
+            )
+            if draining is not None:  # only the manager that advanced the epoch knows it
+                detail["draining"] = draining[:MAX_DRAINING_ANNOUNCED]
             event = OrchestrationEvent(
                 at=now.wall,
                 kind=c.EVENT_DESCRIPTOR_ACTIVE,
                 reason=f"epoch {descriptor.descriptor_epoch}",
-                detail={
-                    "pool_id": descriptor.pool_id,
-                    "descriptor_epoch": descriptor.descriptor_epoch,
-                    "policy_generation": self.settings.admission.active_generation,
-                },
+                detail=detail,
             )
             await self._publish_event(names.pool_grant_key(descriptor.pool_id), event)
 
@@ -778,6 +888,7 @@ class ManagerService:
         now: float,
         *,
         evicted: bool = False,
+        security: str | None = None,
     ) -> None:
         """Tell the pool's agents that grants of ``admission_id`` up to ``fence`` are void
         (``evicted``: taken back for more urgent work, so its agent stops it if running).
@@ -788,6 +899,8 @@ class ManagerService:
         detail: dict[str, Any] = {"admission_id": admission_id, "pool_id": pool_id, "fence": fence}
         if evicted:
             detail["evicted"] = True
+        if security is not None:
+            detail["security"] = security  # the operator's reason
         event = OrchestrationEvent(
             at=now,
             kind=c.EVENT_GRANT_REVOKED,

@@ -61,6 +61,7 @@ from mesh.wire.admission import (
     AdmissionRelease,
     AdmissionReleaseReply,
     AdmissionRequest,
+    AdmissionRevoke,
     CapabilityDescriptor,
     DescriptorAccepted,
     ExplainReply,
@@ -103,6 +104,7 @@ _METHODS: dict[type[Message], str] = {
     StatusRequest: "status",
     AdmissionRequest: "admit",
     AdmissionRelease: "admission-release",
+    AdmissionRevoke: "admission-revoke",
     CapabilityDescriptor: "descriptor",
     ExplainRequest: "explain",
 }
@@ -343,6 +345,12 @@ class MeshClient:
             finished_at=finished_at,
         )
         return _expect(await self.request(release), AdmissionReleaseReply)
+
+    async def revoke_admission(self, admission_id: str, reason: str) -> AdmissionReleaseReply:
+        """Operators only: take a grant back for a security reason — its attempt is cancelled
+        where it runs and its result refused (the manager checks who sent it)."""
+        revoke = AdmissionRevoke(admission_id=admission_id, reason=reason)
+        return _expect(await self.request(revoke), AdmissionReleaseReply)
 
     async def publish_descriptor(
         self, descriptor: CapabilityDescriptor

@@ -75,6 +75,7 @@ class AdmissionReason(StrEnum):
     RUN_CONCURRENCY = "RUN_CONCURRENCY"  # the pool is tight and the task's run holds its share
     QUEUE_FULL = "QUEUE_FULL"  # the pool's bounded task queue refused the task (a nack)
     EVICTED = "EVICTED"  # the admitted task was evicted for more urgent work: resubmit it
+    NOT_AUTHORIZED = "NOT_AUTHORIZED"  # only the operator principal may do this
 
 
 # ---- field types --------------------------------------------------------------------------
@@ -406,6 +407,17 @@ class AdmissionRelease(Message):
     finished_at: Timestamp | None = Field(default=None, description="When the work finished.")
 
 
+class AdmissionRevoke(Message):
+    """Operator -> manager: take an admission's grant back now, for a security reason (a
+    leaked credential, a compromised pool). Its attempt is cancelled wherever it runs and its
+    result refused; it is not resubmitted. Answered by an ``AdmissionReleaseReply``."""
+
+    TYPE = "mesh.admission-revoke.v1"
+    type: Literal["mesh.admission-revoke.v1"] = "mesh.admission-revoke.v1"
+    admission_id: Identifier
+    reason: str = Field(min_length=1, max_length=500)
+
+
 class AdmissionReleaseReply(Message):
     """Manager -> holder: released, or not and why (``STALE_FENCE``, ``NOT_FOUND``, ...)."""
 
@@ -464,6 +476,7 @@ ADMISSION_MESSAGE_TYPES: tuple[type[Message], ...] = (
     AdmissionRequest,
     AdmissionDecision,
     AdmissionRelease,
+    AdmissionRevoke,
     AdmissionReleaseReply,
     DescriptorAccepted,
     ExplainRequest,

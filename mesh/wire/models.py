@@ -126,6 +126,14 @@ class AgentRegistration(Message):
     capabilities: list[Capability] = Field(min_length=1, max_length=64)
     heartbeat_interval_s: float = Field(default=DEFAULT_HEARTBEAT_INTERVAL_S, gt=0, le=3600)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    features: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Protocol features the agent implements. 'descriptor-epochs': it refuses "
+        "a grant issued under an older descriptor epoch than its pool's active one (unless "
+        "the admission is on the pool's draining allowlist). A pool with a descriptor admits "
+        "only agents that say so.",
+    )
 
     @field_validator("capabilities")
     @classmethod

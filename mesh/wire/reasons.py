@@ -21,6 +21,8 @@ class Reason(StrEnum):
     NOT_AUTHORIZED = "NOT_AUTHORIZED"  # the authenticated publisher may not do this
     # Registration.
     HEARTBEAT_INTERVAL_TOO_SHORT = "HEARTBEAT_INTERVAL_TOO_SHORT"
+    # It joins a pool whose tasks carry epoch-bound grants but does not say it checks epochs.
+    EPOCHS_UNSUPPORTED = "EPOCHS_UNSUPPORTED"
     # Bad messages (dead-letter reasons).
     MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
     MALFORMED_JSON = "MALFORMED_JSON"

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from mesh import constants as c
 from mesh.core.pool import PoolSettings
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
@@ -88,6 +89,7 @@ class RawAgent:
         capabilities: list[Capability] | None = None,
         deployment: str = "raw",
         user_id: str | None = None,
+        features: list[str] | None = None,
     ) -> None:
         self.transport = transport
         self.topology = topology
@@ -99,6 +101,7 @@ class RawAgent:
         self.inbox: list[Message] = []
         self.seq = 0
         self.user_id = user_id  # signs registrations and heartbeats (RabbitMQ validates it)
+        self.features = list(c.AGENT_FEATURES) if features is None else features
         self._beating: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -120,6 +123,7 @@ class RawAgent:
             deployment=self.deployment,
             capabilities=self.capabilities,
             heartbeat_interval_s=self.interval_s,
+            features=self.features,
         )
         await self.publish_announce("register", encode(reg))
 

@@ -16,6 +16,7 @@ from mesh.wire import (
     AdmissionRelease,
     AdmissionReleaseReply,
     AdmissionRequest,
+    AdmissionRevoke,
     AgentRegistration,
     AgentStatus,
     AgentSummary,
@@ -261,6 +262,7 @@ _samples: list[Message] = [
         allowed_degradations=["less_retrieval"],
     ),
     AdmissionRelease(admission_id="adm-1", fence=41),
+    AdmissionRevoke(admission_id="adm-1", reason="the pool's credentials leaked"),
     AdmissionReleaseReply(
         admission_id="adm-1",
         released=False,

@@ -78,6 +78,7 @@ def test_every_admission_message_is_a_registered_wire_message() -> None:
         "mesh.explain-reply.v1",
         "mesh.admission-decision.v1",
         "mesh.admission-release.v1",
+        "mesh.admission-revoke.v1",
         "mesh.admission-release-reply.v1",
     }
 
@@ -118,6 +119,7 @@ def test_the_admission_reasons_are_the_documented_stable_strings() -> None:
         "DEADLINE_UNREACHABLE",
         "QUEUE_FULL",
         "EVICTED",
+        "NOT_AUTHORIZED",
         "RUN_CONCURRENCY",
     }
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.ledger.model import TENANT_POOL
+from mesh.ledger.model import TENANT_POOL, Refused
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.manager.admission import AdmissionPolicy, Admitter
 from mesh.wire import AdmissionReason, AdmissionRequest, TaskRequirements
@@ -391,3 +391,38 @@ def test_a_run_is_held_to_its_share_once_the_pool_is_tight(ledger: SqliteLedger)
     # The other run of the same tenant is below its share; run-less work is not held by runs.
     assert a.admit(run_request("narrow-1", "narrow"), "tenant-a", T0).outcome == "admitted"
     assert used(ledger)[(DESCRIPTOR.pool_id, "model_slots")] == slots
+
+
+def test_advancing_an_epoch_releases_what_is_not_active_and_drains_what_is(
+    ledger: SqliteLedger,
+) -> None:
+    a = admitter(ledger)
+    active = a.admit(request("adm-active"), "tenant-a", T0)
+    assert active.outcome == "admitted" and active.grant is not None
+    # A reservation still PREPARING (a manager waiting on external grants, say).
+    items = [("rag-eu", "model_slots", 1)]
+    preparing = ledger.prepare("adm-preparing", "sha256:x", items, 10.0, T0, pool_id="rag-eu")
+    assert not isinstance(preparing, Refused)
+    assert a.draining_allowlist("rag-eu", T0) is None  # no advance yet: nothing to say
+
+    newer = DESCRIPTOR.model_copy(update={"descriptor_epoch": DESCRIPTOR.descriptor_epoch + 1})
+    assert a.publish_descriptor(newer, T0 + 1) is None
+
+    held = ledger.get("adm-preparing")
+    assert held is not None and held.state == "RELEASED"
+    assert a.draining_allowlist("rag-eu", T0 + 1) == ["adm-active"]
+    later = a.admit(request("adm-later"), "tenant-a", T0 + 2)
+    assert later.grant is not None and later.grant.descriptor_epoch == newer.descriptor_epoch
+
+    assert a.release("adm-active", active.grant.fence, T0 + 3).released
+    assert a.draining_allowlist("rag-eu", T0 + 3) == []
+
+
+def test_a_draining_grant_leaves_the_allowlist_when_it_expires(ledger: SqliteLedger) -> None:
+    a = admitter(ledger)
+    active = a.admit(request("adm-1"), "tenant-a", T0)
+    assert active.grant is not None
+    newer = DESCRIPTOR.model_copy(update={"descriptor_epoch": DESCRIPTOR.descriptor_epoch + 1})
+    assert a.publish_descriptor(newer, T0 + 1) is None
+    assert a.draining_allowlist("rag-eu", T0 + 1) == ["adm-1"]
+    assert a.draining_allowlist("rag-eu", active.grant.expires_at) == []
