@@ -718,11 +718,18 @@ class ManagerService:
             return Refusal(reason=Reason.SCHEMA_VIOLATION, detail=problem)
         self.counters["descriptors_published"] += 1
         await self._announce_epochs([descriptor])
+        detail: dict[str, Any] = {
+            "pool_id": descriptor.pool_id,
+            "epoch": descriptor.descriptor_epoch,
+        }
+        draining = await self._on_ledger(admitter.draining_allowlist, descriptor.pool_id, now)
+        if draining is not None:  # the epoch advanced: what may still finish under the old one
+            detail["draining"] = draining[:MAX_DRAINING_ANNOUNCED]
         entry = LogEntry(
             at=now,
             kind="descriptor",
             reason=f"{descriptor.pool_id} epoch {descriptor.descriptor_epoch}",
-            detail={"pool_id": descriptor.pool_id, "epoch": descriptor.descriptor_epoch},
+            detail=detail,
         )
         await self._execute([AppendLog(entry)])
         return DescriptorAccepted(

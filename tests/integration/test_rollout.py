@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mesh.agent import AgentRuntime, AgentSettings
+from mesh.manager.journal import SqliteJournal
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.topology import Topology
@@ -179,6 +180,12 @@ async def test_advancing_the_epoch_drains_the_active_attempts_and_admits_only_un
             ),
             what="the new epoch and its draining allowlist at the agent",
         )
+        journal = SqliteJournal(tmp_path / "journal.sqlite3")
+        try:
+            advance = [e for e in journal.tail(50) if e.kind == "descriptor"][-1]
+        finally:
+            journal.close()
+        assert advance.detail["draining"] == ["adm-before"]  # journaled: mesh log
         # The attempt pinned to the old epoch continues: it is on the allowlist.
         ok = await send_echo(client, topology, runtime.agent_id, pinned, 0)
         assert ok.status == "ok", ok
