@@ -646,6 +646,22 @@ def _explain_eligibility(record: dict[str, Any]) -> list[str]:
             f"  {pool.get('pool_id')!s:<{width}}  {epoch!s:>5}  {shown_active:>6}"
             f"  {gen:>10}  {verdict}"
         )
+    return lines + _explain_shadow(record.get("shadow"))
+
+
+def _explain_shadow(shadow: object) -> list[str]:
+    """What a shadow descriptor would have changed (recorded, never enforced)."""
+    if not isinstance(shadow, dict):
+        return []
+    agree = "the same" if shadow.get("agree") else "DIFFERENT"
+    lines = ["", f"  shadow       with the shadow descriptors eligibility would be {agree}:"]
+    for pool in shadow.get("pools") or []:
+        live = pool.get("live") or "eligible"
+        under = pool.get("shadow") or "eligible"
+        lines.append(
+            f"    {pool.get('pool_id')} epoch {pool.get('descriptor_epoch')}: "
+            f"live {live} → shadow {under}"
+        )
     return lines
 
 
@@ -680,24 +696,34 @@ def cmd_descriptor(args: argparse.Namespace) -> int:
     from mesh.errors import MessageRejected
     from mesh.wire import CapabilityDescriptor, decode_as
 
-    try:
-        descriptor = decode_as(Path(args.file).read_bytes(), CapabilityDescriptor)
-    except OSError as exc:
-        print(f"mesh: cannot read {args.file}: {exc}", file=sys.stderr)
-        return 1
-    except MessageRejected as exc:
-        print(f"mesh: {args.file} is not a valid descriptor: {exc}", file=sys.stderr)
-        return 1
+    descriptor = None
+    if args.action != "unshadow":
+        try:
+            descriptor = decode_as(Path(args.file).read_bytes(), CapabilityDescriptor)
+        except OSError as exc:
+            print(f"mesh: cannot read {args.file}: {exc}", file=sys.stderr)
+            return 1
+        except MessageRejected as exc:
+            print(f"mesh: {args.file} is not a valid descriptor: {exc}", file=sys.stderr)
+            return 1
 
-    async def publish(client: Any) -> int:
-        reply = await client.publish_descriptor(descriptor)
+    async def send(client: Any) -> int:
+        if args.action == "publish":
+            reply = await client.publish_descriptor(descriptor)
+            done = "is active"
+        elif args.action == "shadow" and descriptor is not None:
+            reply = await client.shadow_descriptor(descriptor.pool_id, descriptor)
+            done = "is evaluated in shadow (recorded with every decision, not enforced)"
+        else:
+            reply = await client.shadow_descriptor(args.file, None)
+            done = "routes alone: no shadow"
         if isinstance(reply, Refusal):
             print(f"refused: {reply.reason} ({reply.detail})", file=sys.stderr)
             return 1
-        print(f"{reply.pool_id}: descriptor epoch {reply.descriptor_epoch} is active")
+        print(f"{reply.pool_id}: descriptor epoch {reply.descriptor_epoch} {done}")
         return 0
 
-    return _run(_with_client(args, publish))
+    return _run(_with_client(args, send))
 
 
 # ---- mesh admission -------------------------------------------------------------------------
@@ -1061,9 +1087,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("descriptor", help="operators: publish a pool's capability descriptor")
-    p.add_argument("action", choices=("publish",))
-    p.add_argument("file", help="a JSON file holding one mesh.capability-descriptor.v1")
+    p = sub.add_parser("descriptor", help="operators: publish or shadow a pool's descriptor")
+    p.add_argument("action", choices=("publish", "shadow", "unshadow"))
+    p.add_argument(
+        "file",
+        help="publish, shadow: a JSON file holding one mesh.capability-descriptor.v1; "
+        "unshadow: the pool ID",
+    )
     p.set_defaults(func=cmd_descriptor)
 
     p = sub.add_parser("admission", help="operators: revoke an admission for security")

@@ -56,6 +56,7 @@ from mesh.core.eligibility import (
     EligibilityCache,
     EligibilityResult,
     capacities,
+    check_eligibility,
     fallback_pools,
     reservation_items,
     tenant_tokens_resource,
@@ -111,6 +112,9 @@ class AdmissionPolicy:
     lease_ttl_s: float | None = None
     pressure: PressurePolicy = field(default_factory=PressurePolicy)  # shedding, retry times
 
+
+_NO_DESCRIPTOR = "no_descriptor"
+"""In a shadow record: the pool has no live descriptor (the shadow would create it)."""
 
 DECISION_CACHE_SIZE = 4096
 """Recent decisions kept in memory; older ones are read back from the ledger."""
@@ -195,6 +199,9 @@ class Admitter:
     # pool -> {admission_id: grant expiry}: grants of an older epoch still honoured (the
     # admissions ACTIVE when this manager advanced the pool's epoch), until released or expired
     draining: dict[str, dict[str, float]] = field(default_factory=dict)
+    # pool -> a candidate next descriptor every admission is also evaluated against (shadow
+    # routing: recorded with the decision, never enforced); in memory only
+    shadows: dict[str, CapabilityDescriptor] = field(default_factory=dict)
     _descriptors_version: int = 0  # bumped whenever a descriptor is activated
     _budgets_set: set[str] = field(default_factory=set)
     _batch: _Batch | None = None  # while ``admit_many`` runs
@@ -278,6 +285,48 @@ class Admitter:
             else:
                 allowlist[reservation.admission_id] = reservation.expires_at
         self.draining[pool_id] = allowlist
+
+    def set_shadow(self, descriptor: CapabilityDescriptor, now: float) -> str | None:
+        """Shadow ``descriptor`` (a newer epoch than the active one); ``None`` or why not."""
+        current = self.active_epochs.get(descriptor.pool_id)
+        if current is not None and descriptor.descriptor_epoch <= current:
+            return (
+                f"a shadow is a candidate next epoch: {descriptor.descriptor_epoch} is not "
+                f"newer than the active {current}"
+            )
+        if descriptor.expires_at <= now:
+            return "the descriptor has already expired"
+        self.shadows[descriptor.pool_id] = descriptor
+        return None
+
+    def _shadow_record(
+        self,
+        requirements: TaskRequirements,
+        tenant: str,
+        live: EligibilityResult,
+        now: float,
+    ) -> dict[str, Any]:
+        """How eligibility would differ with the shadow descriptors active (pure)."""
+        descriptors = {**self.descriptors, **self.shadows}
+        epochs = {**self.active_epochs}
+        epochs.update((p, d.descriptor_epoch) for p, d in self.shadows.items())
+        shadow = check_eligibility(
+            requirements, tenant, descriptors,
+            active_epochs=epochs, active_generation=self.policy.active_generation, now=now,
+        )  # fmt: skip
+        live_rules = {v.pool_id: v.rule for v in live.verdicts}
+        pools = [
+            {
+                "pool_id": v.pool_id,
+                "descriptor_epoch": v.descriptor_epoch,
+                "live": live_rules.get(v.pool_id, _NO_DESCRIPTOR),
+                "shadow": v.rule,
+            }
+            for v in shadow.verdicts
+            if v.pool_id in self.shadows
+        ]
+        agree = all((p["live"] is None) == (p["shadow"] is None) for p in pools)
+        return {"eligible": list(shadow.eligible), "pools": pools, "agree": agree}
 
     def draining_allowlist(self, pool_id: str, now: float) -> list[str] | None:
         """The admissions whose older-epoch grants the pool's agents still honour, or ``None``
@@ -409,9 +458,10 @@ class Admitter:
         )
         decision = self._decide(request, tenant, digest, eligibility, now)
         estimate = _estimate(request.requirements)
-        self._record(
-            DecisionRecord(digest, decision, eligibility.to_record(), tenant, estimate), now
-        )
+        record = eligibility.to_record()
+        if self.shadows:  # computed and recorded, never enforced
+            record["shadow"] = self._shadow_record(request.requirements, tenant, eligibility, now)
+        self._record(DecisionRecord(digest, decision, record, tenant, estimate), now)
         return decision
 
     def _record(self, decided: DecisionRecord, now: float) -> None:

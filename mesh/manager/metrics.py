@@ -95,6 +95,13 @@ class ManagerMetrics:
             ["capability"],
             registry=r,
         )
+        self.shadow_verdicts = Counter(
+            "mesh_shadow_verdicts",
+            "Admissions evaluated against a shadow descriptor, by pool and whether the pool's "
+            "eligibility agreed with the live one (shadow routing: recorded, never enforced).",
+            ["pool", "agreement"],
+            registry=r,
+        )
         self.evictions = Counter(
             "mesh_evictions",
             "Admitted recoverable work evicted from a full pool for interactive work.",
@@ -181,6 +188,13 @@ class ManagerMetrics:
         self.admissions.labels(capability, service_class, decision.outcome, reason).inc()
         if decision.grant is not None and decision.grant.fallback_for is not None:
             self.fallbacks.labels(capability).inc()
+        shadow = eligibility.get("shadow") if eligibility else None
+        if isinstance(shadow, dict) and isinstance(shadow.get("pools"), list):
+            for pool in shadow["pools"]:
+                if isinstance(pool, dict):
+                    same = (pool.get("live") is None) == (pool.get("shadow") is None)
+                    agreement = "agree" if same else "differ"
+                    self.shadow_verdicts.labels(str(pool.get("pool_id")), agreement).inc()
         pools = eligibility.get("pools") if eligibility else None
         if isinstance(pools, list):
             for pool in pools:

@@ -92,6 +92,7 @@ from mesh.wire.admission import (
     AdmissionRevoke,
     CapabilityDescriptor,
     DescriptorAccepted,
+    DescriptorShadow,
     ExplainReply,
     ExplainRequest,
 )
@@ -133,6 +134,7 @@ _RPC_TYPES = (
     AdmissionRelease,
     AdmissionRevoke,
     CapabilityDescriptor,
+    DescriptorShadow,
     ExplainRequest,
 )
 
@@ -410,6 +412,7 @@ class ManagerService:
             | AdmissionRelease
             | AdmissionRevoke
             | CapabilityDescriptor
+            | DescriptorShadow
             | ExplainRequest,
         ):
             await self._reply(delivery, await self._admission(message, delivery))
@@ -556,6 +559,7 @@ class ManagerService:
         | AdmissionRelease
         | AdmissionRevoke
         | CapabilityDescriptor
+        | DescriptorShadow
         | ExplainRequest,
         request: Delivery,
     ) -> Message:
@@ -569,6 +573,8 @@ class ManagerService:
             return await self._publish_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRevoke):
             return await self._revoke_admission(admitter, message, request, now)
+        if isinstance(message, DescriptorShadow):
+            return await self._shadow_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
             started = self.clock.now().mono
             reply = await self._on_ledger(
@@ -699,6 +705,37 @@ class ManagerService:
                 security=message.reason,
             )  # fmt: skip
         return reply
+
+    async def _shadow_descriptor(
+        self, admitter: Admitter, message: DescriptorShadow, request: Delivery, now: float
+    ) -> Message:
+        if request.user_id != self.settings.operator_user:
+            self.counters["descriptor_not_authorized"] += 1
+            return Refusal(
+                reason=Reason.NOT_AUTHORIZED,
+                detail=f"shadows are accepted only from {self.settings.operator_user!r}",
+            )
+        descriptor, pool_id = message.descriptor, message.pool_id
+        if descriptor is None:
+            await self._on_ledger(admitter.shadows.pop, pool_id, None)
+            log.info("shadow removed", extra={"pool_id": pool_id})
+            active = admitter.active_epochs.get(pool_id, 1)
+            return DescriptorAccepted(pool_id=pool_id, descriptor_epoch=active)
+        problem = await self._on_ledger(admitter.set_shadow, descriptor, now)
+        if problem is not None:
+            return Refusal(reason=Reason.SCHEMA_VIOLATION, detail=problem)
+        self.counters["shadows_set"] += 1
+        self._append(
+            [
+                LogEntry(
+                    at=now,
+                    kind="descriptor_shadow",
+                    reason=f"{pool_id} epoch {descriptor.descriptor_epoch} in shadow",
+                    detail={"pool_id": pool_id, "epoch": descriptor.descriptor_epoch},
+                )
+            ]
+        )
+        return DescriptorAccepted(pool_id=pool_id, descriptor_epoch=descriptor.descriptor_epoch)
 
     async def _publish_descriptor(
         self, admitter: Admitter, descriptor: CapabilityDescriptor, request: Delivery, now: float

@@ -64,6 +64,7 @@ from mesh.wire.admission import (
     AdmissionRevoke,
     CapabilityDescriptor,
     DescriptorAccepted,
+    DescriptorShadow,
     ExplainReply,
     ExplainRequest,
     TaskRequirements,
@@ -106,6 +107,7 @@ _METHODS: dict[type[Message], str] = {
     AdmissionRelease: "admission-release",
     AdmissionRevoke: "admission-revoke",
     CapabilityDescriptor: "descriptor",
+    DescriptorShadow: "descriptor-shadow",
     ExplainRequest: "explain",
 }
 
@@ -351,6 +353,14 @@ class MeshClient:
         where it runs and its result refused (the manager checks who sent it)."""
         revoke = AdmissionRevoke(admission_id=admission_id, reason=reason)
         return _expect(await self.request(revoke), AdmissionReleaseReply)
+
+    async def shadow_descriptor(
+        self, pool_id: str, descriptor: CapabilityDescriptor | None
+    ) -> DescriptorAccepted | Refusal:
+        """Operators only: evaluate every admission also against ``descriptor`` (a candidate
+        next epoch) and record the difference, enforcing nothing; ``None`` removes it."""
+        reply = await self.request(DescriptorShadow(pool_id=pool_id, descriptor=descriptor))
+        return reply if isinstance(reply, Refusal) else _expect(reply, DescriptorAccepted)
 
     async def publish_descriptor(
         self, descriptor: CapabilityDescriptor

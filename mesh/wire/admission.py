@@ -437,6 +437,24 @@ class AdmissionReleaseReply(Message):
         return self
 
 
+class DescriptorShadow(Message):
+    """Operator -> manager: evaluate every admission also against ``descriptor``, a candidate
+    next epoch of ``pool_id``, and record how its eligibility would differ — deciding nothing
+    by it (shadow routing). Without ``descriptor`` the pool's shadow is removed. Answered by a
+    ``DescriptorAccepted`` naming the shadow's epoch (or, when removed, the active one)."""
+
+    TYPE = "mesh.descriptor-shadow.v1"
+    type: Literal["mesh.descriptor-shadow.v1"] = "mesh.descriptor-shadow.v1"
+    pool_id: PoolId
+    descriptor: CapabilityDescriptor | None = None
+
+    @model_validator(mode="after")
+    def _same_pool(self) -> Self:
+        if self.descriptor is not None and self.descriptor.pool_id != self.pool_id:
+            raise ValueError(f"the descriptor is for pool {self.descriptor.pool_id!r}")
+        return self
+
+
 class DescriptorAccepted(Message):
     """Manager -> operator: the descriptor is its pool's active one now."""
 
@@ -479,6 +497,7 @@ ADMISSION_MESSAGE_TYPES: tuple[type[Message], ...] = (
     AdmissionRevoke,
     AdmissionReleaseReply,
     DescriptorAccepted,
+    DescriptorShadow,
     ExplainRequest,
     ExplainReply,
 )

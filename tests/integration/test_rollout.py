@@ -204,3 +204,51 @@ async def test_advancing_the_epoch_drains_the_active_attempts_and_admits_only_un
         await runtime.stop()
         await client.close()
         await manager.stop()
+
+
+async def test_shadow_routing_records_what_a_candidate_epoch_would_change_and_enforces_nothing(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    manager = await start_manager(settings_for(amqp_url, namespace, tmp_path))
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="operator")
+    try:
+        live = echo_descriptor(4)
+        assert (await client.publish_descriptor(live)).type.endswith("accepted.v1")
+        # The candidate narrows the classifications: "internal" input would be filtered.
+        candidate = live.model_copy(
+            update={
+                "descriptor_epoch": live.descriptor_epoch + 1,
+                "data_classifications": ["public"],
+            }
+        )
+        shadowed = await client.shadow_descriptor("echo", candidate)
+        assert shadowed.type.endswith("accepted.v1"), shadowed
+
+        decision = await client.admit(echo_requirements(), admission_id="adm-shadowed")
+        assert decision.outcome == "admitted" and decision.grant is not None
+        assert decision.grant.descriptor_epoch == live.descriptor_epoch  # live decided
+        explained = await client.explain("adm-shadowed")
+        assert explained.eligibility is not None
+        shadow = explained.eligibility["shadow"]
+        assert shadow["agree"] is False
+        assert shadow["pools"] == [
+            {
+                "pool_id": "echo",
+                "descriptor_epoch": candidate.descriptor_epoch,
+                "live": None,
+                "shadow": "classification_allowed",
+            }
+        ]
+        metric = manager.observer.metrics.registry.get_sample_value(
+            "mesh_shadow_verdicts_total", {"pool": "echo", "agreement": "differ"}
+        )
+        assert metric == 1.0
+
+        removed = await client.shadow_descriptor("echo", None)
+        assert removed.type.endswith("accepted.v1")
+        await client.admit(echo_requirements(), admission_id="adm-plain")
+        plain = await client.explain("adm-plain")
+        assert plain.eligibility is not None and "shadow" not in plain.eligibility
+    finally:
+        await client.close()
+        await manager.stop()

@@ -26,6 +26,7 @@ from mesh.wire import (
     CapabilityStatus,
     Deregistration,
     DescriptorAccepted,
+    DescriptorShadow,
     DrainAccepted,
     DrainComplete,
     DrainNotice,
@@ -270,6 +271,7 @@ _samples: list[Message] = [
         detail="fence 41 is not the current fence 44",
     ),
     DescriptorAccepted(pool_id="rag-eu", descriptor_epoch=3),
+    DescriptorShadow(pool_id="rag-eu", descriptor=DESCRIPTOR),
     ExplainRequest(admission_id="adm-1"),
     ExplainReply(
         admission_id="adm-1",

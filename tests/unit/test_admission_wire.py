@@ -74,6 +74,7 @@ def test_every_admission_message_is_a_registered_wire_message() -> None:
         "mesh.task-requirements.v1",
         "mesh.admission-request.v1",
         "mesh.descriptor-accepted.v1",
+        "mesh.descriptor-shadow.v1",
         "mesh.explain-request.v1",
         "mesh.explain-reply.v1",
         "mesh.admission-decision.v1",

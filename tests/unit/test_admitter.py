@@ -426,3 +426,45 @@ def test_a_draining_grant_leaves_the_allowlist_when_it_expires(ledger: SqliteLed
     assert a.publish_descriptor(newer, T0 + 1) is None
     assert a.draining_allowlist("rag-eu", T0 + 1) == ["adm-1"]
     assert a.draining_allowlist("rag-eu", active.grant.expires_at) == []
+
+
+def test_a_shadow_descriptor_is_evaluated_and_recorded_but_decides_nothing(
+    ledger: SqliteLedger,
+) -> None:
+    a = admitter(ledger)
+    assert a.admit(request("adm-0"), "tenant-a", T0).outcome == "admitted"
+    assert "shadow" not in (a.recorded("adm-0").eligibility or {})  # no shadow: no cost
+
+    # The candidate next epoch drops the web-search tool the requests need.
+    candidate = DESCRIPTOR.model_copy(
+        update={
+            "descriptor_epoch": DESCRIPTOR.descriptor_epoch + 1,
+            "tools": [t for t in DESCRIPTOR.tools if t.name != "web-search"],
+        }
+    )
+    stale = DESCRIPTOR.model_copy(update={"descriptor_epoch": DESCRIPTOR.descriptor_epoch})
+    assert "not newer than the active" in (a.set_shadow(stale, T0) or "")
+    assert a.set_shadow(candidate, T0) is None
+
+    decision = a.admit(request("adm-1"), "tenant-a", T0 + 1)
+    assert decision.outcome == "admitted" and decision.grant is not None  # live decides
+    assert decision.grant.descriptor_epoch == DESCRIPTOR.descriptor_epoch
+    record = a.recorded("adm-1")
+    assert record is not None and record.eligibility is not None
+    assert record.eligibility["shadow"] == {
+        "eligible": [],
+        "pools": [
+            {
+                "pool_id": "rag-eu",
+                "descriptor_epoch": candidate.descriptor_epoch,
+                "live": None,
+                "shadow": "tools_allowed",
+            }
+        ],
+        "agree": False,
+    }
+    assert a.active_epochs["rag-eu"] == DESCRIPTOR.descriptor_epoch  # nothing moved
+
+    a.shadows.pop("rag-eu")
+    a.admit(request("adm-2"), "tenant-a", T0 + 2)
+    assert "shadow" not in (a.recorded("adm-2").eligibility or {})

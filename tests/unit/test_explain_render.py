@@ -141,3 +141,20 @@ def test_long_lines_wrap_under_their_column() -> None:
     detail = [line for line in text.splitlines() if "pool-" in line]
     assert len(detail) > 1 and all(len(line) <= 100 for line in detail)
     assert all(line.startswith(" " * 15) for line in detail[1:])
+
+
+def test_a_shadow_evaluation_is_shown_after_the_pools() -> None:
+    eligibility = record()
+    eligibility["shadow"] = {
+        "eligible": [],
+        "pools": [
+            {"pool_id": "rag-eu", "descriptor_epoch": 4, "live": None, "shadow": "tools_allowed"}
+        ],
+        "agree": False,
+    }
+    reply = ExplainReply(admission_id="adm-1", found=True, eligibility=eligibility)
+
+    lines = render_explain(reply, now=NOW).splitlines()
+
+    at = lines.index("  shadow       with the shadow descriptors eligibility would be DIFFERENT:")
+    assert lines[at + 1] == "    rag-eu epoch 4: live eligible → shadow tools_allowed"
