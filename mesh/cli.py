@@ -88,7 +88,7 @@ def _add_liveness_probe(p: argparse.ArgumentParser) -> None:
         default=_env("MESH_LIVENESS_PROBE_S", "0"),
         metavar="SECONDS",
         help="probe the broker this often and reconnect when it stops answering; a silent "
-        "path is noticed within four intervals (env MESH_LIVENESS_PROBE_S, default 0: off)",
+        "path is noticed within two intervals (env MESH_LIVENESS_PROBE_S, default 0: off)",
     )
 
 

@@ -190,7 +190,7 @@ class AgentSettings:
     declared the topology first, else start fails with :class:`mesh.errors.TopologyMissing`."""
     liveness_probe_s: float | None = None
     """Probe the broker this often and reconnect when it stops answering (None: off). A
-    handler that blocks the event loop for twice this long would be taken for a dead broker:
+    handler that blocks the event loop for this long would be taken for a dead broker:
     keep it well above the longest synchronous stretch of your handlers."""
 
 

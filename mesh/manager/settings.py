@@ -62,7 +62,7 @@ class ManagerSettings:
     # Agents and tools check leases with the public key (mesh.leases). None: no leases.
     lease_key_file: Path | None = None
     # Probe the broker every so many seconds and reconnect when it stops answering (a
-    # blackholed path is noticed within four intervals; the AMQP heartbeat alone takes
+    # blackholed path is noticed within two intervals; the AMQP heartbeat alone takes
     # minutes at RabbitMQ's default). None: off.
     liveness_probe_s: float | None = None
 

@@ -292,10 +292,11 @@ class AmqpTransport:
     ) -> AmqpTransport:
         """Connect, or raise :class:`BrokerUnavailable` with one sentence that says what to do.
 
-        ``liveness_probe_s``: also probe the broker every so many seconds and drop the
-        connection (so it reconnects) when a probe gets no answer within twice that: a
-        silent broker (a blackholed path) is noticed within four intervals, where the AMQP
-        heartbeat alone takes ``(heartbeat + 1) * 3`` s or more (aiormq's rule)."""
+        ``liveness_probe_s``: also probe the broker twice every so many seconds and drop the
+        connection (so it reconnects) when a probe gets no answer within that many seconds: a
+        silent broker (a blackholed path) is noticed within one and a half intervals — two at
+        the most — where the AMQP heartbeat alone takes ``(heartbeat + 1) * 3`` s or more
+        (aiormq's rule)."""
         try:
             connection = await aio_pika.connect_robust(
                 url, client_properties={"connection_name": name}, timeout=connect_timeout_s
@@ -359,26 +360,28 @@ class AmqpTransport:
 
     async def _probe_forever(self, interval_s: float) -> None:
         """One round trip (``basic.qos`` on the publish channel: it consumes nothing, so
-        the setting changes nothing) every ``interval_s``. Unanswered within twice that, the
-        broker is taken for gone: the connection is closed — its close callbacks run, and the
-        robust connection reconnects once the broker answers again. Not while the broker
-        blocks us (an alarm: it stops reading our socket on purpose) or while reconnecting."""
+        the setting changes nothing) every half ``interval_s``. Unanswered within
+        ``interval_s``, the broker is taken for gone: the connection is closed — its close
+        callbacks run, and the robust connection reconnects once the broker answers again.
+        A path that goes silent is noticed at most half an interval (until the next probe)
+        plus one interval (its timeout) later. Not while the broker blocks us (an alarm: it
+        stops reading our socket on purpose) or while reconnecting."""
         while not self._closing:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(interval_s / 2)
             connection = self._connection
             if connection.is_closed or connection.reconnecting or self.blocked:
                 continue
             try:
-                async with asyncio.timeout(2 * interval_s):
+                async with asyncio.timeout(interval_s):
                     channel = await self._publish_channel.get_underlay_channel()
                     await channel.basic_qos(prefetch_count=0)
             except TimeoutError:
                 self.probes_unanswered += 1
                 log.warning(
                     "the broker did not answer a liveness probe; dropping the connection",
-                    extra={"url": redact(self.url), "waited_s": 2 * interval_s},
+                    extra={"url": redact(self.url), "waited_s": interval_s},
                 )
-                await self._drop(interval_s)
+                await self._drop(interval_s / 4)  # a silent broker never sends Close-Ok
             except (aiormq.exceptions.AMQPError, RuntimeError, ConnectionError) as exc:
                 log.debug("liveness probe on a closing connection", extra={"error": str(exc)})
 
