@@ -154,9 +154,42 @@ ensure_management() {
     fi
 }
 
+# The user's tags, from GET /api/whoami ("administrator,management", say); empty on failure.
+user_tags() {
+    "$PYTHON" - "$HOST" "$MGMT_PORT" "$USER_NAME" "$PASSWORD" <<'PY' 2>/dev/null
+import base64, json, sys, urllib.request
+host, port, user, password = sys.argv[1:5]
+req = urllib.request.Request(f"http://{host}:{port}/api/whoami")
+token = base64.b64encode(f"{user}:{password}".encode()).decode()
+req.add_header("Authorization", f"Basic {token}")
+with urllib.request.urlopen(req, timeout=3) as resp:
+    tags = json.load(resp).get("tags", [])
+print(",".join(tags) if isinstance(tags, list) else str(tags))
+PY
+}
+
+# The tests provision their own broker users through the management API — agents with exactly
+# their own permissions (`mesh broker add-agent`), users revoked mid-test — so the test user
+# must be an administrator on the broker, with every permission on the vhost the tests use.
+ensure_test_user_rights() {
+    if [[ ",$(user_tags)," == *",administrator,"* ]]; then
+        say "$USER_NAME is a broker administrator (the tests make and delete users)"
+        return 0
+    fi
+    say "granting $USER_NAME the administrator tag and all permissions on / (the tests make users)"
+    local rc=0
+    as_broker_admin rabbitmqctl set_user_tags "$USER_NAME" administrator >/dev/null || rc=$?
+    ((rc == 0)) && { as_broker_admin rabbitmqctl set_permissions -p / "$USER_NAME" ".*" ".*" ".*" >/dev/null || rc=$?; }
+    if ((rc != 0)); then
+        die "$USER_NAME is not a broker administrator and granting it failed (exit $rc): run \`sudo rabbitmqctl set_user_tags $USER_NAME administrator\`"
+    fi
+    [[ ",$(user_tags)," == *",administrator,"* ]] || die "$USER_NAME is still not an administrator"
+}
+
 # Let tests and CI source this file for the probe functions without side effects.
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     ensure_broker
     ensure_management
+    ensure_test_user_rights
     say "ready: amqp://$USER_NAME:***@$HOST:$PORT/  http://$HOST:$MGMT_PORT/"
 fi
