@@ -390,7 +390,7 @@ async def test_two_manager_processes_on_one_postgres_ledger_grant_each_unit_once
 async def test_a_manager_killed_mid_stream_recovers_every_active_reservation_on_restart(
     managers: Managers, producers: list[MeshClient], ledger: PostgresLedger
 ) -> None:
-    capacity, requests = 10, 200
+    capacity, requests = 10, 600  # enough that the kill lands mid-stream on a fast machine
     client = producers[0]
     started = time.monotonic()
     (first,) = await managers.start("m-first")
@@ -496,7 +496,7 @@ async def test_a_manager_killed_while_racing_another_loses_no_request_and_double
     # The two-manager deployment: one dies mid-stream, the survivor (which has the descriptor)
     # decides what the dead one had not acknowledged, against the same ledger; the dead one
     # comes back and serves again.
-    capacity, requests = 10, 200
+    capacity, requests = 10, 600  # enough that the kill lands mid-stream on a fast machine
     started = time.monotonic()
     procs = await managers.start("m-a", "m-b")
     doomed, survivor = procs
@@ -511,7 +511,7 @@ async def test_a_manager_killed_while_racing_another_loses_no_request_and_double
     ]
     try:
         # Kill early, while most requests still wait: waiting for a full pool, the kill
-        # lands after the managers have decided all 200.
+        # lands after the managers have decided them all.
         await doomed.wait_for(
             lambda: sum(len(p.decisions) for p in procs) >= 20, what="the first decisions"
         )
