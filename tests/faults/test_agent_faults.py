@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from integration.harness import FAST_POOL, eventually, start_manager
@@ -152,6 +153,51 @@ async def two_live_agents(
     return victim, survivor
 
 
+async def serving_and_holding(
+    manager: ManagerService, load: Load, victim: str, survivor: str
+) -> int:
+    """Wait until both agents have served and the victim's heartbeat reports at least two
+    tasks in flight; how many it reports."""
+    await eventually(
+        lambda: {r.agent_id for rs in load.results.values() for r in rs} >= {victim, survivor},
+        timeout_s=30,
+        what="both agents serving",
+    )
+    await eventually(
+        lambda: reported_in_flight(manager, victim) >= 2,
+        timeout_s=15,
+        what=f"{victim} to hold tasks",
+    )
+    return reported_in_flight(manager, victim)
+
+
+def exactly_once(load: Load, redelivered: dict[str, int] | None = None) -> None:
+    """Every task submitted completed exactly once for the producer, none failed;
+    ``redelivered``: more deliveries of a task (by message) that the agents logged."""
+    tally = Tally()
+    tally.attempted = tally.confirmed = len(load.submitted)  # one submit per business ID
+    tally.confirmed_ids = set(load.submitted)
+    for message, results in load.results.items():
+        for _ in results:  # each result: one delivery to the agent that answered, one effect
+            tally.delivered(message)
+            tally.applied(message)
+    for message, times in (redelivered or {}).items():
+        for _ in range(times):
+            tally.delivered(message)
+    assert load.failed == [], load.failed
+    assert len(load.submitted) == len(set(load.submitted))
+    tally.check()  # lost = 0, unexpected = 0, at most one result per task
+
+
+def agent_moves(tmp_path: Path, agent_id: str) -> list[Any]:
+    """The journal's entries about ``agent_id`` (its lifecycle moves among them)."""
+    journal = SqliteJournal(tmp_path / "journal.sqlite3")
+    try:
+        return journal.tail(500, agent_id=agent_id)
+    finally:
+        journal.close()
+
+
 async def test_an_agent_killed_with_tasks_in_flight_loses_none_and_completes_each_once(
     manager: ManagerService, client: MeshClient, scaler: LocalProcessScaler, tmp_path: Path
 ) -> None:
@@ -161,18 +207,8 @@ async def test_an_agent_killed_with_tasks_in_flight_loses_none_and_completes_eac
     load, stop = Load(), asyncio.Event()
     workers = [asyncio.create_task(produce(client, load, stop, w)) for w in range(WORKERS)]
     try:
-        await eventually(
-            lambda: {r.agent_id for rs in load.results.values() for r in rs} >= {victim, survivor},
-            timeout_s=30,
-            what="both agents serving",
-        )
         # Kill it while its own heartbeat says it holds several tasks.
-        await eventually(
-            lambda: reported_in_flight(manager, victim) >= 2,
-            timeout_s=15,
-            what=f"{victim} to hold tasks",
-        )
-        held = reported_in_flight(manager, victim)
+        held = await serving_and_holding(manager, load, victim, survivor)
         pid = scaler.pid(victim)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -200,19 +236,9 @@ async def test_an_agent_killed_with_tasks_in_flight_loses_none_and_completes_eac
     moved = set().union(*(redelivered_ids(log_dir, a) for a in others))
     by_task_id = {r.task_id: (m, r) for m, rs in load.results.items() for r in rs}
 
-    # (1) Every task completes exactly once, from the producer's point of view.
-    tally = Tally()
-    tally.attempted = tally.confirmed = len(load.submitted)  # one submit per business ID
-    tally.confirmed_ids = set(load.submitted)
-    for message, results in load.results.items():
-        for _ in results:  # each result: one delivery to the agent that answered, one effect
-            tally.delivered(message)
-            tally.applied(message)
-    for task_id in moved:  # each redelivery an agent logged: one more delivery of that task
-        tally.delivered(by_task_id[task_id][0] if task_id in by_task_id else task_id)
-    assert load.failed == [], load.failed
-    assert len(load.submitted) == len(set(load.submitted))
-    tally.check()  # lost = 0, unexpected = 0, at most one result per task
+    # (1) Every task completes exactly once, from the producer's point of view; each
+    # redelivery an agent logged is one more delivery of that task.
+    exactly_once(load, Counter(by_task_id[t][0] if t in by_task_id else t for t in moved))
     assert client.counters["late_replies"] == 0  # no task answered twice
     # The victim's tasks moved on: redelivered by the broker, served once, by another agent.
     assert moved, f"no task was redelivered after killing {victim} holding {held}"
@@ -224,11 +250,7 @@ async def test_an_agent_killed_with_tasks_in_flight_loses_none_and_completes_eac
         assert 0 < result.started_at - killed_at < 5.0, (message, result.started_at - killed_at)
 
     # (2) The manager declared the victim lost, within the heartbeat rule's bound.
-    journal = SqliteJournal(tmp_path / "journal.sqlite3")
-    try:
-        moves = journal.tail(500, agent_id=victim)
-    finally:
-        journal.close()
+    moves = agent_moves(tmp_path, victim)
     ended = [e for e in moves if e.to_state == AgentState.TERMINATED.value]
     assert len(ended) == 1, [(e.from_state, e.to_state, e.reason) for e in moves]
     assert "no heartbeat" in ended[0].reason, ended[0]

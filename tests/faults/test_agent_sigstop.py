@@ -25,35 +25,35 @@ import asyncio
 import os
 import signal
 import time
-import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from integration.harness import eventually, start_manager
+from integration.harness import eventually, management_url, start_manager
 from integration.test_admission import settings_for
 
 from mesh.core.lifecycle import AgentState
-from mesh.manager.journal import SqliteJournal
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
-from mesh.scaler.local import LocalProcessScaler, sample_command
+from mesh.scaler.local import LocalProcessScaler
 
-from .accounting import Tally
 from .test_agent_faults import (
     HEARTBEAT_S,
     MISSES,
     WORKERS,
     Load,
+    agent_moves,
     client,
+    exactly_once,
     produce,
     redelivered_ids,
-    reported_in_flight,
+    scaler,
+    serving_and_holding,
     two_live_agents,
 )
 
-__all__ = ["client"]  # a fixture, used by name
+__all__ = ["client", "scaler"]  # fixtures, used by name
 
 FREEZE_S = MISSES * HEARTBEAT_S + 3.0  # past the manager's rule (and its tick)
 
@@ -62,27 +62,10 @@ FREEZE_S = MISSES * HEARTBEAT_S + 3.0  # past the manager's rule (and its tick)
 async def manager(
     amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
 ) -> AsyncIterator[ManagerService]:
-    parts = urllib.parse.urlsplit(amqp_url)
-    api = urllib.parse.urlsplit(management_api.base_url)
-    credentials = f"{parts.username or 'guest'}:{parts.password or 'guest'}"
-    url = api._replace(netloc=f"{credentials}@{api.netloc}").geturl()
+    url = management_url(management_api, amqp_url)
     service = await start_manager(settings_for(amqp_url, namespace, tmp_path, management_url=url))
     yield service
     await service.stop()
-
-
-@pytest.fixture
-async def scaler(
-    amqp_url: str, namespace: str, tmp_path: Path
-) -> AsyncIterator[LocalProcessScaler]:
-    local = LocalProcessScaler(
-        sample_command(namespace, amqp_url, HEARTBEAT_S),
-        log_dir=tmp_path / "agents",
-        env={"MESH_LOG_FORMAT": "text"},
-        termination_grace_s=10,
-    )
-    yield local
-    await local.close()
 
 
 def log_lines(log_dir: Path, agent_id: str, needle: str) -> list[str]:
@@ -101,16 +84,7 @@ async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_o
     pid = scaler.pid(victim)
     assert pid is not None
     try:
-        await eventually(
-            lambda: {r.agent_id for rs in load.results.values() for r in rs} >= {victim, survivor},
-            timeout_s=30,
-            what="both agents serving",
-        )
-        await eventually(
-            lambda: reported_in_flight(manager, victim) >= 2,
-            timeout_s=15,
-            what=f"{victim} to hold tasks",
-        )
+        await serving_and_holding(manager, load, victim, survivor)
         os.kill(pid, signal.SIGSTOP)
         frozen_at = time.time()
         try:
@@ -146,15 +120,7 @@ async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_o
         await asyncio.wait_for(asyncio.gather(*workers), 40)
 
     # (1) Exactly once for the producer; nothing late.
-    tally = Tally()
-    tally.attempted = tally.confirmed = len(load.submitted)
-    tally.confirmed_ids = set(load.submitted)
-    for message, results in load.results.items():
-        for _ in results:
-            tally.delivered(message)
-            tally.applied(message)
-    assert load.failed == [], load.failed
-    tally.check()
+    exactly_once(load)
     assert client.counters["late_replies"] == 0, "a fenced result reached the producer"
     withheld = log_lines(log_dir, victim, "result withheld")
     assert withheld, f"{victim} held tasks when frozen but withheld no result"
@@ -165,11 +131,7 @@ async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_o
     )
 
     # (2) Declared lost once.
-    journal = SqliteJournal(tmp_path / "journal.sqlite3")
-    try:
-        moves = journal.tail(500, agent_id=victim)
-    finally:
-        journal.close()
+    moves = agent_moves(tmp_path, victim)
     lost = [e for e in moves if e.to_state == AgentState.TERMINATED.value]
     assert len(lost) == 1 and "no heartbeat" in lost[0].reason, [
         (e.from_state, e.to_state, e.reason) for e in moves

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -163,6 +164,15 @@ class RawAgent:
             self._beating.cancel()
             await asyncio.gather(self._beating, return_exceptions=True)
             self._beating = None
+
+
+def management_url(management_api: Any, amqp_url: str) -> str:
+    """The management API's URL with the broker user's credentials in it (as the manager's
+    ``--management-url`` and ``mesh broker`` take it)."""
+    parts = urllib.parse.urlsplit(amqp_url)
+    credentials = f"{parts.username or 'guest'}:{parts.password or 'guest'}"
+    api = urllib.parse.urlsplit(management_api.base_url)
+    return api._replace(netloc=f"{credentials}@{api.netloc}").geturl()
 
 
 async def start_manager(settings: ManagerSettings) -> ManagerService:

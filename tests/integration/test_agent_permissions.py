@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -34,10 +33,12 @@ from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.topology import Topology, names
-from mesh.transport.amqp import AmqpTransport
 from mesh.wire.models import Heartbeat
 
-from .harness import eventually, manager_settings, start_manager
+from .harness import eventually, management_url
+from .test_identity import connect, manager
+
+__all__ = ["connect", "manager"]  # fixtures, used by name
 
 PASSWORD = "permissions-test"
 POOL = "calc"  # the calc sample's deployment
@@ -45,11 +46,7 @@ POOL = "calc"  # the calc sample's deployment
 
 @pytest.fixture
 def admin(management_api: Any, amqp_url: str) -> BrokerAdmin:
-    parts = urllib.parse.urlsplit(amqp_url)
-    credentials = f"{parts.username or 'guest'}:{parts.password or 'guest'}"
-    management = urllib.parse.urlsplit(management_api.base_url)
-    url = management._replace(netloc=f"{credentials}@{management.netloc}").geturl()
-    return BrokerAdmin(url, vhost=management_api.vhost)
+    return BrokerAdmin(management_url(management_api, amqp_url), vhost=management_api.vhost)
 
 
 @pytest.fixture
@@ -68,31 +65,6 @@ def agent_users(admin: BrokerAdmin, amqp_url: str, namespace: str) -> Iterator[C
     yield make
     for agent_id in made:
         admin.remove_agent(agent_id)
-
-
-@pytest.fixture
-async def manager(amqp_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[ManagerService]:
-    service = await start_manager(
-        manager_settings(
-            namespace, tmp_path / "journal.sqlite3", amqp_url=amqp_url, agent_identity=True
-        )
-    )
-    yield service
-    await service.stop()
-
-
-@pytest.fixture
-async def connect() -> AsyncIterator[Callable[[str, str], Any]]:
-    made: list[AmqpTransport] = []
-
-    async def make(url: str, name: str) -> AmqpTransport:
-        transport = await AmqpTransport.connect(url, name=name, publish_timeout_s=3.0)
-        made.append(transport)
-        return transport
-
-    yield make
-    for transport in reversed(made):
-        await transport.close()
 
 
 def agent_name(tag: str) -> str:
