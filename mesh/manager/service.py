@@ -986,6 +986,9 @@ class ManagerService:
         for attempt in range(_FENCE_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(_FENCE_RETRY_S)
+                if cmd.agent_id in self.core.agents:  # back meanwhile: its new connection stays
+                    self.counters["fence_skipped_back"] += 1
+                    return
             closed = await self.observer.close_agent_connections(cmd.agent_id, cmd.reason)
             if closed is None:
                 self.counters["fence_unavailable"] += 1
