@@ -754,14 +754,13 @@ class ManagerService:
         if problem is not None:
             return Refusal(reason=Reason.SCHEMA_VIOLATION, detail=problem)
         self.counters["descriptors_published"] += 1
-        await self._announce_epochs([descriptor])
+        announced = await self._announce_epochs([descriptor])
         detail: dict[str, Any] = {
             "pool_id": descriptor.pool_id,
             "epoch": descriptor.descriptor_epoch,
         }
-        draining = await self._on_ledger(admitter.draining_allowlist, descriptor.pool_id, now)
-        if draining is not None:  # the epoch advanced: what may still finish under the old one
-            detail["draining"] = draining[:MAX_DRAINING_ANNOUNCED]
+        if descriptor.pool_id in announced:  # the epoch advanced: what may finish under the old
+            detail["draining"] = announced[descriptor.pool_id]
         entry = LogEntry(
             at=now,
             kind="descriptor",
@@ -862,12 +861,16 @@ class ManagerService:
                     extra={"pool_id": pool_id, "model_slots": slots},
                 )
 
-    async def _announce_epochs(self, descriptors: Sequence[CapabilityDescriptor]) -> None:
+    async def _announce_epochs(
+        self, descriptors: Sequence[CapabilityDescriptor]
+    ) -> dict[str, list[str]]:
         """Tell each pool's agents its active descriptor epoch (``grant.<pool>``), so they
-        refuse grants issued under an older one (:mod:`mesh.agent.grants`)."""
+        refuse grants issued under an older one (:mod:`mesh.agent.grants`). Returns the
+        draining allowlists announced, by pool (pools this manager did not advance: none)."""
         await self._ensure_pool_queues(descriptors)
         now = self.clock.now()
         self._epochs_announced_at = now.mono
+        announced: dict[str, list[str]] = {}
         for descriptor in descriptors:
             detail: dict[str, Any] = {
                 "pool_id": descriptor.pool_id,
@@ -882,7 +885,9 @@ class ManagerService:
                 else None
             )
             if draining is not None:  # only the manager that advanced the epoch knows it
-                detail["draining"] = draining[:MAX_DRAINING_ANNOUNCED]
+                detail["draining"] = announced[descriptor.pool_id] = draining[
+                    :MAX_DRAINING_ANNOUNCED
+                ]
             event = OrchestrationEvent(
                 at=now.wall,
                 kind=c.EVENT_DESCRIPTOR_ACTIVE,
@@ -890,6 +895,7 @@ class ManagerService:
                 detail=detail,
             )
             await self._publish_event(names.pool_grant_key(descriptor.pool_id), event)
+        return announced
 
     async def _expire_admissions(self) -> None:
         if self.admitter is None:
