@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from unit.samples import DESCRIPTOR, REQUIREMENTS
@@ -68,12 +69,29 @@ async def send(
     grant: TaskGrant | None,
     expression: str = "6 * 7",
 ) -> TaskResult:
-    """Send one task straight to the agent's task queue, as ``MeshClient._send_and_wait`` does."""
+    """A ``math.evaluate`` task straight to the agent's task queue (:func:`send_task`)."""
+    return await send_task(
+        producer, topology, agent_id, grant, "math.evaluate", {"expression": expression}
+    )
+
+
+async def send_task(
+    producer: MeshClient,
+    topology: Topology,
+    agent_id: str,
+    grant: TaskGrant | None,
+    capability: str,
+    payload: dict[str, Any],
+    timeout_s: float = 10.0,
+    deadline_s: float | None = 10.0,
+) -> TaskResult:
+    """Send one task straight to the agent's task queue, as ``MeshClient._send_and_wait`` does
+    (a deadline ``deadline_s`` from now, if any), and wait ``timeout_s`` for its result."""
     task = Task(
         task_id=uuid.uuid4().hex,
-        capability="math.evaluate",
-        payload={"expression": expression},
-        deadline=time.time() + 10,
+        capability=capability,
+        payload=payload,
+        deadline=None if deadline_s is None else time.time() + deadline_s,
         submitted_at=time.time(),
         grant=grant,
     )
@@ -88,7 +106,7 @@ async def send(
             correlation_id=task.task_id,
             persistent=True,
         )
-        reply = await asyncio.wait_for(fut, 10)
+        reply = await asyncio.wait_for(fut, timeout_s)
     finally:
         producer._pending.pop(task.task_id, None)
     assert isinstance(reply, TaskResult)

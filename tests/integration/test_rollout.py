@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,11 +25,12 @@ from mesh.samples import SAMPLES
 from mesh.topology import Topology
 from mesh.transport.amqp import AmqpTransport
 from mesh.wire import AdmissionReason, Message, Reason, RegistrationAccepted, RegistrationRefused
-from mesh.wire.models import Task, TaskGrant, TaskResult
+from mesh.wire.models import TaskGrant, TaskResult
 
 from .harness import RawAgent, eventually, start_manager
 from .test_admission import settings_for
 from .test_backpressure import echo_descriptor, echo_requirements
+from .test_grant_enforcement import send_task
 
 
 async def registered(agent: RawAgent) -> Message:
@@ -76,25 +76,19 @@ async def test_an_agent_that_does_not_check_epochs_cannot_join_a_described_pool(
 async def send_echo(
     client: MeshClient, topology: Topology, agent_id: str, grant: TaskGrant, sleep_ms: int
 ) -> TaskResult:
-    task = Task(
-        task_id=uuid.uuid4().hex,
-        capability="test.echo",
-        payload={"message": "hi", "sleep_ms": sleep_ms},
-        submitted_at=time.time(),
-        grant=grant,
+    """An echo task that sleeps ``sleep_ms``, straight to the agent with ``grant``."""
+    payload = {"message": "hi", "sleep_ms": sleep_ms}
+    return await send_task(
+        client, topology, agent_id, grant, "test.echo", payload, timeout_s=20.0, deadline_s=None
     )
-    waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-    client._pending[task.task_id] = waiter
-    try:
-        await client.transport.publish(
-            topology.tasks_exchange, agent_id, task,
-            reply_to=client.reply_queue, correlation_id=task.task_id, persistent=True,
-        )  # fmt: skip
-        reply = await asyncio.wait_for(waiter, 20)
-    finally:
-        client._pending.pop(task.task_id, None)
-    assert isinstance(reply, TaskResult)
-    return reply
+
+
+def echo_runtime(amqp_url: str, namespace: str, agent_id: str) -> AgentRuntime:
+    """The echo sample (pool ``echo``) on its own connection."""
+    return AgentRuntime(
+        SAMPLES["echo"](agent_id, heartbeat_interval_s=5.0),
+        AgentSettings(amqp_url=amqp_url, namespace=namespace),
+    )
 
 
 async def test_a_security_revocation_cancels_the_running_attempt_and_refuses_its_grant(
@@ -102,10 +96,7 @@ async def test_a_security_revocation_cancels_the_running_attempt_and_refuses_its
 ) -> None:
     manager = await start_manager(settings_for(amqp_url, namespace, tmp_path))
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="operator")
-    runtime = AgentRuntime(
-        SAMPLES["echo"]("echo-revoked", heartbeat_interval_s=5.0),
-        AgentSettings(amqp_url=amqp_url, namespace=namespace),
-    )
+    runtime = echo_runtime(amqp_url, namespace, "echo-revoked")
     try:
         await runtime.start()
         assert (await client.publish_descriptor(echo_descriptor(4))).type.endswith("accepted.v1")
@@ -158,10 +149,7 @@ async def test_advancing_the_epoch_drains_the_active_attempts_and_admits_only_un
     settings = replace(settings_for(amqp_url, namespace, tmp_path), epoch_announce_interval_s=0.5)
     manager = await start_manager(settings)
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="operator")
-    runtime = AgentRuntime(
-        SAMPLES["echo"]("echo-epochs", heartbeat_interval_s=5.0),
-        AgentSettings(amqp_url=amqp_url, namespace=namespace),
-    )
+    runtime = echo_runtime(amqp_url, namespace, "echo-epochs")
     try:
         await runtime.start()
         old = echo_descriptor(4)
