@@ -292,7 +292,9 @@ def consumer_tags(api: ManagementApi, queues: list[str]) -> dict[str, set[tuple[
     for consumer in api.request("GET", f"/api/consumers/{vhost}"):
         queue = consumer["queue"]["name"]
         if queue in found:
-            channel = consumer.get("channel_details", {}).get("name", "")
+            # A consumer whose channel is closing is listed with ``channel_details: []``.
+            details = consumer.get("channel_details")
+            channel = details.get("name", "") if isinstance(details, dict) else ""
             found[queue].add((consumer["consumer_tag"], channel))
     return found
 
