@@ -50,6 +50,7 @@ from mesh.errors import (
     TaskRefused,
     TaskTimeout,
 )
+from mesh.ids import new_admission_id
 from mesh.topology import names
 from mesh.topology.specs import Topology
 from mesh.transport.amqp import AmqpTransport, Delivery
@@ -320,9 +321,11 @@ class MeshClient:
     ) -> AdmissionDecision:
         """Ask the manager to admit a task: ``admitted`` with a grant, or ``rejected`` /
         ``deferred`` with a reason code (and ``retry_after_ms`` when retrying can help).
-        Retrying with the same ``admission_id`` and requirements is safe: same decision."""
+        Retrying with the same ``admission_id`` and requirements is safe: same decision.
+        Without one, a fresh time-ordered ID is made (:func:`mesh.ids.new_admission_id`);
+        choose your own the same way if you can — random IDs cost the ledger more."""
         request = AdmissionRequest(
-            admission_id=admission_id or uuid.uuid4().hex, requirements=requirements
+            admission_id=admission_id or new_admission_id(), requirements=requirements
         )
         return _expect(await self.request(request, timeout_s=timeout_s), AdmissionDecision)
 
@@ -398,7 +401,7 @@ class MeshClient:
         deadline = time.time() + timeout_s
         if requirements.deadline is not None:
             deadline = min(deadline, requirements.deadline)
-        admission_id, attempts, refusals = uuid.uuid4().hex, 0, 0
+        admission_id, attempts, refusals = new_admission_id(), 0, 0
         last: AdmissionDecision | None = None
         while True:
             remaining = deadline - time.time()
@@ -418,7 +421,7 @@ class MeshClient:
                     output = _output_of(ran, allowed=requirements.allowed_degradations)
                     return Submitted(output, ran, decision, attempts)
                 decision = ran  # queue full, or evicted: a refusal like the others
-                admission_id = uuid.uuid4().hex  # that grant is settled; a new phase
+                admission_id = new_admission_id()  # that grant is settled; a new phase
             last = decision
             if decision.outcome == "rejected" or not await _keep_waiting(on_deferred, decision):
                 raise AdmissionRefused(decision)
