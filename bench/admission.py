@@ -34,7 +34,10 @@ A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to
 
 B) In-core decisions. ``Admitter.admit`` called directly, no broker, with each store:
    ``SqliteLedger`` (a temp file, WAL) and ``PostgresLedger`` (a fresh schema, dropped
-   afterwards), N fresh admission IDs each, same descriptor and requirements as A. The
+   afterwards), N fresh admission IDs each — time-ordered, as the SDK makes them
+   (:func:`mesh.ids.new_admission_id`); one more SQLite row with random UUIDv4 IDs shows what
+   a producer choosing those costs the store (no target) — same descriptor and requirements
+   as A. The
    SQLite rate is compared with A's end-to-end rate: the ledger is the linearisation point
    and runs on one thread, so if it could not sustain ten times what the broker path
    delivers it, rather than the broker, would bound admissions. The SQLite row with the
@@ -52,7 +55,6 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import itertools
 import logging
 import os
 import pstats
@@ -72,6 +74,7 @@ import psycopg
 from mesh import constants as c
 from mesh.errors import BrokerUnavailable, StoreError
 from mesh.gc_tuning import tune_gc
+from mesh.ids import new_admission_id
 from mesh.ledger.postgres import PostgresLedger
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore
@@ -341,7 +344,6 @@ class EndToEnd:
         self.client: MeshClient | None = None
         self.echo: Echo | None = None
         self.refused: list[str] = []
-        self._round = itertools.count(1)
 
     @property
     def echo_exchange(self) -> str:
@@ -373,11 +375,11 @@ class EndToEnd:
         await self.echo.start()
 
     async def ours(self, count: int, concurrency: int) -> Round:
-        client, prefix = self.client, f"{self.namespace}-{next(self._round)}-"
+        client = self.client
         assert client is not None
 
         async def admit(n: int) -> None:
-            decision = await client.admit(self.requirements, admission_id=f"{prefix}{n}")
+            decision = await client.admit(self.requirements)  # a fresh ID, as the SDK makes it
             if decision.outcome != "admitted":
                 self.refused.append(f"{decision.outcome} {decision.reason}: {decision.detail}")
 
@@ -621,17 +623,25 @@ SQLITE_REPEATS = 5
 """Runs of the SQLite row the store target reads; its median is reported."""
 
 
-def in_core(store: str, ledger: LedgerStore, count: int, warmup: int, batch: int) -> StoreRun:
+def in_core(
+    store: str,
+    ledger: LedgerStore,
+    count: int,
+    warmup: int,
+    batch: int,
+    new_id: Callable[[], str] = new_admission_id,
+) -> StoreRun:
     """``count`` admissions with fresh IDs straight through an Admitter, ``batch`` per ledger
-    transaction (``admit_many``, as the manager's group commit); all must be admitted."""
+    transaction (``admit_many``, as the manager's group commit); all must be admitted. The IDs
+    are what the SDK makes (time-ordered) unless ``new_id`` says otherwise."""
     admitter = Admitter(ledger, POLICY)
     now = time.time()
     problem = admitter.publish_descriptor(descriptor(now), now)
     assert problem is None, problem
     wanted = requirements(now)
     requests = [
-        (AdmissionRequest(admission_id=f"bench-{batch}-{n}", requirements=wanted), "guest")
-        for n in range(warmup + count)
+        (AdmissionRequest(admission_id=new_id(), requirements=wanted), "guest")
+        for _ in range(warmup + count)
     ]
     for pair in requests[:warmup]:
         assert admitter.admit(*pair, now).outcome == "admitted"
@@ -669,6 +679,10 @@ def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun
                 runs.append(in_core("SQLite (WAL), 1 per commit", sqlite, count, warmup, 1))
         finally:
             sqlite.close()
+    # Not a target: what a producer that picks random IDs (UUIDv4) costs the store.
+    with SqliteLedger(workdir / "in-core-random-ids.sqlite3") as sqlite:
+        label = f"SQLite (WAL), {batch} per commit, random IDs"
+        runs.append(in_core(label, sqlite, count, warmup, batch, lambda: uuid.uuid4().hex))
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     try:
         postgres = PostgresLedger(dsn, schema=schema, connect_timeout_s=5)
@@ -689,13 +703,13 @@ def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun
 def print_part_b(runs: list[StoreRun], end_to_end: float | None) -> None:
     print()
     print(
-        f"   {'store':<34}{'decisions':>9}  {'seconds':>7}  {'decisions/s':>11}  "
+        f"   {'store':<42}{'decisions':>9}  {'seconds':>7}  {'decisions/s':>11}  "
         f"{'µs/decision':>11}  {'÷ end-to-end rate':>17}"
     )
     for run in runs:
         ratio = f"{run.rate / end_to_end:>16.1f}x" if end_to_end else f"{'-':>17}"
         print(
-            f"   {run.store:<34}{run.decisions:>9,}  {run.seconds:>7.2f}  {run.rate:>11,.0f}  "
+            f"   {run.store:<42}{run.decisions:>9,}  {run.seconds:>7.2f}  {run.rate:>11,.0f}  "
             f"{run.seconds / run.decisions * 1e6:>11,.0f}  {ratio}"
         )
 

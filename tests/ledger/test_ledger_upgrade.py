@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from mesh.ledger import LedgerStore, SqliteLedger
-from mesh.ledger.model import Item, ReservationState
+from mesh.ledger.model import Item, Prepared, Refused, ReservationState
 
 from .conftest import LedgerFactory
 from .test_ledger_contract import prepared, reservation, used
@@ -146,3 +146,67 @@ def test_a_new_sqlite_file_has_the_items_column(tmp_path: Path) -> None:
     finally:
         conn.close()
     assert "items" in {column[1] for column in columns}
+
+
+# The layout before reservations and decisions became rowid tables (keyed by a UNIQUE index).
+_WITHOUT_ROWID_TABLES = """
+CREATE TABLE ledger_reservation (
+    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, pool_id TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('PREPARING', 'ACTIVE', 'RELEASED', 'EXPIRED')),
+    fence INTEGER NOT NULL, expires_at REAL NOT NULL, created_at REAL NOT NULL,
+    updated_at REAL NOT NULL, items TEXT
+) WITHOUT ROWID;
+CREATE TABLE ledger_decision (
+    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, outcome TEXT NOT NULL,
+    decided_at REAL NOT NULL, record TEXT NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+def _without_rowid(path: Path) -> set[str]:
+    """The names of the file's tables created ``WITHOUT ROWID``."""
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'").fetchall()
+    finally:
+        conn.close()
+    return {name for name, sql in rows if "WITHOUT ROWID" in sql.upper()}
+
+
+def test_a_sqlite_file_with_the_earlier_without_rowid_layout_keeps_it_and_works(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "earlier.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript(_WITHOUT_ROWID_TABLES)
+    conn.close()
+
+    with SqliteLedger(path) as store:
+        store.set_capacity("pool-a", "model_slots", 2)
+        first = prepared(
+            store.prepare("adm-1", "sha256:a", [("pool-a", "model_slots", 1)], 30, NOW)
+        )
+        assert store.record_decision("adm-1", "sha256:a", "admitted", NOW, "{}")
+        assert not store.record_decision("adm-1", "sha256:other", "admitted", NOW, "{}")
+        batch = store.batch(
+            lambda: [
+                store.prepare("adm-2", "sha256:b", [("pool-a", "model_slots", 1)], 30, NOW),
+                store.prepare("adm-3", "sha256:c", [("pool-a", "model_slots", 1)], 30, NOW),
+            ],
+            plan=["adm-2", "adm-3"],
+        )
+        assert isinstance(batch[0], Prepared) and isinstance(batch[1], Refused)  # one slot left
+        reservation(store.release("adm-1", first.fence, NOW + 1))
+        assert used(store, "pool-a", "model_slots") == 1
+        row = store.decision("adm-1")
+        assert row is not None and row.digest == "sha256:a"
+    assert {"ledger_reservation", "ledger_decision"} <= _without_rowid(path)
+
+
+def test_a_new_sqlite_file_keeps_reservations_and_decisions_in_rowid_tables(
+    tmp_path: Path,
+) -> None:
+    SqliteLedger(tmp_path / "new.sqlite3").close()
+    without_rowid = _without_rowid(tmp_path / "new.sqlite3")
+    assert "ledger_reservation" not in without_rowid and "ledger_decision" not in without_rowid
+    assert "ledger_capacity" in without_rowid  # the small tables keyed by text stay as they were

@@ -1,0 +1,112 @@
+"""How the SQLite ledger's table layout and the shape of admission IDs change what a commit
+writes: in-core admissions (``Admitter.admit_many``, 16 per commit, as ``admission.py``'s
+part B) for each kind of admission ID, on a file in today's layout and on one whose
+reservation and decision tables are ``WITHOUT ROWID`` (the earlier layout). Prints
+µs per decision (median of three runs) and the WAL frames (pages) a commit writes, by table.
+
+Run: ``.venv/bin/python bench/ledger_layout.py`` (about a minute). No broker needed. Each
+frame is two ``pwrite`` calls (its header and its page), and on this machine those are most
+of a commit's cost, so frames per commit is the number to read; µs per decision follow.
+"""
+
+from __future__ import annotations
+
+import collections
+import sqlite3
+import statistics
+import struct
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from admission import in_core  # this directory: the same admissions as admission.py's part B
+
+from mesh.gc_tuning import tune_gc
+from mesh.ids import new_admission_id
+from mesh.ledger.sqlite import SqliteLedger
+
+COUNT, WARMUP, BATCH, RUNS = 3_000, 200, 16, 3
+WAL_HEADER, FRAME_HEADER, PAGE = 32, 24, 4096
+
+EARLIER_LAYOUT = """
+CREATE TABLE ledger_reservation (
+    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, pool_id TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('PREPARING', 'ACTIVE', 'RELEASED', 'EXPIRED')),
+    fence INTEGER NOT NULL, expires_at REAL NOT NULL, created_at REAL NOT NULL,
+    updated_at REAL NOT NULL, items TEXT
+) WITHOUT ROWID;
+CREATE TABLE ledger_decision (
+    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, outcome TEXT NOT NULL,
+    decided_at REAL NOT NULL, record TEXT NOT NULL
+) WITHOUT ROWID;
+"""
+
+ID_KINDS: dict[str, Callable[[], str]] = {
+    "time-ordered (SDK)": new_admission_id,
+    "random (UUIDv4)": lambda: uuid.uuid4().hex,
+}
+
+
+def frames_by_table(path: Path, last_commits: int) -> tuple[float, dict[str, float]]:
+    """WAL frames per commit over the last ``last_commits`` commits, in all and by table."""
+    wal = (path.parent / (path.name + "-wal")).read_bytes()
+    conn = sqlite3.connect(path)
+    try:
+        owner = dict(conn.execute("SELECT pageno, name FROM dbstat").fetchall())
+    finally:
+        conn.close()
+    commits: list[collections.Counter[str]] = []
+    current: collections.Counter[str] = collections.Counter()
+    for offset in range(WAL_HEADER, len(wal) - FRAME_HEADER + 1, FRAME_HEADER + PAGE):
+        page, commit_size = struct.unpack(">II", wal[offset : offset + 8])
+        current["(header page)" if page == 1 else owner.get(page, "(freed)")] += 1
+        if commit_size:  # the last frame of a commit
+            commits.append(current)
+            current = collections.Counter()
+    tail = commits[-last_commits:]
+    totals: collections.Counter[str] = collections.Counter()
+    for commit in tail:
+        totals.update(commit)
+    per_table = {name: n / len(tail) for name, n in totals.most_common()}
+    return sum(per_table.values()), per_table
+
+
+def measure(layout: str, kind: str, workdir: Path) -> tuple[float, float, dict[str, float]]:
+    times, frames, tables = [], 0.0, {}
+    for run in range(RUNS):
+        path = workdir / f"{layout}-{kind.split()[0]}-{run}.sqlite3"
+        if layout == "earlier":
+            with sqlite3.connect(path) as conn:
+                conn.executescript(EARLIER_LAYOUT)
+        with SqliteLedger(path) as ledger:
+            result = in_core(kind, ledger, COUNT, WARMUP, BATCH, ID_KINDS[kind])
+            times.append(result.seconds / result.decisions * 1e6)
+            # The WAL holds every commit of the run (it is never checkpointed here).
+            frames, tables = frames_by_table(path, last_commits=COUNT // BATCH // 2)
+    return statistics.median(times), frames, tables
+
+
+def main() -> int:
+    print(f"process {tune_gc()}")
+    print(
+        f"{COUNT:,} admissions after {WARMUP} warm-up ones, {BATCH} per commit; µs/decision: "
+        f"median of {RUNS} runs; frames: per commit over the second half of the last run\n"
+    )
+    print(f"   {'layout':<30}{'admission IDs':<22}{'µs/decision':>12}{'frames/commit':>15}")
+    with tempfile.TemporaryDirectory(prefix="bench-layout-") as tmp:
+        for layout, label in (
+            ("current", "rowid (today's)"),
+            ("earlier", "WITHOUT ROWID (earlier)"),
+        ):
+            for kind in ID_KINDS:
+                us, frames, tables = measure(layout, kind, Path(tmp))
+                print(f"   {label:<30}{kind:<22}{us:>12.1f}{frames:>15.1f}")
+                shares = ", ".join(f"{name} {n:.1f}" for name, n in tables.items())
+                print(f"   {'':<30}{'':<22}   {shares}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
