@@ -74,13 +74,14 @@ the same order.
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import orjson
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
@@ -323,17 +324,69 @@ class PoolVerdict:
 
 
 @dataclass(frozen=True, slots=True)
+class EligibilitySnapshot:
+    """An eligibility record without its time (:meth:`EligibilityResult.snapshot`): the same
+    for every request that got the same verdicts, so a decision stores its ``ref`` and the
+    ledger stores the ``body`` once (content-addressed)."""
+
+    ref: str  # "sha256:" and the hex SHA-256 of ``body``
+    body: str  # canonical JSON: sorted keys, no whitespace
+    record: Mapping[str, Any]  # ``body`` parsed; shared, never change it
+
+    @classmethod
+    def of(cls, record: Mapping[str, Any]) -> EligibilitySnapshot:
+        body = orjson.dumps(record, option=orjson.OPT_SORT_KEYS)
+        return cls("sha256:" + hashlib.sha256(body).hexdigest(), body.decode(), record)
+
+    @classmethod
+    def parse(cls, ref: str, body: str) -> EligibilitySnapshot:
+        """A stored snapshot; ``ValueError`` if ``body`` is not what ``ref`` addresses."""
+        record = orjson.loads(body)
+        if not isinstance(record, dict) or cls.of(record).ref != ref:
+            raise ValueError(f"the stored eligibility snapshot {ref} does not match its body")
+        return cls(ref, body, record)
+
+
+class _Derived:
+    """What a result's verdicts imply, worked out once and shared by the copies
+    :class:`EligibilityCache` hands out (they differ only in ``now``)."""
+
+    __slots__ = ("eligible", "snapshot")
+
+    def __init__(self) -> None:
+        self.eligible: tuple[str, ...] | None = None
+        self.snapshot: EligibilitySnapshot | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EligibilityResult:
     """Every pool's verdict (in ``pool_id`` order), and the generation and time they saw."""
 
     verdicts: tuple[PoolVerdict, ...]
     active_generation: int
     now: float
+    _derived: _Derived = field(default_factory=_Derived, compare=False, repr=False)
+
+    def at(self, now: float) -> EligibilityResult:
+        """The same verdicts, seen at ``now`` (sharing what was worked out from them)."""
+        return EligibilityResult(self.verdicts, self.active_generation, now, self._derived)
 
     @property
     def eligible(self) -> tuple[str, ...]:
         """The pools that passed every rule, in ``pool_id`` order."""
-        return tuple(v.pool_id for v in self.verdicts if v.eligible)
+        derived = self._derived
+        if derived.eligible is None:
+            derived.eligible = tuple(v.pool_id for v in self.verdicts if v.eligible)
+        return derived.eligible
+
+    def snapshot(self) -> EligibilitySnapshot:
+        """:meth:`to_record` without ``now``, content-addressed (worked out once)."""
+        derived = self._derived
+        if derived.snapshot is None:
+            record = self.to_record()
+            del record["now"]
+            derived.snapshot = EligibilitySnapshot.of(record)
+        return derived.snapshot
 
     @property
     def filtered(self) -> tuple[PoolVerdict, ...]:
@@ -485,7 +538,7 @@ class EligibilityCache:
         found = self._entries.get(key)
         if found is not None and now < found[1]:
             self.hits += 1
-            return dataclasses.replace(found[0], now=now)
+            return found[0].at(now)
         self.misses += 1
         result = check_eligibility(
             requirements, tenant, descriptors,

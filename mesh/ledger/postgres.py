@@ -104,6 +104,9 @@ def _ddl(s: str) -> list[str]:
             outcome      TEXT NOT NULL,
             decided_at   DOUBLE PRECISION NOT NULL,
             record       TEXT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS "{s}".ledger_eligibility (
+            ref  TEXT PRIMARY KEY,
+            body TEXT NOT NULL)""",
     ]
 
 
@@ -148,6 +151,7 @@ class PostgresLedger(SqlLedger):
                 log=f'"{schema}".ledger_log',
                 descriptor=f'"{schema}".ledger_descriptor',
                 decision=f'"{schema}".ledger_decision',
+                eligibility=f'"{schema}".ledger_eligibility',
             )
         )
         self.schema = schema

@@ -38,8 +38,8 @@ T = TypeVar("T")
 #   ~1,000 bytes it also spills into an overflow page. Measured (``bench/ledger_layout.py``):
 #   16 admissions with random IDs dirtied ~105 pages per commit as WITHOUT ROWID tables, ~46
 #   as rowid tables; with time-ordered IDs (what the SDK makes) ~39 and ~23.
-# - The small tables keyed by text (capacity, item, descriptor) stay WITHOUT ROWID: the key
-#   *is* the row, no second b-tree.
+# - The small tables keyed by text (capacity, item, descriptor, eligibility) are WITHOUT
+#   ROWID: the key *is* the row, no second b-tree.
 # - The log's seq is a plain INTEGER PRIMARY KEY — rows are never deleted (the triggers), so a
 #   seq is never reused and AUTOINCREMENT's extra bookkeeping row would buy nothing; fences
 #   need no UNIQUE index: they come from the one counter row, inside the single writer's
@@ -106,6 +106,10 @@ CREATE TABLE IF NOT EXISTS ledger_decision (
     decided_at   REAL NOT NULL,
     record       TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ledger_eligibility (
+    ref  TEXT PRIMARY KEY,
+    body TEXT NOT NULL
+) WITHOUT ROWID;
 """
 
 
@@ -135,6 +139,7 @@ class SqliteLedger(SqlLedger):
                 "ledger_log",
                 "ledger_descriptor",
                 "ledger_decision",
+                "ledger_eligibility",
             )
         )
         self.path = Path(path)

@@ -59,7 +59,10 @@ saves the round trips on PostgreSQL.
 Decisions. ``record_decision`` keeps the latest decision about an admission ID (its digest,
 outcome and a JSON record: the reply and the eligibility behind it), written in the same
 transaction as the reservation it describes, so ``mesh explain`` and idempotent replies
-survive a restart and are shared by every manager on the ledger.
+survive a restart and are shared by every manager on the ledger. The eligibility behind a
+decision is the same for every request that got the same verdicts, so a record names it by
+content address and ``save_eligibility`` keeps each snapshot once (``ON CONFLICT DO
+NOTHING``: two managers writing the same one agree).
 
 :class:`SqlLedger` holds all of this once; the two stores supply a connection, a transaction,
 the fence sequence and their DDL.
@@ -210,6 +213,15 @@ class LedgerStore(Protocol):
 
     def decision(self, admission_id: str) -> DecisionRow | None: ...
 
+    def save_eligibility(self, ref: str, body: str) -> None:
+        """Keep an eligibility snapshot (JSON) under its content address ``ref``, once: a
+        decision record names it instead of repeating it. Keeping one again changes nothing."""
+        ...
+
+    def eligibility(self, ref: str) -> str | None:
+        """The snapshot stored under ``ref``, if any."""
+        ...
+
     def decisions(self, admission_ids: Sequence[str]) -> dict[str, DecisionRow]:
         """The recorded decisions of these admissions, in one read (those that have one)."""
         ...
@@ -262,11 +274,12 @@ class _Plan:
     reservations: list[tuple[object, ...]] = field(default_factory=list)
     log: list[tuple[object, ...]] = field(default_factory=list)
     recorded: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    snapshots: dict[str, str] = field(default_factory=dict)  # eligibility: ref -> body
     prepared: int = 0
 
     @property
     def pending(self) -> bool:
-        return bool(self.taken or self.reservations or self.log or self.recorded)
+        return bool(self.taken or self.reservations or self.log or self.recorded or self.snapshots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +292,7 @@ class Tables:
     log: str
     descriptor: str
     decision: str
+    eligibility: str
 
 
 class SqlLedger(abc.ABC):
@@ -496,6 +510,30 @@ class SqlLedger(abc.ABC):
             )
         return kept
 
+    def save_eligibility(self, ref: str, body: str) -> None:
+        db, plan = self._open_batch(), self._plan
+        if db is not None and plan is not None:
+            plan.snapshots[ref] = body  # written with the batch's other rows
+            return
+        self._write(lambda db: self._insert_snapshots(db, [(ref, body)]))
+
+    def _insert_snapshots(self, db: Db, rows: Sequence[tuple[object, ...]]) -> None:
+        for chunk in _chunks(rows, 100):
+            db.execute(
+                f"INSERT INTO {self._t.eligibility} (ref, body) VALUES "
+                + ", ".join(["(?, ?)"] * len(chunk))
+                + " ON CONFLICT (ref) DO NOTHING",
+                [value for row in chunk for value in row],
+            )
+
+    def eligibility(self, ref: str) -> str | None:
+        plan = self._plan
+        if plan is not None and ref in plan.snapshots and self._open_batch():
+            return plan.snapshots[ref]
+        sql = f"SELECT body FROM {self._t.eligibility} WHERE ref = ?"
+        rows = self._read(lambda db: db.execute(sql, (ref,)))
+        return str(rows[0][0]) if rows else None
+
     def decision(self, admission_id: str) -> DecisionRow | None:
         plan = self._plan
         if plan is not None and admission_id in plan.decisions and self._open_batch():
@@ -710,6 +748,8 @@ class SqlLedger(abc.ABC):
         self._insert_rows(db, self._t.reservation, _RES_COLUMNS, plan.reservations)
         self._insert_rows(db, self._t.log, "at, admission_id, event, state, fence", plan.log)
         plan.reservations, plan.log = [], []
+        self._insert_snapshots(db, list(plan.snapshots.items()))  # before the records naming them
+        plan.snapshots.clear()
         rows = list(plan.recorded.values())
         if self._upsert_decisions(db, rows) != len(rows):
             raise StoreError(

@@ -55,6 +55,7 @@ from mesh.core.eligibility import (
     TENANT_TOKENS_PREFIX,
     EligibilityCache,
     EligibilityResult,
+    EligibilitySnapshot,
     capacities,
     check_eligibility,
     fallback_pools,
@@ -120,34 +121,67 @@ DECISION_CACHE_SIZE = 4096
 """Recent decisions kept in memory; older ones are read back from the ledger."""
 
 
+SNAPSHOT_CACHE_SIZE = 1024
+"""Eligibility snapshots kept in memory (known to be stored, or read back for a record)."""
+
+
 @dataclass(slots=True)
 class DecisionRecord:
-    """The latest decision about an admission ID, with what it was decided from."""
+    """The latest decision about an admission ID, with what it was decided from.
+
+    The eligibility behind it is a snapshot shared by every request that got the same
+    verdicts (stored once, named by ``eligibility_ref``), the time it was evaluated at and,
+    with shadow descriptors, the shadow comparison. Records written before snapshots carry the
+    eligibility record in full (``inline``)."""
 
     digest: str
     decision: AdmissionDecision
-    eligibility: dict[str, Any] | None = None
     tenant: str | None = None
     estimate: dict[str, Any] | None = None  # what settlement compares actual cost with
+    snapshot: EligibilitySnapshot | None = None  # None until resolved, for a record read back
+    evaluated_at: float | None = None
+    shadow: dict[str, Any] | None = None
+    eligibility_ref: str | None = None
+    inline: dict[str, Any] | None = None
+
+    @property
+    def eligibility(self) -> dict[str, Any] | None:
+        """The eligibility record as ``mesh explain`` shows it (``None``: not known)."""
+        if self.snapshot is None:
+            return self.inline
+        record = {**self.snapshot.record, "now": self.evaluated_at}
+        if self.shadow is not None:
+            record["shadow"] = self.shadow
+        return record
 
     def to_json(self) -> str:
-        record = {
+        record: dict[str, Any] = {
             "decision": orjson.Fragment(self.decision.model_dump_json(exclude_defaults=True)),
-            "eligibility": self.eligibility,
             "tenant": self.tenant,
             "estimate": self.estimate,
         }
+        if self.eligibility_ref is not None:
+            record["eligibility_ref"] = self.eligibility_ref
+            record["evaluated_at"] = self.evaluated_at
+            if self.shadow is not None:
+                record["shadow"] = self.shadow
+        else:
+            record["eligibility"] = self.inline
         return orjson.dumps(record).decode()
 
     @classmethod
     def from_row(cls, row: DecisionRow) -> DecisionRecord:
+        """The record as stored; a snapshot it names is left to resolve (``snapshot`` None)."""
         record = orjson.loads(row.record)
         return cls(
             row.digest,
             AdmissionDecision.model_validate(record["decision"]),
-            record.get("eligibility"),
-            record.get("tenant"),
-            record.get("estimate"),
+            tenant=record.get("tenant"),
+            estimate=record.get("estimate"),
+            evaluated_at=record.get("evaluated_at"),
+            shadow=record.get("shadow"),
+            eligibility_ref=record.get("eligibility_ref"),
+            inline=record.get("eligibility"),
         )
 
 
@@ -158,6 +192,7 @@ class _Batch:
     decided: dict[str, DecisionRecord] = field(default_factory=dict)
     external: list[tuple[ExternalGrantor, str, str]] = field(default_factory=list)
     budgets: set[str] = field(default_factory=set)  # tenants whose budget row it created
+    snapshots: dict[str, EligibilitySnapshot] = field(default_factory=dict)  # it stored
     granted: list[str] = field(default_factory=list)  # admission IDs counted on the board
     evicted: list[Eviction] = field(default_factory=list)
 
@@ -204,6 +239,8 @@ class Admitter:
     shadows: dict[str, CapabilityDescriptor] = field(default_factory=dict)
     _descriptors_version: int = 0  # bumped whenever a descriptor is activated
     _budgets_set: set[str] = field(default_factory=set)
+    # Eligibility snapshots by ref: stored in the ledger, or read back from it (bounded).
+    _snapshots: dict[str, EligibilitySnapshot] = field(default_factory=dict)
     _batch: _Batch | None = None  # while ``admit_many`` runs
 
     def __post_init__(self) -> None:
@@ -434,6 +471,8 @@ class Admitter:
         for admission_id, decided in batch.decided.items():
             self._remember(admission_id, decided)
         self._budgets_set |= batch.budgets
+        for ref, snapshot in batch.snapshots.items():
+            self._known_snapshot(ref, snapshot)
         self.evictions += batch.evicted
         return decisions
 
@@ -457,12 +496,57 @@ class Admitter:
             now=now,
         )
         decision = self._decide(request, tenant, digest, eligibility, now)
-        estimate = _estimate(request.requirements)
-        record = eligibility.to_record()
+        snapshot = self._store_snapshot(eligibility.snapshot())
+        shadow = None
         if self.shadows:  # computed and recorded, never enforced
-            record["shadow"] = self._shadow_record(request.requirements, tenant, eligibility, now)
-        self._record(DecisionRecord(digest, decision, record, tenant, estimate), now)
+            shadow = self._shadow_record(request.requirements, tenant, eligibility, now)
+        decided = DecisionRecord(
+            digest, decision, tenant, _estimate(request.requirements),
+            snapshot=snapshot, evaluated_at=now, shadow=shadow, eligibility_ref=snapshot.ref,
+        )  # fmt: skip
+        self._record(decided, now)
         return decision
+
+    def _store_snapshot(self, snapshot: EligibilitySnapshot) -> EligibilitySnapshot:
+        """Have the ledger keep ``snapshot`` (in the current transaction) unless it is known
+        to; returns it."""
+        batch = self._batch
+        known = snapshot.ref in self._snapshots
+        if known or (batch is not None and snapshot.ref in batch.snapshots):
+            return snapshot
+        self.ledger.save_eligibility(snapshot.ref, snapshot.body)
+        if batch is not None:
+            batch.snapshots[snapshot.ref] = snapshot
+        else:
+            self._known_snapshot(snapshot.ref, snapshot)
+        return snapshot
+
+    def _known_snapshot(self, ref: str, snapshot: EligibilitySnapshot) -> None:
+        self._snapshots[ref] = snapshot
+        if len(self._snapshots) > SNAPSHOT_CACHE_SIZE:
+            del self._snapshots[next(iter(self._snapshots))]  # the oldest; stored regardless
+
+    def _resolve(self, decided: DecisionRecord) -> DecisionRecord:
+        """Fill in the snapshot a record read back from the ledger names."""
+        ref = decided.eligibility_ref
+        if ref is None or decided.snapshot is not None:
+            return decided
+        snapshot = self._snapshots.get(ref)
+        if snapshot is None:
+            body = self.ledger.eligibility(ref)
+            if body is None:
+                log.error("a decision names an eligibility snapshot the ledger lacks",
+                          extra={"ref": ref})  # fmt: skip
+                return decided
+            try:
+                snapshot = EligibilitySnapshot.parse(ref, body)
+            except ValueError as exc:
+                log.error("a stored eligibility snapshot is damaged",
+                          extra={"ref": ref, "error": str(exc)})  # fmt: skip
+                return decided
+            self._known_snapshot(ref, snapshot)
+        decided.snapshot = snapshot
+        return decided
 
     def _record(self, decided: DecisionRecord, now: float) -> None:
         """Write the decision in the current transaction; cache it once that commits."""
@@ -488,7 +572,8 @@ class Admitter:
         if decided is not None:
             return decided
         row = self.ledger.decision(admission_id)
-        return None if row is None else self._from_row(row)
+        decided = None if row is None else self._from_row(row)
+        return None if decided is None else self._resolve(decided)
 
     @staticmethod
     def _from_row(row: DecisionRow) -> DecisionRecord | None:

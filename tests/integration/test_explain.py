@@ -150,9 +150,14 @@ async def test_explain_reproduces_the_filtering_of_a_recorded_decision_exactly(
         assert (rollout["descriptor_epoch"], rollout["active_epoch"]) == (4, ROLLOUT_EPOCH)
         assert record["active_generation"] == DESCRIPTOR.policy_generation
 
-        # What explain says is what the decision wrote into the ledger.
+        # What explain says is what the decision wrote into the ledger: the time it was
+        # evaluated at, and the snapshot of the verdicts it names (stored once, by content).
         row = manager.admitter.ledger.decision("adm-explain")
-        assert row is not None and orjson.loads(row.record)["eligibility"] == record
+        assert row is not None
+        stored = orjson.loads(row.record)
+        body = manager.admitter.ledger.eligibility(stored["eligibility_ref"])
+        assert body is not None and "now" not in orjson.loads(body)
+        assert {**orjson.loads(body), "now": stored["evaluated_at"]} == record
 
         # Replayed on the recorded inputs, eligibility gives the same verdicts, details included.
         assert replay(record, REQUIREMENTS, tenant, published).to_record() == record

@@ -593,6 +593,34 @@ def test_decisions_are_read_many_at_once_as_one_by_one(pool: LedgerStore) -> Non
     assert pool.decisions([]) == {}
 
 
+def test_an_eligibility_snapshot_is_kept_once_under_its_ref(pool: LedgerStore) -> None:
+    assert pool.eligibility("sha256:a") is None
+    pool.save_eligibility("sha256:a", '{"pools": []}')
+    pool.save_eligibility("sha256:a", '{"pools": []}')  # again: nothing changes, no error
+
+    assert pool.eligibility("sha256:a") == '{"pools": []}'
+    assert pool.eligibility("sha256:b") is None
+
+
+@PLANNED
+def test_a_batch_keeps_its_snapshots_with_its_decisions_or_neither(
+    pool: LedgerStore, plan: list[str]
+) -> None:
+    def work(fail: bool) -> None:
+        pool.save_eligibility("sha256:s", "{}")
+        assert pool.eligibility("sha256:s") == "{}"  # the batch reads its own write
+        assert pool.record_decision("adm-1", "d", "admitted", T0, '{"ref": "sha256:s"}')
+        if fail:
+            raise RuntimeError("the batch fails")
+
+    with pytest.raises(RuntimeError):
+        pool.batch(lambda: work(fail=True), plan=plan)
+    assert pool.eligibility("sha256:s") is None and pool.decision("adm-1") is None
+
+    pool.batch(lambda: work(fail=False), plan=plan)
+    assert pool.eligibility("sha256:s") == "{}" and pool.decision("adm-1") is not None
+
+
 def test_maintain_can_run_while_decisions_go_on(pool: LedgerStore) -> None:
     for n in range(50):
         prepared(pool.prepare(f"adm-{n}", "d", [tokens(1)], TTL, T0, activate_ttl_s=TTL))

@@ -3,10 +3,12 @@ activation, idempotency, compensation and expiry. No broker: the manager calls t
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
 import pytest
 
 from mesh.ledger.model import TENANT_POOL, Refused
@@ -355,6 +357,84 @@ def test_decisions_and_their_eligibility_survive_a_restart(tmp_path: Path) -> No
         assert fresh.admit(request("adm-1"), "tenant-a", T0 + 5) == admitted
         again = fresh.admit(other_region, "tenant-a", T0 + 5)
         assert (again.outcome, again.reason) == (refused.outcome, refused.reason)
+
+
+def snapshot_rows(path: Path) -> list[tuple[str, str]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT ref, body FROM ledger_eligibility").fetchall()
+    finally:
+        conn.close()
+
+
+def test_decisions_with_the_same_verdicts_share_one_stored_snapshot(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    with SqliteLedger(path) as store:
+        a = admitter(store)
+        a.admit_many([(request(f"adm-{n}"), "tenant-a") for n in range(5)], T0)
+        a.admit(request("adm-5"), "tenant-a", T0 + 1)  # later: the same verdicts
+        a.admit(request("adm-x", regions=["us-east-1"]), "tenant-a", T0 + 2)  # other verdicts
+        records = {n: a.recorded(n) for n in ("adm-0", "adm-5", "adm-x")}
+
+    rows = snapshot_rows(path)
+    assert len(rows) == 2  # one per distinct set of verdicts, not one per decision
+    refs = {n: r.eligibility_ref for n, r in records.items() if r is not None}
+    assert refs["adm-0"] == refs["adm-5"] != refs["adm-x"]
+    assert {ref for ref, _ in rows} == set(refs.values())
+    # Each record keeps its own time; the snapshot has none.
+    assert [records[n].eligibility["now"] for n in ("adm-0", "adm-5")] == [T0, T0 + 1]  # type: ignore[union-attr,index]
+    assert all("now" not in body for _, body in rows)
+
+
+def test_a_record_of_the_earlier_format_with_its_eligibility_inline_still_explains(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    with SqliteLedger(path) as store:
+        admitted = admitter(store).admit(request("adm-1"), "tenant-a", T0)
+        explained = Admitter(store, POLICY).explain("adm-1")  # read back from the ledger
+    assert explained is not None
+    # Rewrite the stored record as the earlier version wrote it: the eligibility in full.
+    conn = sqlite3.connect(path)
+    (text,) = conn.execute("SELECT record FROM ledger_decision").fetchone()
+    record = orjson.loads(text)
+    del record["eligibility_ref"], record["evaluated_at"]
+    record["eligibility"] = explained["eligibility"]
+    conn.execute("UPDATE ledger_decision SET record = ?", (orjson.dumps(record).decode(),))
+    conn.commit()
+    conn.close()
+
+    with SqliteLedger(path) as reopened:
+        fresh = Admitter(reopened, POLICY)
+        assert fresh.explain("adm-1") == explained
+        assert fresh.admit(request("adm-1"), "tenant-a", T0 + 5) == admitted  # idempotent
+
+
+def test_a_missing_or_damaged_snapshot_leaves_the_eligibility_unknown_not_the_decision(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    with SqliteLedger(path) as store:
+        admitted = admitter(store).admit(request("adm-1"), "tenant-a", T0)
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE ledger_eligibility SET body = '{\"pools\": []}'")  # not its ref
+    conn.commit()
+
+    with SqliteLedger(path) as reopened:
+        explained = Admitter(reopened, POLICY).explain("adm-1")
+    assert explained is not None and explained["eligibility"] is None
+    assert explained["decision"] == admitted.model_dump(mode="json")
+    assert "a stored eligibility snapshot is damaged" in caplog.text
+
+    conn.execute("DELETE FROM ledger_eligibility")
+    conn.commit()
+    conn.close()
+    with SqliteLedger(path) as reopened:
+        fresh = Admitter(reopened, POLICY)
+        explained = fresh.explain("adm-1")
+        assert explained is not None and explained["eligibility"] is None
+        assert fresh.admit(request("adm-1"), "tenant-a", T0 + 5) == admitted
+    assert "names an eligibility snapshot the ledger lacks" in caplog.text
 
 
 def test_the_decision_cache_is_bounded(
