@@ -182,19 +182,25 @@ class PoolPressure:
     # tenant -> when its refused requests were told to come back (those still ahead wait)
     waiting: dict[str, list[float]] = field(default_factory=dict)
     # The stage limits, computed once per (capacity, thresholds): checked on every admission.
-    _limits: tuple[int, ...] = ()
-    _limits_of: tuple[int, tuple[float, ...]] | None = None
+    _limits: tuple[int, int, int] = (0, 0, 0)
+    _limits_capacity: int = -1
+    _limits_thresholds: tuple[float, float, float] | None = None
+
+    def limits(self, policy: PressurePolicy) -> tuple[int, int, int]:
+        """Slots in use at which SHED_SPECULATIVE, PAUSE_BATCH and TIGHTEN begin."""
+        if self._limits_capacity != self.capacity or self._limits_thresholds is not (
+            policy.thresholds
+        ):
+            low, mid, high = (max(1, math.floor(t * self.capacity)) for t in policy.thresholds)
+            self._limits = (low, mid, high)
+            self._limits_capacity, self._limits_thresholds = self.capacity, policy.thresholds
+        return self._limits
 
     def limit(self, stage: Stage, policy: PressurePolicy) -> int:
         """Slots in use at which ``stage`` begins (by utilisation alone)."""
-        if self._limits_of != (self.capacity, policy.thresholds):
-            self._limits = tuple(
-                max(1, math.floor(threshold * self.capacity)) for threshold in policy.thresholds
-            )
-            self._limits_of = (self.capacity, policy.thresholds)
         if stage is Stage.REJECT_INTERACTIVE:
             return self.capacity
-        return self._limits[stage - 1]
+        return self.limits(policy)[stage - 1]
 
     def mean_service_s(self) -> float | None:
         return self.service_sum / len(self.service_s) if self.service_s else None
@@ -484,10 +490,15 @@ class PressureBoard:
         if not self.policy.enabled:
             return Stage.NORMAL, "off"
         by_use = Stage.NORMAL
-        if p.capacity > 0:
-            for stage in (Stage.SHED_SPECULATIVE, Stage.PAUSE_BATCH, Stage.TIGHTEN):
-                if p.used >= p.limit(stage, self.policy):
-                    by_use = stage
+        if p.capacity > 0:  # the highest stage whose limit is reached
+            shed, pause, tighten = p.limits(self.policy)
+            used = p.used
+            if used >= tighten:
+                by_use = Stage.TIGHTEN
+            elif used >= pause:
+                by_use = Stage.PAUSE_BATCH
+            elif used >= shed:
+                by_use = Stage.SHED_SPECULATIVE
         if p.blocked:
             return Stage.REJECT_INTERACTIVE, "blocked"
         if p.queue_depth > 0 and p.oldest_age_s > self.policy.queue_age_s:

@@ -649,6 +649,26 @@ class SqlLedger(abc.ABC):
             )
         )
 
+    def _increment_all(self, db: Db, totals: Sequence[tuple[tuple[str, str], int]]) -> bool:
+        """Every conditional increment of a planned batch, ``totals`` in the one global order;
+        False if one would pass capacity (the caller fails the batch: all roll back). One
+        statement each, in that order, so two writers lock rows in the same order. (One
+        ``UPDATE … FROM (VALUES …)`` for all of them measured slower on SQLite.)"""
+        return all(self._increment(db, pool, resource, n) for (pool, resource), n in totals)
+
+    def _counters(
+        self, db: Db, keys: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], tuple[int, int] | None]:
+        """``(used, capacity)`` of each counter in one read; ``None``: no row (capacity 0)."""
+        found: dict[tuple[str, str], tuple[int, int] | None] = dict.fromkeys(keys)
+        rows = db.execute(
+            f"SELECT pool_id, resource, used, capacity FROM {self._t.capacity}"
+            f" WHERE (pool_id, resource) IN (VALUES {', '.join(['(?, ?)'] * len(keys))})",
+            [part for key in keys for part in key],
+        )
+        found.update(((str(p), str(r)), (int(u), int(c))) for p, r, u, c in rows)
+        return found
+
     def _counter(self, db: Db, pool_id: str, resource: str) -> tuple[int, int] | None:
         """``(used, capacity)`` of a counter; ``None`` if it has no row (capacity 0)."""
         rows = db.execute(
@@ -691,11 +711,12 @@ class SqlLedger(abc.ABC):
         existing = plan.known[admission_id]
         if existing is not None:
             return self._known(existing, admission_id, digest)
+        missing = [(p, r) for p, r, _ in items if (p, r) not in plan.counters]
+        if missing:  # the batch's first request of this shape: one read for all its counters
+            plan.counters.update(self._counters(db, missing))
         counters = []
         for pool, resource, amount in items:
             key = (pool, resource)
-            if key not in plan.counters:
-                plan.counters[key] = self._counter(db, pool, resource)
             counter = plan.counters[key]
             if counter is None or counter[0] + amount > counter[1]:
                 return self._shortage(pool, resource, amount, counter)
@@ -738,12 +759,11 @@ class SqlLedger(abc.ABC):
     def _flush_plan(self, db: Db, plan: _Plan) -> None:
         # Counters first, in the one global order, each by the batch's total: the same
         # conditional increment as ``_take``, so a counter moved under the batch fails it.
-        for (pool_id, resource), amount in sorted(plan.taken.items()):
-            if not self._increment(db, pool_id, resource, amount):
-                raise StoreError(
-                    f"counter {pool_id}/{resource} changed under a batch (another writer);"
-                    " decide its calls again one by one"
-                )
+        if plan.taken and not self._increment_all(db, sorted(plan.taken.items())):
+            raise StoreError(
+                "a counter changed under a batch (another writer); decide its calls again"
+                " one by one"
+            )
         plan.taken.clear()
         self._insert_rows(db, self._t.reservation, _RES_COLUMNS, plan.reservations)
         self._insert_rows(db, self._t.log, "at, admission_id, event, state, fence", plan.log)

@@ -78,7 +78,6 @@ from mesh.ledger.model import TENANT_POOL, LedgerReason, Prepared, Refused, Rese
 from mesh.ledger.store import DecisionRow, LedgerStore, Usage
 from mesh.wire.admission import (
     AdmissionDecision,
-    AdmissionGrant,
     AdmissionReason,
     AdmissionReleaseReply,
     AdmissionRequest,
@@ -121,6 +120,8 @@ DECISION_CACHE_SIZE = 4096
 """Recent decisions kept in memory; older ones are read back from the ledger."""
 
 
+_DECISION_JSON = AdmissionDecision.__pydantic_serializer__  # model_dump_json minus a wrapper
+
 SNAPSHOT_CACHE_SIZE = 1024
 """Eligibility snapshots kept in memory (known to be stored, or read back for a record)."""
 
@@ -156,7 +157,9 @@ class DecisionRecord:
 
     def to_json(self) -> str:
         record: dict[str, Any] = {
-            "decision": orjson.Fragment(self.decision.model_dump_json(exclude_defaults=True)),
+            "decision": orjson.Fragment(
+                _DECISION_JSON.to_json(self.decision, exclude_defaults=True)
+            ),
             "tenant": self.tenant,
             "estimate": self.estimate,
         }
@@ -865,19 +868,20 @@ class Admitter:
                 issued_at=now,
                 expires_at=expires,
             )
-        grant = AdmissionGrant(
-            admission_id=reservation.admission_id,
-            pool_id=reservation.pool_id,
-            descriptor_epoch=epoch,
-            policy_generation=self.policy.active_generation,
-            fence=reservation.fence,
-            grant_ids=[f"ledger:{reservation.admission_id}:{reservation.fence}", *external],
-            expires_at=reservation.expires_at,
-            fallback_for=fallback_for,
-            lease=lease,
-        )
-        return AdmissionDecision(
-            admission_id=reservation.admission_id, outcome="admitted", grant=grant
+        grant = {
+            "admission_id": reservation.admission_id,
+            "pool_id": reservation.pool_id,
+            "descriptor_epoch": epoch,
+            "policy_generation": self.policy.active_generation,
+            "fence": reservation.fence,
+            "grant_ids": [f"ledger:{reservation.admission_id}:{reservation.fence}", *external],
+            "expires_at": reservation.expires_at,
+            "fallback_for": fallback_for,
+            "lease": lease,
+        }
+        # One validation of the whole decision, the grant inside it (validated all the same).
+        return AdmissionDecision.model_validate(
+            {"admission_id": reservation.admission_id, "outcome": "admitted", "grant": grant}
         )
 
     def _ensure_budget(self, tenant: str) -> None:

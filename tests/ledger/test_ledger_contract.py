@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import psycopg
 import pytest
 
-from mesh.errors import LocalProtocolError
+from mesh.errors import LocalProtocolError, StoreError
 from mesh.ledger import (
     Item,
     LedgerReason,
@@ -25,6 +25,7 @@ from mesh.ledger import (
     Reservation,
     ReservationState,
 )
+from mesh.ledger.store import Db, SqlLedger
 
 from .conftest import LedgerFactory
 
@@ -591,6 +592,28 @@ def test_decisions_are_read_many_at_once_as_one_by_one(pool: LedgerStore) -> Non
 
     assert rows == {"adm-1": pool.decision("adm-1"), "adm-2": pool.decision("adm-2")}
     assert pool.decisions([]) == {}
+
+
+def test_a_batchs_counters_are_read_and_taken_together_or_not_at_all(pool: LedgerStore) -> None:
+    # What a planned batch does at its start and its end (each dialect its own way): read all
+    # of a request's counters at once; take the batch's totals, every one or (a counter
+    # would pass its capacity) none — the batch then fails and rolls back.
+    assert isinstance(pool, SqlLedger)
+    keys = [("*", "tenant_tokens:acme"), ("pool-a", "model_slots"), ("pool-a", "nothing")]
+    read = pool._transaction(lambda db: pool._counters(db, keys), write=False)
+    assert read == {keys[0]: (0, 1_000), keys[1]: (0, 2), keys[2]: None}
+
+    fits = [(keys[0], 400), (keys[1], 2)]
+    assert pool._transaction(lambda db: pool._increment_all(db, fits), write=True)
+    assert (used(pool, "*", "tenant_tokens:acme"), used(pool, "pool-a", "model_slots")) == (400, 2)
+
+    def take_or_fail(db: Db) -> None:  # as _flush_plan: a miss fails the whole transaction
+        if not pool._increment_all(db, [(keys[0], 100), (keys[1], 1)]):  # the slots are taken
+            raise StoreError("a counter would pass its capacity")
+
+    with pytest.raises(StoreError):
+        pool._transaction(take_or_fail, write=True)
+    assert (used(pool, "*", "tenant_tokens:acme"), used(pool, "pool-a", "model_slots")) == (400, 2)
 
 
 def test_an_eligibility_snapshot_is_kept_once_under_its_ref(pool: LedgerStore) -> None:
