@@ -531,6 +531,26 @@ class EligibilityCache:
         active_generation: int,
         now: float,
     ) -> EligibilityResult:
+        found = self.lookup(
+            requirements, tenant, descriptors,
+            state=state, active_epochs=active_epochs, active_generation=active_generation,
+            now=now,
+        )  # fmt: skip
+        return found if found.now == now else found.at(now)
+
+    def lookup(
+        self,
+        requirements: TaskRequirements,
+        tenant: str,
+        descriptors: Mapping[str, CapabilityDescriptor],
+        *,
+        state: object,
+        active_epochs: Mapping[str, int],
+        active_generation: int,
+        now: float,
+    ) -> EligibilityResult:
+        """As :meth:`get`, but a cached result is handed out as it was computed: its ``now``
+        is the time it was computed at (for a caller that reads only the verdicts)."""
         if state != self._state:
             self._entries.clear()
             self._state = state
@@ -538,7 +558,7 @@ class EligibilityCache:
         found = self._entries.get(key)
         if found is not None and now < found[1]:
             self.hits += 1
-            return found[0].at(now)
+            return found[0]
         self.misses += 1
         result = check_eligibility(
             requirements, tenant, descriptors,

@@ -273,7 +273,7 @@ class _Plan:
     fences: list[int] = field(default_factory=list)  # drawn, not yet used (reversed)
     reservations: list[tuple[object, ...]] = field(default_factory=list)
     log: list[tuple[object, ...]] = field(default_factory=list)
-    recorded: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    recorded: dict[str, tuple[str, str, str, float, str]] = field(default_factory=dict)
     snapshots: dict[str, str] = field(default_factory=dict)  # eligibility: ref -> body
     prepared: int = 0
 
@@ -482,13 +482,18 @@ class SqlLedger(abc.ABC):
     ) -> bool:
         db, plan = self._open_batch(), self._plan
         if db is not None and plan is not None:
-            if admission_id not in plan.decisions:
-                plan.decisions[admission_id] = self._select_decision(db, admission_id)
-            stored = plan.decisions[admission_id]
-            if stored is not None and stored.digest != digest:
+            mine = plan.recorded.get(admission_id)  # recorded earlier in this batch
+            stored_digest: str | None
+            if mine is not None:
+                stored_digest = mine[1]
+            else:
+                if admission_id not in plan.decisions:
+                    plan.decisions[admission_id] = self._select_decision(db, admission_id)
+                stored = plan.decisions[admission_id]
+                stored_digest = None if stored is None else stored.digest
+            if stored_digest is not None and stored_digest != digest:
                 return False
             plan.recorded[admission_id] = (admission_id, digest, outcome, at, record)
-            plan.decisions[admission_id] = DecisionRow(admission_id, digest, outcome, at, record)
             return True
         row = (admission_id, digest, outcome, at, record)
         return self._write(lambda db: self._upsert_decisions(db, [row])) == 1
@@ -536,8 +541,12 @@ class SqlLedger(abc.ABC):
 
     def decision(self, admission_id: str) -> DecisionRow | None:
         plan = self._plan
-        if plan is not None and admission_id in plan.decisions and self._open_batch():
-            return plan.decisions[admission_id]
+        if plan is not None and self._open_batch():
+            mine = plan.recorded.get(admission_id)  # this batch's own write comes first
+            if mine is not None:
+                return DecisionRow(*mine)
+            if admission_id in plan.decisions:
+                return plan.decisions[admission_id]
         return self._read(lambda db: self._select_decision(db, admission_id))
 
     def decisions(self, admission_ids: Sequence[str]) -> dict[str, DecisionRow]:
@@ -734,10 +743,8 @@ class SqlLedger(abc.ABC):
             (admission_id, digest, pool_id, state.value, fence, expires_at, now, now,
              items_json(items))
         )  # fmt: skip
-        plan.log += [
-            (now, admission_id, event, target, fence)
-            for event, target in (_PREPARED_ACTIVATED if activate else _PREPARED)
-        ]
+        for event, target in _PREPARED_ACTIVATED if activate else _PREPARED:
+            plan.log.append((now, admission_id, event, target, fence))
         reservation = Reservation(
             admission_id, digest, pool_id, state, fence, items, expires_at, now, now
         )
@@ -751,6 +758,8 @@ class SqlLedger(abc.ABC):
         if plan is None:
             return
         if plan.pending:
+            # The batch's decisions stay readable from the plan once written.
+            plan.decisions.update((a, DecisionRow(*row)) for a, row in plan.recorded.items())
             self._flush_plan(db, plan)
         if forget:
             plan.counters.clear()

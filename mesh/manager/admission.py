@@ -489,7 +489,8 @@ class Admitter:
         earlier = self._earlier_decision(request.admission_id, digest)
         if earlier is not None:
             return earlier
-        eligibility = self.eligibility_cache.get(
+        # The verdicts only (the result's own ``now`` may be older): the record keeps ``now``.
+        eligibility = self.eligibility_cache.lookup(
             request.requirements,
             tenant,
             self.descriptors,

@@ -317,9 +317,10 @@ def requirement_digest(requirements: TaskRequirements, tenant: str) -> str:
 
     Stable across processes and Python versions: it depends only on the field values.
     """
+    # The serializer model_dump(mode="json") calls, without its wrapper: the same dict.
+    dumped = requirements.__pydantic_serializer__.to_python(requirements, mode="json")
     canonical = orjson.dumps(
-        {"requirements": requirements.model_dump(mode="json"), "tenant": tenant},
-        option=orjson.OPT_SORT_KEYS,
+        {"requirements": dumped, "tenant": tenant}, option=orjson.OPT_SORT_KEYS
     )
     return "sha256:" + hashlib.sha256(canonical).hexdigest()
 

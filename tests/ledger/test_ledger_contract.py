@@ -479,9 +479,11 @@ def test_a_planned_batch_replays_known_ids_and_reads_what_it_has_not_written_yet
             pool.record_decision("adm-2", "d", "admitted", T0 + 1, '{"n": 2}'),
             pool.decision("adm-2"),  # recorded in this batch, not yet written
             pool.usage()[("pool-a", "model_slots")],  # a read writes what is pending first
+            pool.decision("adm-2"),  # written now, still the batch's own
+            pool.record_decision("adm-2", "other", "rejected", T0 + 2, "{}"),  # not kept
         ]
 
-    again, conflict, fresh, own, none_left, kept1, kept2, row, slots = pool.batch(
+    again, conflict, fresh, own, none_left, kept1, kept2, row, slots, row2, kept3 = pool.batch(
         work, plan=["adm-1", "adm-1", "adm-2"]
     )
 
@@ -493,6 +495,7 @@ def test_a_planned_batch_replays_known_ids_and_reads_what_it_has_not_written_yet
     refused(none_left, LedgerReason.CAPACITY)
     assert (kept1, kept2) == (False, True)
     assert row is not None and (row.digest, row.record) == ("d", '{"n": 2}')
+    assert row2 == row and kept3 is False
     assert slots == (2, 2)
     assert pool.get("adm-2") == adm2 and pool.get("adm-9") is None
     stored = pool.decision("adm-1")

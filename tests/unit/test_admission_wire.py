@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -387,6 +388,20 @@ def test_the_digest_is_sha256_hex() -> None:
     assert digest.startswith("sha256:")
     assert len(digest) == len("sha256:") + 64
     assert int(digest.removeprefix("sha256:"), 16) >= 0
+
+
+def test_the_digest_is_the_sha256_of_the_sorted_json_of_requirements_and_tenant() -> None:
+    # The definition, spelled out the slow way: stored digests depend on it never changing.
+    canonical = json.dumps(
+        {"requirements": REQUIREMENTS.model_dump(mode="json"), "tenant": TENANT},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode()
+
+    assert requirement_digest(REQUIREMENTS, TENANT) == (
+        "sha256:" + hashlib.sha256(canonical).hexdigest()
+    )
 
 
 def test_the_digest_ignores_key_order_and_formatting_of_the_input_json() -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mesh.core.eligibility import EligibilityCache, check_eligibility, eligibility_key
+from mesh.core.eligibility import (
+    EligibilityCache,
+    EligibilitySnapshot,
+    check_eligibility,
+    eligibility_key,
+)
 from mesh.wire import CapabilityDescriptor, TaskRequirements
 
 from .samples import DESCRIPTOR, REQUIREMENTS, T0
@@ -48,6 +53,24 @@ def test_a_hit_gives_the_verdicts_computing_would_give_at_the_callers_time() -> 
     assert (cache.misses, cache.hits) == (1, 1)
     assert again == computed(descriptors, T0 + 5) and again.now == T0 + 5
     assert first.eligible == again.eligible == (DESCRIPTOR.pool_id,)
+
+
+def test_lookup_hands_out_the_cached_result_as_computed_sharing_its_snapshot() -> None:
+    cache = EligibilityCache()
+    descriptors = {DESCRIPTOR.pool_id: DESCRIPTOR}
+    first = lookup(cache, descriptors, T0)
+    kept = cache.lookup(
+        REQUIREMENTS, TENANT, descriptors, state=1,
+        active_epochs=EPOCHS, active_generation=GENERATION, now=T0 + 5,
+    )  # fmt: skip
+    restamped = lookup(cache, descriptors, T0 + 9)
+
+    assert kept is first and kept.now == T0  # the verdicts, as computed
+    assert restamped == computed(descriptors, T0 + 9) and restamped.now == T0 + 9
+    # Worked out once for all copies: the snapshot (without the time) is the same object.
+    assert restamped.snapshot() is first.snapshot()
+    assert "now" not in first.snapshot().record
+    assert first.snapshot().ref == EligibilitySnapshot.of(first.snapshot().record).ref
 
 
 def test_a_new_descriptor_state_or_another_request_shape_is_computed_afresh() -> None:
