@@ -297,14 +297,9 @@ class PressureBoard:
     @staticmethod
     def _count(p: PoolPressure, holding: Holding, delta: int) -> None:
         """Move the per-tenant (and per-run) grant counts of ``p`` by ``delta``."""
-        for counts, key in ((p.holders, holding.tenant), (p.runs, holding.run)):
-            if key is None:
-                continue
-            left = counts.get(key, 0) + delta
-            if left > 0:
-                counts[key] = left
-            else:
-                counts.pop(key, None)
+        _move(p.holders, holding.tenant, delta)
+        if holding.run is not None:
+            _move(p.runs, holding.run, delta)
 
     def victim(self, pool_id: str, tenant: str, rank: int, now: float) -> str | None:
         """The grant a request of ``rank`` from ``tenant`` may evict from the full
@@ -347,7 +342,7 @@ class PressureBoard:
             p.run_demand[run] = now
         rank = shed_rank(service_class, priority, self.policy)
         stops_at = _RANK_STOPS_AT[rank]
-        stage = self._stage(p)
+        stage = self._stage_of(p)[0]
         limit = p.limit(stops_at, self.policy)
         if stage >= stops_at or (rank < 2 and p.used + 1 > limit):
             what = ("speculative and low-priority work", "batch work", "new interactive work")
@@ -452,8 +447,10 @@ class PressureBoard:
         self, pool_id: str, p: PoolPressure, run: str | None, stage: Stage, now: float
     ) -> Shed | None:
         """From ``TIGHTEN`` on, a run holding ``ceil(capacity / active runs)`` gets no more."""
+        if run is None:
+            return None
         tight = stage >= Stage.TIGHTEN or p.used + 1 > p.limit(Stage.TIGHTEN, self.policy)
-        if run is None or not tight:
+        if not tight:
             return None
         recent = now - self.policy.demand_window_s
         active = {r for r, at in p.run_demand.items() if at >= recent} | set(p.runs) | {run}
@@ -480,9 +477,6 @@ class PressureBoard:
             return 0.0
         service = p.mean_service_s()
         return p.queue_depth * service / p.capacity if service else 0.0
-
-    def _stage(self, p: PoolPressure) -> Stage:
-        return self._stage_of(p)[0]
 
     def _stage_of(self, p: PoolPressure) -> tuple[Stage, str]:
         """The pool's stage, and which source put it there (the cause is worded only when
@@ -529,3 +523,12 @@ class PressureBoard:
     def drain_changes(self) -> list[StageChange]:
         changes, self.changes = self.changes, []
         return changes
+
+
+def _move(counts: dict[str, int], key: str, delta: int) -> None:
+    """``counts[key] += delta``; a count that reaches 0 is removed."""
+    left = counts.get(key, 0) + delta
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
