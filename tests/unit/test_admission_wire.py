@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import types
+import typing
 from typing import Any, Literal
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -28,6 +32,7 @@ from mesh.wire import (
     encode,
     requirement_digest,
 )
+from mesh.wire.models import WireModel
 
 from .samples import DESCRIPTOR, GRANT, REQUIREMENTS, SAMPLES, sample_json
 
@@ -390,18 +395,69 @@ def test_the_digest_is_sha256_hex() -> None:
     assert int(digest.removeprefix("sha256:"), 16) >= 0
 
 
-def test_the_digest_is_the_sha256_of_the_sorted_json_of_requirements_and_tenant() -> None:
+@pytest.mark.parametrize(
+    "requirements",
+    [
+        REQUIREMENTS,
+        TaskRequirements.model_validate(  # the fewest fields, every default taken
+            {
+                "capability": {"name": "math.add"},
+                "task_schema_version": "1.0.0",
+                "result_schema_version": "1.0.0",
+                "input_classifications": ["public"],
+                "estimated_tokens": 0,
+                "estimated_duration_s": 0,  # an int on the wire: a float in the model
+            }
+        ),
+        REQUIREMENTS.model_copy(
+            update={"run_id": "run-é-1", "deadline": 1e-7, "recoverability": "rebuildable"}
+        ),
+    ],
+    ids=["sample", "defaults", "unicode-and-small-float"],
+)
+def test_the_digest_is_the_sha256_of_the_sorted_json_of_requirements_and_tenant(
+    requirements: TaskRequirements,
+) -> None:
     # The definition, spelled out the slow way: stored digests depend on it never changing.
-    canonical = json.dumps(
-        {"requirements": REQUIREMENTS.model_dump(mode="json"), "tenant": TENANT},
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    ).encode()
+    canonical = orjson.dumps(
+        {"requirements": requirements.model_dump(mode="json"), "tenant": TENANT},
+        option=orjson.OPT_SORT_KEYS,
+    )
 
-    assert requirement_digest(REQUIREMENTS, TENANT) == (
+    assert requirement_digest(requirements, TENANT) == (
         "sha256:" + hashlib.sha256(canonical).hexdigest()
     )
+
+
+def _plain_json_types(annotation: object, where: str) -> list[str]:
+    """What in ``annotation`` is not plain JSON (str, int, float, bool, None, list, a str
+    Literal) or a wire model made only of those: the digest writes models' fields as they
+    are, which equals ``model_dump(mode="json")`` only for such types."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _plain_json_types(args[0], where)
+    if origin is typing.Literal:
+        return [] if all(isinstance(a, str) for a in args) else [f"{where}: {annotation}"]
+    if origin in (list, types.UnionType, typing.Union):
+        return [bad for arg in args for bad in _plain_json_types(arg, where)]
+    if isinstance(annotation, type) and issubclass(annotation, WireModel):
+        return [
+            bad
+            for name, info in annotation.model_fields.items()
+            for bad in _plain_json_types(info.annotation, f"{annotation.__name__}.{name}")
+        ] + [f"{annotation.__name__}: computed fields" for _ in annotation.model_computed_fields]
+    if annotation in (str, int, float, bool, type(None)):
+        return []
+    return [f"{where}: {annotation}"]
+
+
+def test_every_field_under_task_requirements_is_a_plain_json_type() -> None:
+    assert _plain_json_types(TaskRequirements, "TaskRequirements") == []
+    # The walk itself notices what it must: a set, a datetime, a computed field.
+    assert _plain_json_types(set[str], "x") == ["x: set[str]"]
+    assert _plain_json_types(list[datetime.datetime] | None, "x") == [
+        "x: <class 'datetime.datetime'>"
+    ]
 
 
 def test_the_digest_ignores_key_order_and_formatting_of_the_input_json() -> None:
