@@ -124,6 +124,10 @@ class _PgDb:
         self._cur.execute(_pyformat(sql), params or None)
         return self._cur.fetchall() if self._cur.description is not None else []
 
+    def changed(self, sql: str, params: Sequence[object] = ()) -> int:
+        self._cur.execute(_pyformat(sql), params or None)
+        return self._cur.rowcount
+
 
 class PostgresLedger(SqlLedger):
     """The ledger in PostgreSQL schema ``schema``; many processes may share it."""

@@ -120,6 +120,9 @@ class _SqliteDb:
     def execute(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
         return self._conn.execute(sql, params).fetchall()
 
+    def changed(self, sql: str, params: Sequence[object] = ()) -> int:
+        return self._conn.execute(sql, params).rowcount
+
 
 class SqliteLedger(SqlLedger):
     """The ledger in one SQLite file (WAL); safe for threads and for processes on one host."""
@@ -179,11 +182,12 @@ class SqliteLedger(SqlLedger):
             raise StoreError(f"ledger transaction failed on {self.path}: {exc}") from exc
 
     def _next_fence(self, db: Db) -> int:
-        ((fence,),) = db.execute("UPDATE ledger_fence SET last = last + 1 RETURNING last")
-        return int(fence)
+        return self._next_fences(db, 1)[0]
 
     def _next_fences(self, db: Db, count: int) -> list[int]:
-        ((last,),) = db.execute("UPDATE ledger_fence SET last = last + ? RETURNING last", (count,))
+        # Two statements rather than one with RETURNING: measured no dearer, often cheaper.
+        db.changed("UPDATE ledger_fence SET last = last + ?", (count,))
+        ((last,),) = db.execute("SELECT last FROM ledger_fence")
         return list(range(int(last) - count + 1, int(last) + 1))
 
     def maintain(self) -> None:

@@ -242,6 +242,11 @@ class Db(Protocol):
 
     def execute(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]: ...
 
+    def changed(self, sql: str, params: Sequence[object] = ()) -> int:
+        """Run a write and say how many rows it inserted or changed (where only that count
+        is needed: SQLite answers it without the work ``RETURNING`` does)."""
+        ...
+
 
 class _Rollback(Exception):
     """Raised inside a transaction to roll it back and return ``outcome`` instead."""
@@ -503,15 +508,13 @@ class SqlLedger(abc.ABC):
         how many were kept."""
         t, kept = self._t.decision, 0
         for chunk in _chunks(rows, 100):
-            kept += len(
-                db.execute(
-                    f"INSERT INTO {t} (admission_id, digest, outcome, decided_at, record) VALUES "
-                    + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
-                    + " ON CONFLICT (admission_id) DO UPDATE SET outcome = excluded.outcome,"
-                    " decided_at = excluded.decided_at, record = excluded.record"
-                    f" WHERE {t}.digest = excluded.digest RETURNING admission_id",
-                    [value for row in chunk for value in row],
-                )
+            kept += db.changed(  # a row whose digest differs is not updated: not counted
+                f"INSERT INTO {t} (admission_id, digest, outcome, decided_at, record) VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
+                + " ON CONFLICT (admission_id) DO UPDATE SET outcome = excluded.outcome,"
+                " decided_at = excluded.decided_at, record = excluded.record"
+                f" WHERE {t}.digest = excluded.digest",
+                [value for row in chunk for value in row],
             )
         return kept
 
@@ -606,10 +609,10 @@ class SqlLedger(abc.ABC):
         # does nothing and the fence drawn for it is simply skipped (a harmless gap).
         fence = self._next_fence(db)
         state = ReservationState.ACTIVE if activate else ReservationState.PREPARING
-        inserted = db.execute(
+        inserted = db.changed(
             f"INSERT INTO {self._t.reservation} ({_RES_COLUMNS})"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (admission_id) DO NOTHING RETURNING admission_id",
+            " ON CONFLICT (admission_id) DO NOTHING",
             (admission_id, digest, pool_id, state.value, fence, expires_at, now, now,
              items_json(items)),
         )  # fmt: skip
@@ -650,12 +653,13 @@ class SqlLedger(abc.ABC):
 
     def _increment(self, db: Db, pool_id: str, resource: str, amount: int) -> bool:
         """The conditional increment (module docstring); False if it would pass capacity."""
-        return bool(
-            db.execute(
+        return (
+            db.changed(
                 f"UPDATE {self._t.capacity} SET used = used + ?"
-                " WHERE pool_id = ? AND resource = ? AND used + ? <= capacity RETURNING used",
+                " WHERE pool_id = ? AND resource = ? AND used + ? <= capacity",
                 (amount, pool_id, resource, amount),
             )
+            == 1
         )
 
     def _increment_all(self, db: Db, totals: Sequence[tuple[tuple[str, str], int]]) -> bool:
@@ -818,9 +822,9 @@ class SqlLedger(abc.ABC):
             for pool_id, resource, amount in reservation.items:
                 totals[(pool_id, resource)] = totals.get((pool_id, resource), 0) + amount
         for (pool_id, resource), amount in sorted(totals.items()):
-            given = db.execute(
+            given = db.changed(
                 f"UPDATE {self._t.capacity} SET used = used - ?"
-                " WHERE pool_id = ? AND resource = ? AND used >= ? RETURNING used",
+                " WHERE pool_id = ? AND resource = ? AND used >= ?",
                 (amount, pool_id, resource, amount),
             )
             if not given:
