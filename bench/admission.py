@@ -37,12 +37,13 @@ B) In-core decisions. ``Admitter.admit`` called directly, no broker, with each s
    afterwards), N fresh admission IDs each — time-ordered, as the SDK makes them
    (:func:`mesh.ids.new_admission_id`); one more SQLite row with random UUIDv4 IDs shows what
    a producer choosing those costs the store (no target) — same descriptor and requirements
-   as A. The
-   SQLite rate is compared with A's end-to-end rate: the ledger is the linearisation point
-   and runs on one thread, so if it could not sustain ten times what the broker path
-   delivers it, rather than the broker, would bound admissions. The SQLite row with the
-   manager's batch size is the median of five runs, each on a fresh file (one run of 0.3 s
-   is at the mercy of one garbage-collector pass or one neighbour); the others run once.
+   as A. The SQLite rate is compared with A's end-to-end rate: the ledger is the
+   linearisation point and runs on one thread, so if it could not sustain ten times what the
+   broker path delivers it, rather than the broker, would bound admissions. The SQLite row
+   with the manager's batch size is the median of five runs, each on a fresh file (one run of
+   0.2 s is at the mercy of one garbage-collector pass or one neighbour); the others run
+   once. One more row, no target, times the ledger alone: each admission's ``prepare`` and
+   ``record_decision``, without the admitter's eligibility, pressure, digest and models.
 
 The process's garbage collector is set up as ``mesh manager`` sets up its own
 (:func:`mesh.gc_tuning.tune_gc`, after the imports), for both parts and for ours and the echo
@@ -75,6 +76,7 @@ from mesh import constants as c
 from mesh.errors import BrokerUnavailable, StoreError
 from mesh.gc_tuning import tune_gc
 from mesh.ids import new_admission_id
+from mesh.ledger.model import Prepared
 from mesh.ledger.postgres import PostgresLedger
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore
@@ -508,6 +510,15 @@ async def run_part_a(
                 f"   median {name:<5} {s.rate:>7,.0f} req/s   p50 {s.p50_ms:6.2f} ms   "
                 f"p99 {s.p99_ms:6.2f} ms   CPU µs/req: process {s.cpu_us:,.0f}{ledger}{broker}"
             )
+        assert bench.service is not None
+        decided, batches = (
+            bench.service.counters["admission.admitted"],
+            bench.service.counters["admission_batches"],
+        )
+        print(
+            f"   the manager decided {decided:,} admissions in {batches:,} ledger transactions "
+            f"(group commit: {decided / max(batches, 1):.1f} a transaction on average)"
+        )
         if profile:
             await profile_round(bench, count, concurrency)
     finally:
@@ -657,32 +668,67 @@ def in_core(
     return StoreRun(store, count, seconds)
 
 
+def store_alone(store: str, ledger: SqliteLedger, count: int, warmup: int, batch: int) -> StoreRun:
+    """The ledger's share of ``in_core``: per admission, the ``prepare`` (activated at once)
+    and ``record_decision`` the admitter makes, ``batch`` per planned batch, with the items,
+    digest and record of a real decision — no eligibility, pressure, digest or model work."""
+    admitter = Admitter(ledger, POLICY)
+    now = time.time()
+    assert admitter.publish_descriptor(descriptor(now), now) is None
+    sample = AdmissionRequest(admission_id=new_admission_id(), requirements=requirements(now))
+    assert admitter.admit(sample, "guest", now).outcome == "admitted"
+    reservation, decided = ledger.get(sample.admission_id), admitter.recorded(sample.admission_id)
+    assert reservation is not None and decided is not None
+    items, digest, record = list(reservation.items), decided.digest, decided.to_json()
+
+    def decide(ids: list[str]) -> None:
+        def work() -> None:
+            for admission_id in ids:
+                prepared = ledger.prepare(
+                    admission_id, digest, items, POLICY.prepare_ttl_s, now,
+                    pool_id=reservation.pool_id, activate_ttl_s=POLICY.grant_ttl_s,
+                )  # fmt: skip
+                assert isinstance(prepared, Prepared)
+                ledger.record_decision(admission_id, digest, "admitted", now, record)
+
+        ledger.batch(work, plan=ids)
+
+    ids = [new_admission_id() for _ in range(warmup + count)]
+    for at in range(0, warmup, batch):
+        decide(ids[at : min(at + batch, warmup)])
+    start = time.perf_counter()
+    for at in range(warmup, warmup + count, batch):
+        decide(ids[at : at + batch])
+    return StoreRun(store, count, time.perf_counter() - start)
+
+
 def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun]:
     """Each store one decision per transaction, then ``batch`` per transaction (what the
-    manager's group commit does with ``batch`` requests in flight). The SQLite batched run
-    comes first: it is the one the store target reads."""
+    manager's group commit does with ``batch`` requests in flight). The SQLite batched row
+    comes first: it is the one the store target reads (the median of SQLITE_REPEATS runs)."""
     warmup = min(count // 10, 200)
     print(
         f"B) in-core decisions: Admitter.admit_many called directly (no broker), {count:,} fresh "
         f"admission IDs per store and batch size after {warmup} warm-up ones (the first "
-        f"SQLite row: the median of {SQLITE_REPEATS} such runs)"
+        f"SQLite row: the median of {SQLITE_REPEATS} such runs, each on a fresh file)"
     )
     runs = []
     repeated = []
     for n in range(SQLITE_REPEATS):
-        sqlite = SqliteLedger(workdir / f"in-core-{n}.sqlite3")
-        try:
+        with SqliteLedger(workdir / f"in-core-{n}.sqlite3") as sqlite:
             label = f"SQLite (WAL), {batch} per commit"
             repeated.append(in_core(label, sqlite, count, warmup, batch))
-            if n == SQLITE_REPEATS - 1:
-                runs.append(sorted(repeated, key=lambda run: run.seconds)[SQLITE_REPEATS // 2])
-                runs.append(in_core("SQLite (WAL), 1 per commit", sqlite, count, warmup, 1))
-        finally:
-            sqlite.close()
-    # Not a target: what a producer that picks random IDs (UUIDv4) costs the store.
+    runs.append(sorted(repeated, key=lambda run: run.seconds)[SQLITE_REPEATS // 2])
+    with SqliteLedger(workdir / "in-core-single.sqlite3") as sqlite:
+        runs.append(in_core("SQLite (WAL), 1 per commit", sqlite, count, warmup, 1))
+    # Not targets. What a producer that picks random IDs (UUIDv4) costs the store; and the
+    # store's own share of a decision (the rest is eligibility, pressure, digest, models).
     with SqliteLedger(workdir / "in-core-random-ids.sqlite3") as sqlite:
         label = f"SQLite (WAL), {batch} per commit, random IDs"
         runs.append(in_core(label, sqlite, count, warmup, batch, lambda: uuid.uuid4().hex))
+    with SqliteLedger(workdir / "store-alone.sqlite3") as sqlite:
+        label = f"SQLite ledger alone, {batch} per commit"
+        runs.append(store_alone(label, sqlite, count, warmup, batch))
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     try:
         postgres = PostgresLedger(dsn, schema=schema, connect_timeout_s=5)
