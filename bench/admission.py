@@ -40,7 +40,7 @@ B) In-core decisions. ``Admitter.admit`` called directly, no broker, with each s
    as A. The SQLite rate is compared with A's end-to-end rate: the ledger is the
    linearisation point and runs on one thread, so if it could not sustain ten times what the
    broker path delivers it, rather than the broker, would bound admissions. The SQLite row
-   with the manager's batch size is the median of five runs, each on a fresh file (one run of
+   with the manager's batch size is the median of nine runs, each on a fresh file (one run of
    0.2 s is at the mercy of one garbage-collector pass or one neighbour); the others run
    once. One more row, no target, times the ledger alone: each admission's ``prepare`` and
    ``record_decision``, without the admitter's eligibility, pressure, digest and models.
@@ -630,7 +630,7 @@ class StoreRun:
         return self.decisions / self.seconds
 
 
-SQLITE_REPEATS = 5
+SQLITE_REPEATS = 9
 """Runs of the SQLite row the store target reads; its median is reported."""
 
 
