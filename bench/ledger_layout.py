@@ -1,8 +1,11 @@
 """How the SQLite ledger's table layout and the shape of admission IDs change what a commit
 writes: in-core admissions (``Admitter.admit_many``, 16 per commit, as ``admission.py``'s
 part B) for each kind of admission ID, on a file in today's layout and on one whose
-reservation and decision tables are ``WITHOUT ROWID`` (the earlier layout). Prints
-µs per decision (median of three runs) and the WAL frames (pages) a commit writes, by table.
+reservation and decision tables are ``WITHOUT ROWID`` (the earlier layout). Prints µs per
+decision and the WAL frames (pages) a commit writes, by table. The four combinations take
+turns, one run each per round, and a combination's µs is the median of its rounds: this
+machine's speed drifts over minutes, so combinations timed one after the other would
+compare phases, not layouts.
 
 Run: ``.venv/bin/python bench/ledger_layout.py`` (about a minute). No broker needed. Each
 frame is two ``pwrite`` calls (its header and its page), and on this machine those are most
@@ -27,7 +30,7 @@ from mesh.gc_tuning import tune_gc
 from mesh.ids import new_admission_id
 from mesh.ledger.sqlite import SqliteLedger
 
-COUNT, WARMUP, BATCH, RUNS = 3_000, 200, 16, 3
+COUNT, WARMUP, BATCH, ROUNDS = 3_000, 200, 16, 7
 WAL_HEADER, FRAME_HEADER, PAGE = 32, 24, 4096
 
 EARLIER_LAYOUT = """
@@ -73,38 +76,42 @@ def frames_by_table(path: Path, last_commits: int) -> tuple[float, dict[str, flo
     return sum(per_table.values()), per_table
 
 
-def measure(layout: str, kind: str, workdir: Path) -> tuple[float, float, dict[str, float]]:
-    times, frames, tables = [], 0.0, {}
-    for run in range(RUNS):
-        path = workdir / f"{layout}-{kind.split()[0]}-{run}.sqlite3"
-        if layout == "earlier":
-            with sqlite3.connect(path) as conn:
-                conn.executescript(EARLIER_LAYOUT)
-        with SqliteLedger(path) as ledger:
-            result = in_core(kind, ledger, COUNT, WARMUP, BATCH, ID_KINDS[kind])
-            times.append(result.seconds / result.decisions * 1e6)
-            # The WAL holds every commit of the run (it is never checkpointed here).
-            frames, tables = frames_by_table(path, last_commits=COUNT // BATCH // 2)
-    return statistics.median(times), frames, tables
+def measure(layout: str, kind: str, path: Path) -> tuple[float, float, dict[str, float]]:
+    """One run on a fresh file: µs a decision, and frames a commit (all, by table)."""
+    if layout == "earlier":
+        with sqlite3.connect(path) as conn:
+            conn.executescript(EARLIER_LAYOUT)
+    with SqliteLedger(path) as ledger:
+        result = in_core(kind, ledger, COUNT, WARMUP, BATCH, ID_KINDS[kind])
+        # The WAL holds every commit of the run (it is never checkpointed here).
+        frames, tables = frames_by_table(path, last_commits=COUNT // BATCH // 2)
+    return result.seconds / result.decisions * 1e6, frames, tables
 
 
 def main() -> int:
     print(f"process {tune_gc()}")
     print(
         f"{COUNT:,} admissions after {WARMUP} warm-up ones, {BATCH} per commit; µs/decision: "
-        f"median of {RUNS} runs; frames: per commit over the second half of the last run\n"
+        f"median of {ROUNDS} rounds; frames: per commit over the second half of a run\n"
     )
-    print(f"   {'layout':<30}{'admission IDs':<22}{'µs/decision':>12}{'frames/commit':>15}")
+    layouts = {"current": "rowid (today's)", "earlier": "WITHOUT ROWID (earlier)"}
+    combinations = [(layout, kind) for layout in layouts for kind in ID_KINDS]
+    times: dict[tuple[str, str], list[float]] = {c: [] for c in combinations}
+    frames: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-layout-") as tmp:
-        for layout, label in (
-            ("current", "rowid (today's)"),
-            ("earlier", "WITHOUT ROWID (earlier)"),
-        ):
-            for kind in ID_KINDS:
-                us, frames, tables = measure(layout, kind, Path(tmp))
-                print(f"   {label:<30}{kind:<22}{us:>12.1f}{frames:>15.1f}")
-                shares = ", ".join(f"{name} {n:.1f}" for name, n in tables.items())
-                print(f"   {'':<30}{'':<22}   {shares}")
+        for round_ in range(ROUNDS):
+            for n, (layout, kind) in enumerate(combinations):
+                path = Path(tmp) / f"{round_}-{n}.sqlite3"
+                us, per_commit, tables = measure(layout, kind, path)
+                times[(layout, kind)].append(us)
+                frames[(layout, kind)] = (per_commit, tables)
+    print(f"   {'layout':<30}{'admission IDs':<22}{'µs/decision':>12}{'frames/commit':>15}")
+    for layout, kind in combinations:
+        per_commit, tables = frames[(layout, kind)]
+        us = statistics.median(times[(layout, kind)])
+        print(f"   {layouts[layout]:<30}{kind:<22}{us:>12.1f}{per_commit:>15.1f}")
+        shares = ", ".join(f"{name} {n:.1f}" for name, n in tables.items())
+        print(f"   {'':<30}{'':<22}   {shares}")
     return 0
 
 

@@ -36,8 +36,9 @@ T = TypeVar("T")
 #   splitting and redistributing a leaf among its siblings), and only the small key lands in
 #   the ID's index. A decision row is several hundred bytes; in a WITHOUT ROWID table past
 #   ~1,000 bytes it also spills into an overflow page. Measured (``bench/ledger_layout.py``):
-#   16 admissions with random IDs dirtied ~105 pages per commit as WITHOUT ROWID tables, ~46
-#   as rowid tables; with time-ordered IDs (what the SDK makes) ~39 and ~23.
+#   16 admissions with random IDs dirty ~103 pages per commit as WITHOUT ROWID tables, ~43
+#   as rowid tables (half the time a decision); with time-ordered IDs (what the SDK makes)
+#   ~24 and ~21, the same time.
 # - The small tables keyed by text (capacity, item, descriptor, eligibility) are WITHOUT
 #   ROWID: the key *is* the row, no second b-tree.
 # - The log's seq is a plain INTEGER PRIMARY KEY — rows are never deleted (the triggers), so a
