@@ -667,7 +667,8 @@ class Admitter:
             if _short_of_slots(prepared) and self._evict_for(request, tenant, pool_id, now):
                 prepared = self._prepare(request, digest, items, pool_id, now)
             if isinstance(prepared, Prepared):
-                tools = [tool.name for tool in req.required_tools]
+                # The tools a lease names (none to name without a signer).
+                tools = [t.name for t in req.required_tools] if self.lease_signer else []
                 if prepared.replayed:  # reserved before, by a manager that stopped mid-way
                     decision = self._replay(prepared.reservation, now, tools)
                 elif prepared.reservation.state == "ACTIVE":
