@@ -28,23 +28,11 @@ from admission import in_core  # this directory: the same admissions as admissio
 
 from mesh.gc_tuning import tune_gc
 from mesh.ids import new_admission_id
-from mesh.ledger.sqlite import SqliteLedger
+from mesh.ledger.sqlite import EARLIER_ID_TABLES, SqliteLedger
 
 COUNT, WARMUP, BATCH, ROUNDS = 3_000, 200, 16, 7
 WAL_HEADER, FRAME_HEADER, PAGE = 32, 24, 4096
 
-EARLIER_LAYOUT = """
-CREATE TABLE ledger_reservation (
-    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, pool_id TEXT NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('PREPARING', 'ACTIVE', 'RELEASED', 'EXPIRED')),
-    fence INTEGER NOT NULL, expires_at REAL NOT NULL, created_at REAL NOT NULL,
-    updated_at REAL NOT NULL, items TEXT
-) WITHOUT ROWID;
-CREATE TABLE ledger_decision (
-    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, outcome TEXT NOT NULL,
-    decided_at REAL NOT NULL, record TEXT NOT NULL
-) WITHOUT ROWID;
-"""
 
 ID_KINDS: dict[str, Callable[[], str]] = {
     "time-ordered (SDK)": new_admission_id,
@@ -80,7 +68,7 @@ def measure(layout: str, kind: str, path: Path) -> tuple[float, float, dict[str,
     """One run on a fresh file: µs a decision, and frames a commit (all, by table)."""
     if layout == "earlier":
         with sqlite3.connect(path) as conn:
-            conn.executescript(EARLIER_LAYOUT)
+            conn.executescript(EARLIER_ID_TABLES)
     with SqliteLedger(path) as ledger:
         result = in_core(kind, ledger, COUNT, WARMUP, BATCH, ID_KINDS[kind])
         # The WAL holds every commit of the run (it is never checkpointed here).

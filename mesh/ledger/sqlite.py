@@ -113,6 +113,22 @@ CREATE TABLE IF NOT EXISTS ledger_eligibility (
 ) WITHOUT ROWID;
 """
 
+EARLIER_ID_TABLES = """
+CREATE TABLE ledger_reservation (
+    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, pool_id TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('PREPARING', 'ACTIVE', 'RELEASED', 'EXPIRED')),
+    fence INTEGER NOT NULL, expires_at REAL NOT NULL, created_at REAL NOT NULL,
+    updated_at REAL NOT NULL, items TEXT
+) WITHOUT ROWID;
+CREATE TABLE ledger_decision (
+    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, outcome TEXT NOT NULL,
+    decided_at REAL NOT NULL, record TEXT NOT NULL
+) WITHOUT ROWID;
+"""
+"""The reservation and decision tables as files made before 2026-12-01 have them (WITHOUT
+ROWID, keyed by the admission ID). Such files keep working as they are; this is kept to
+make one, for the upgrade tests and ``bench/ledger_layout.py``."""
+
 
 class _SqliteDb:
     def __init__(self, conn: sqlite3.Connection) -> None:

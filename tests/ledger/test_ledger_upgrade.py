@@ -17,6 +17,7 @@ import psycopg
 
 from mesh.ledger import LedgerStore, SqliteLedger
 from mesh.ledger.model import Item, Prepared, Refused, ReservationState
+from mesh.ledger.sqlite import EARLIER_ID_TABLES
 
 from .conftest import LedgerFactory
 from .test_ledger_contract import prepared, reservation, used
@@ -148,21 +149,6 @@ def test_a_new_sqlite_file_has_the_items_column(tmp_path: Path) -> None:
     assert "items" in {column[1] for column in columns}
 
 
-# The layout before reservations and decisions became rowid tables (keyed by a UNIQUE index).
-_WITHOUT_ROWID_TABLES = """
-CREATE TABLE ledger_reservation (
-    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, pool_id TEXT NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('PREPARING', 'ACTIVE', 'RELEASED', 'EXPIRED')),
-    fence INTEGER NOT NULL, expires_at REAL NOT NULL, created_at REAL NOT NULL,
-    updated_at REAL NOT NULL, items TEXT
-) WITHOUT ROWID;
-CREATE TABLE ledger_decision (
-    admission_id TEXT PRIMARY KEY, digest TEXT NOT NULL, outcome TEXT NOT NULL,
-    decided_at REAL NOT NULL, record TEXT NOT NULL
-) WITHOUT ROWID;
-"""
-
-
 def _without_rowid(path: Path) -> set[str]:
     """The names of the file's tables created ``WITHOUT ROWID``."""
     conn = sqlite3.connect(path)
@@ -178,7 +164,7 @@ def test_a_sqlite_file_with_the_earlier_without_rowid_layout_keeps_it_and_works(
 ) -> None:
     path = tmp_path / "earlier.sqlite3"
     conn = sqlite3.connect(path)
-    conn.executescript(_WITHOUT_ROWID_TABLES)
+    conn.executescript(EARLIER_ID_TABLES)
     conn.close()
 
     with SqliteLedger(path) as store:
