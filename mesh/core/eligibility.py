@@ -256,7 +256,9 @@ def _generation_current(c: PoolCheck) -> str | None:
 
 def _not_expired(c: PoolCheck) -> str | None:
     expires_at = c.descriptor.expires_at
-    return None if c.now < expires_at else f"expired at {expires_at!r} (now {c.now!r})"
+    # No time in the detail: the record keeps when it was evaluated, and a verdict that does
+    # not change with the clock can be shared (the cache, content-addressed snapshots).
+    return None if c.now < expires_at else f"expired at {expires_at!r}"
 
 
 def _healthy(c: PoolCheck) -> str | None:
@@ -508,8 +510,8 @@ class EligibilityCache:
     active epoch or the generation does, and clears nothing by hand).
 
     An entry holds while ``now`` is before the earliest ``expires_at`` of the descriptors that
-    had not expired when it was computed — the only way time changes a verdict — and results
-    in which some pool was filtered as expired are not kept (their detail quotes the time). The
+    had not expired when it was computed — the only way time changes a verdict (an expired
+    descriptor stays expired, and no verdict's detail quotes the time). The
     result handed out carries the caller's ``now``. Bounded: the oldest entry goes first.
     """
 
@@ -564,12 +566,11 @@ class EligibilityCache:
             requirements, tenant, descriptors,
             active_epochs=active_epochs, active_generation=active_generation, now=now,
         )  # fmt: skip
-        if all(v.rule != "not_expired" for v in result.verdicts):
-            live = (d.expires_at for d in descriptors.values() if d.expires_at > now)
-            until = min(live, default=math.inf)  # the already expired stay expired
-            if len(self._entries) >= self.max_entries:
-                del self._entries[next(iter(self._entries))]
-            self._entries[key] = (result, until)
+        live = (d.expires_at for d in descriptors.values() if d.expires_at > now)
+        until = min(live, default=math.inf)  # the already expired stay expired
+        if len(self._entries) >= self.max_entries:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = (result, until)
         return result
 
 

@@ -781,7 +781,9 @@ class SqlLedger(abc.ABC):
         self._insert_rows(db, self._t.reservation, _RES_COLUMNS, plan.reservations)
         self._insert_rows(db, self._t.log, "at, admission_id, event, state, fence", plan.log)
         plan.reservations, plan.log = [], []
-        self._insert_snapshots(db, list(plan.snapshots.items()))  # before the records naming them
+        # Before the records naming them; in key order, so two managers writing the same new
+        # snapshots (after a descriptor change) cannot wait on each other's in opposite order.
+        self._insert_snapshots(db, sorted(plan.snapshots.items()))
         plan.snapshots.clear()
         rows = list(plan.recorded.values())
         if self._upsert_decisions(db, rows) != len(rows):

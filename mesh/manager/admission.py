@@ -530,8 +530,10 @@ class Admitter:
         if len(self._snapshots) > SNAPSHOT_CACHE_SIZE:
             del self._snapshots[next(iter(self._snapshots))]  # the oldest; stored regardless
 
-    def _resolve(self, decided: DecisionRecord) -> DecisionRecord:
-        """Fill in the snapshot a record read back from the ledger names."""
+    def with_eligibility(self, decided: DecisionRecord) -> DecisionRecord:
+        """``decided`` with the eligibility snapshot it names filled in (a record read back
+        from the ledger names it only). Call it on the ledger's thread: it may read the
+        ledger, and it keeps what it read in this admitter's snapshot cache."""
         ref = decided.eligibility_ref
         if ref is None or decided.snapshot is not None:
             return decided
@@ -569,15 +571,15 @@ class Admitter:
 
     def recorded(self, admission_id: str) -> DecisionRecord | None:
         """The latest decision about ``admission_id``: this batch's, the cache's, or the
-        ledger's (made before a restart, or by another manager)."""
+        ledger's (made before a restart, or by another manager). One read back from the
+        ledger names its eligibility snapshot without it: see :meth:`with_eligibility`."""
         if self._batch is not None and admission_id in self._batch.decided:
             return self._batch.decided[admission_id]
         decided = self.decisions.get(admission_id)
         if decided is not None:
             return decided
         row = self.ledger.decision(admission_id)
-        decided = None if row is None else self._from_row(row)
-        return None if decided is None else self._resolve(decided)
+        return None if row is None else self._from_row(row)
 
     @staticmethod
     def _from_row(row: DecisionRow) -> DecisionRecord | None:
@@ -594,6 +596,7 @@ class Admitter:
         decided = self.recorded(admission_id)
         if decided is None:
             return None
+        decided = self.with_eligibility(decided)
         return {
             "decision": decided.decision.model_dump(mode="json"),
             "eligibility": decided.eligibility,

@@ -1100,6 +1100,8 @@ def _to_wire(entry: LogEntry) -> OrchestrationEvent:
 
 def _explain(admitter: Admitter, admission_id: str) -> ExplainReply:
     record = admitter.recorded(admission_id)
+    if record is not None:
+        record = admitter.with_eligibility(record)
     reservation = admitter.ledger.get(admission_id)
     held = (
         None

@@ -319,7 +319,9 @@ def requirement_digest(requirements: TaskRequirements, tenant: str) -> str:
     JSON is ``{"requirements": requirements.model_dump(mode="json"), "tenant": tenant}``;
     orjson writes it straight from the models' fields (:func:`_fields`), which is the same
     thing for models whose fields are all plain JSON types — as every model inside
-    ``TaskRequirements`` is (a test walks them) — without building the dicts first.
+    ``TaskRequirements`` is (a test walks them) — without building the dicts first. The
+    model must have been validated (as every decoded request is): ``model_copy(update=...)``
+    skips validation, so an ``int`` given for a ``float`` field would stay an ``int``.
     """
     canonical = orjson.dumps(
         {"requirements": requirements, "tenant": tenant},

@@ -315,6 +315,11 @@ def test_a_failed_batch_is_decided_again_one_by_one_and_its_external_grants_rele
         store.close()
 
     assert [d.outcome for d in decisions] == ["admitted"] * 3
+    # The eligibility snapshot went down with the failed batch and was stored again.
+    assert len(snapshot_rows(tmp_path / "ledger.sqlite3")) == 1
+    with SqliteLedger(tmp_path / "ledger.sqlite3") as reopened:
+        explained = Admitter(reopened, POLICY).explain("adm-2")
+    assert explained is not None and explained["eligibility"] is not None
     # the planned batch, then one plain transaction per request
     assert calls == [3, 0, 0, 0]
     assert sorted(grantor.held) == ["adm-0", "adm-1", "adm-2"]  # each held once, none leaked
@@ -384,6 +389,19 @@ def test_decisions_with_the_same_verdicts_share_one_stored_snapshot(tmp_path: Pa
     # Each record keeps its own time; the snapshot has none.
     assert [records[n].eligibility["now"] for n in ("adm-0", "adm-5")] == [T0, T0 + 1]  # type: ignore[union-attr,index]
     assert all("now" not in body for _, body in rows)
+
+
+def test_refusals_for_an_expired_descriptor_share_one_snapshot_too(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    with SqliteLedger(path) as store:
+        a = Admitter(store, POLICY)
+        short = DESCRIPTOR.model_copy(update={"expires_at": T0 + 10})
+        assert a.publish_descriptor(short, T0) is None
+        refused = [a.admit(request(f"adm-{n}"), "tenant-a", T0 + 20 + n) for n in range(3)]
+        assert [d.reason for d in refused] == [AdmissionReason.DESCRIPTOR_EXPIRED] * 3
+        assert a.eligibility_cache.hits == 2  # an expired descriptor stays expired
+    (only,) = snapshot_rows(path)
+    assert f"expired at {T0 + 10!r}" in only[1] and "now" not in orjson.loads(only[1])
 
 
 def test_a_record_of_the_earlier_format_with_its_eligibility_inline_still_explains(
