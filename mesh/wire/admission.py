@@ -151,8 +151,12 @@ Classifications = Annotated[list[Classification], AfterValidator(distinct), UNIQ
 Regions = Annotated[list[Region], AfterValidator(distinct), UNIQUE_ITEMS]
 Tenants = Annotated[list[Tenant], AfterValidator(distinct), UNIQUE_ITEMS]
 PoolIds = Annotated[list[PoolId], AfterValidator(distinct), UNIQUE_ITEMS]
-PositiveInt = Annotated[int, Field(ge=1)]
-Count = Annotated[int, Field(ge=0)]
+MAX_SAFE_INT = 2**53 - 1
+"""The largest integer every JSON reader keeps exactly (and far inside what the ledger's
+64-bit counters hold): counts, fences and epochs past it are refused at the edge, not
+deep in a batch where one of them would fail every other request decided with it."""
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_SAFE_INT)]
+Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]
 
 
 # ---- the capability descriptor ------------------------------------------------------------

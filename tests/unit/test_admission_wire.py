@@ -175,6 +175,7 @@ BAD_DESCRIPTORS: list[tuple[str, tuple[str | int, ...], Any]] = [
     ("pool id with a dot", ("pool_id",), "rag.eu"),
     ("pool id empty", ("pool_id",), ""),
     ("epoch zero", ("descriptor_epoch",), 0),
+    ("epoch past 2**53 - 1", ("descriptor_epoch",), 2**53),
     ("digest not sha256", ("runtime_digest",), "md5:" + "ab" * 16),
     ("digest too short", ("runtime_digest",), "sha256:abc"),
     ("digest upper case", ("runtime_digest",), "sha256:" + "AB" * 32),
@@ -251,6 +252,10 @@ BAD_REQUIREMENTS: list[tuple[str, tuple[str | int, ...], Any]] = [
     ("tool permits zero", ("required_tools", 0, "permits"), 0),
     ("tool spec invalid", ("required_tools", 0, "version_spec"), "=>2"),
     ("negative tokens", ("estimated_tokens",), -1),
+    # Past what JSON readers keep exactly: refused here, not as a failure deep in a batch.
+    ("tokens past 2**53 - 1", ("estimated_tokens",), 2**53),
+    ("tokens past 64 bits", ("estimated_tokens",), 2**70),
+    ("tool permits past 64 bits", ("required_tools", 0, "permits"), 2**70),
     ("negative duration", ("estimated_duration_s",), -0.5),
     ("negative deadline", ("deadline",), -1),
     ("priority ten", ("priority",), 10),
