@@ -327,6 +327,7 @@ class ManagerService:
             await self.transport.declare(self.topology.manager())
 
     async def _tick_forever(self) -> None:
+        task = asyncio.current_task()
         while True:
             await asyncio.sleep(self.settings.tick_interval_s)
             try:
@@ -338,6 +339,11 @@ class ManagerService:
             except Exception:  # the ticker must outlive any bug in one tick
                 self.counters["handler_errors"] += 1
                 log.exception("bug while ticking")
+            # ``stop`` cancels the ticker and waits for it. A cancellation that arrived mid-tick
+            # can be lost on the way (seen: 1 stop in ~12 under load hung, the ticker back in
+            # its sleep, "cancelling"), so the request itself is checked too.
+            if task is not None and task.cancelling():
+                return
 
     # ---- inputs ---------------------------------------------------------------------------
     async def _on_announce(self, delivery: Delivery) -> None:
