@@ -647,8 +647,9 @@ class SqlLedger(abc.ABC):
     def _take(self, db: Db, items: tuple[Item, ...]) -> None:
         for pool_id, resource, amount in items:
             if not self._increment(db, pool_id, resource, amount):
+                key = (pool_id, resource)
                 raise _Rollback(
-                    self._shortage(pool_id, resource, amount, self._counter(db, pool_id, resource))
+                    self._shortage(pool_id, resource, amount, self._counters(db, [key])[key])
                 )
 
     def _increment(self, db: Db, pool_id: str, resource: str, amount: int) -> bool:
@@ -681,14 +682,6 @@ class SqlLedger(abc.ABC):
         )
         found.update(((str(p), str(r)), (int(u), int(c))) for p, r, u, c in rows)
         return found
-
-    def _counter(self, db: Db, pool_id: str, resource: str) -> tuple[int, int] | None:
-        """``(used, capacity)`` of a counter; ``None`` if it has no row (capacity 0)."""
-        rows = db.execute(
-            f"SELECT used, capacity FROM {self._t.capacity} WHERE pool_id = ? AND resource = ?",
-            (pool_id, resource),
-        )
-        return (int(rows[0][0]), int(rows[0][1])) if rows else None
 
     # ---- a planned batch (module docstring) -------------------------------------------------
     def _read_plan(self, db: Db, ids: Sequence[str]) -> _Plan:
