@@ -95,7 +95,7 @@ from mesh.errors import (
 )
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, ExchangeType, QueueSpec
 from mesh.transport import dead_letters
-from mesh.transport.amqp import DEFAULT_EXCHANGE, Delivery, Handler
+from mesh.transport.delivery import DEFAULT_EXCHANGE, Delivery, Handler
 from mesh.transport.ports import ClientTransport, ManagerTransport
 from mesh.wire.codec import encode
 from mesh.wire.models import Message

@@ -24,9 +24,8 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol, cast
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
@@ -49,12 +48,13 @@ from mesh.errors import (
 )
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec
 from mesh.transport import dead_letters
+from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
+from mesh.transport.delivery import Delivery as Delivery  # re-exported
+from mesh.transport.delivery import Handler, Settlement
 from mesh.wire.codec import encode
 from mesh.wire.models import Message
 
 log = logging.getLogger(__name__)
-
-DEFAULT_EXCHANGE = ""
 _FAST_PROPERTIES = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
 _CONTROL_TIMEOUT_S = 5.0  # bound on channel operations that are not publishes
 
@@ -68,38 +68,6 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-class Settlement(Protocol):
-    """What a :class:`Delivery` settles through: aio-pika's incoming message here, an
-    in-memory stand-in in :mod:`mesh.testing`."""
-
-    async def ack(self) -> None: ...
-
-    async def reject(self, requeue: bool = False) -> None: ...
-
-
-@dataclass(slots=True)
-class Delivery:
-    """One received message, independent of the AMQP client library."""
-
-    body: bytes
-    routing_key: str
-    exchange: str
-    headers: Mapping[str, Any]
-    reply_to: str | None
-    correlation_id: str | None
-    message_id: str | None
-    user_id: str | None
-    redelivered: bool
-    _raw: Settlement = field(repr=False)
-
-    async def ack(self) -> None:
-        await self._raw.ack()
-
-    async def reject(self, requeue: bool = False) -> None:
-        await self._raw.reject(requeue=requeue)
-
-
-Handler = Callable[[Delivery], Awaitable[None]]
 RawCallback = Callable[[bytes, str | None], None]
 """A raw consumer's callback: the body, and the ``user_id`` RabbitMQ validated (if any)."""
 

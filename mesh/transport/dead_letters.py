@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mesh import constants as c
 
 if TYPE_CHECKING:
-    from mesh.transport.amqp import Delivery
+    from mesh.transport.delivery import Delivery
 
 
 class _Publisher(Protocol):

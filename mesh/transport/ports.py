@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from mesh.topology.specs import Declarations
-from mesh.transport.amqp import Delivery, Handler
+from mesh.transport.delivery import Delivery, Handler
 from mesh.wire.models import Message
 
 

@@ -95,3 +95,16 @@ def test_no_core_module_imports_io_clocks_or_randomness_itself() -> None:
         if any(_is_or_under(module, bad) for bad in FORBIDDEN_IN_SOURCE)
     }
     assert offenders == set()
+
+
+def test_the_public_test_harness_does_not_load_the_broker_client() -> None:
+    """Users' unit tests of their agents run on ``mesh.testing``'s in-memory broker: no
+    aio-pika, no aiormq (a test of the check's own power is below)."""
+    loaded = _modules_loaded_by("import mesh.testing")
+
+    assert "mesh.testing.memory" in loaded
+    assert [m for m in loaded if _is_or_under(m, "aio_pika") or _is_or_under(m, "aiormq")] == []
+    with_client = _modules_loaded_by(
+        "import mesh.testing\nfrom mesh.transport import AmqpTransport"
+    )
+    assert "aio_pika" in with_client  # the check sees the client when it is loaded
