@@ -187,6 +187,7 @@ def cmd_manager(args: argparse.Namespace) -> int:
             http_host=args.http_host,
             management_url=args.management_url or None,
             admission=_admission_policy(args),
+            admission_capacity=args.admission_capacity,
         )
         scaler = _build_scaler(args)
         stop = asyncio.Event()
@@ -287,6 +288,23 @@ def render_status(reply: StatusReply) -> str:
         )
     if not reply.agents:
         lines.append("(no agents registered)")
+    if reply.pools:
+        lines += [
+            "",
+            f"{'POOL':<16} {'CAPABILITY':<20} {'LIVE AGENTS':>11} {'LIVE SLOTS':>10} "
+            f"{'GRANTED':>8} {'MODEL SLOTS':>12}",
+        ]
+        for pool in reply.pools:
+            granted = "-" if pool.granted is None else str(pool.granted)
+            model = (
+                "-"
+                if pool.model_slots is None
+                else f"{pool.model_slots_granted or 0}/{pool.model_slots}"
+            )
+            lines.append(
+                f"{pool.pool_id:<16} {pool.capability:<20} {pool.live_agents:>11} "
+                f"{pool.live_slots:>10} {granted:>8} {model:>12}"
+            )
     counters = " ".join(f"{k}={v}" for k, v in reply.counters.items())
     lines += ["", f"counters: {counters or '-'}"]
     return "\n".join(lines)
@@ -867,6 +885,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the broker user whose descriptors are accepted (env MESH_OPERATOR_USER)",
     )
     _add_liveness_probe(p)
+    p.add_argument(
+        "--admission-capacity",
+        choices=("live", "descriptor"),
+        default=_env("MESH_ADMISSION_CAPACITY", "live"),
+        help="live: a pool admits at most what its live agents can run and its descriptor "
+        "allows (no live agent, no grant: NO_LIVE_AGENT); descriptor: the descriptor alone, "
+        "for several managers on one PostgreSQL ledger (env MESH_ADMISSION_CAPACITY, "
+        "default live)",
+    )
     p.add_argument(
         "--agent-identity",
         type=_on_off,

@@ -24,7 +24,10 @@ DEAD_LETTER_EXCHANGE: Final = "dead-letter"
 # Routing-key prefixes.
 RK_AGENT: Final = "agent"  # agent.<agent_id>.<register|deregister|drain>
 FEATURE_DESCRIPTOR_EPOCHS: Final = "descriptor-epochs"
-AGENT_FEATURES: Final = (FEATURE_DESCRIPTOR_EPOCHS,)  # what the SDK runtime implements
+# It reports its pool tasks (heartbeat ``pool_in_flight``, also sent when that count changes)
+# and says ``draining`` only once it stopped taking them: the manager waits for that report.
+FEATURE_WORK_REPORTS: Final = "work-reports"
+AGENT_FEATURES: Final = (FEATURE_DESCRIPTOR_EPOCHS, FEATURE_WORK_REPORTS)  # the SDK runtime's
 AGENT_ANNOUNCE_VERBS: Final = ("register", "deregister", "drain")  # the <verb> above
 RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>
 RK_LOG: Final = "log"  # log.<agent_id>.<kind>

@@ -14,6 +14,12 @@ acceptance do heartbeats and the task consumer start and ``ready`` get set.
 
 Heartbeats go out every ``heartbeat_interval_s`` without confirms (each one is
 superseded by the next); a failed heartbeat is logged and the next one tried.
+They also report the work the manager cannot see for itself: ``pool_in_flight``,
+the pool tasks (admission path) that have started, per capability. When that
+count changes a heartbeat goes out early (coalesced over ``work_report_delay_s``),
+so the manager's one count of work — free slots, Busy, drain completion,
+idleness — follows within milliseconds; each report is a full count, so one that
+is lost is corrected by the next.
 
 Tasks are consumed with ``prefetch = sum(max_concurrency)``; the transport runs
 one handler per delivery, so tasks run concurrently and each capability's
@@ -50,8 +56,12 @@ Control messages (each acked; garbage dead-lettered):
 * ``RegistrationAccepted`` / ``RegistrationRefused`` answer the pending registration;
 * ``ReRegisterRequest`` (the manager restarted or forgot us): register again
   with the same incarnation in the background; ignored while one is running;
-* ``DrainNotice``: draining - ``ready`` cleared, heartbeats say ``draining``,
-  tasks already queued are still worked (they were leased before the drain);
+* ``DrainNotice``: draining - ``ready`` cleared; the pool consumer is cancelled
+  at once, pool tasks prefetched but not started go back to the pool queue
+  (requeued) for the other agents, started ones finish; then a heartbeat says
+  ``draining`` with what still runs, which is the manager's cue that no pool task
+  will start here any more. Tasks on the agent's own queue are still worked
+  (they were leased before the drain);
 * ``DrainComplete``: the manager released every lease - finish shutting down.
 
 With ``http_port`` set, :class:`~mesh.agent.http.AgentHttpServer` serves ``/ready``,
@@ -145,6 +155,7 @@ _CONTROL_TYPES: tuple[type[Message], ...] = (
 )
 _CONTROL_PREFETCH = 16
 _SETTLE_POLL_S = 0.2
+_WORK_REPORT_DELAY_S = 0.02  # pool-work changes within this are one report
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +257,11 @@ class AgentRuntime:
         self._idle.set()
         self._active: set[asyncio.Task[Any]] = set()
         self._in_flight: dict[str, int] = dict.fromkeys(self._capabilities, 0)
+        self._pool_started: dict[str, int] = dict.fromkeys(self._capabilities, 0)
+        self._work_changed = asyncio.Event()  # pulsed when a slot may have freed or we drain
+        self._report_pending = False
         self._draining = False
+        self._pool_closed = False  # draining, and the pool consumer is cancelled
         self._refusing = False  # past the drain deadline: answer queued tasks, do not run them
         self._heartbeat_seq = 0
         self._last_beat: float | None = None  # monotonic time of our last heartbeat sent
@@ -366,7 +381,7 @@ class AgentRuntime:
             queue = self.topology.pool_task_queue(self.agent.deployment)
             try:
                 self._pool_consumer = await self.transport.consume(
-                    queue, self._on_task, prefetch=self.agent.total_concurrency
+                    queue, self._on_pool_task, prefetch=self.agent.total_concurrency
                 )
             except Exception as exc:  # 404 on the passive declare: not declared yet
                 log.debug("no pool queue to consume yet", extra=self._extra(error=str(exc)))
@@ -380,6 +395,43 @@ class AgentRuntime:
     async def _stop_pool_consumer(self) -> None:
         consumer, self._pool_consumer = self._pool_consumer, None
         await _cancel_quietly(consumer)
+
+    async def _close_pool(self) -> None:
+        """Draining: take no more pool tasks, hand back the prefetched ones not started, and
+        tell the manager (a heartbeat saying ``draining``) what still runs here."""
+        await self._stop_pool_consumer()
+        async with self._pool_lock:  # a (re)subscription under way has finished or seen us
+            self._pool_closed = True
+        self._pulse_work_changed()  # pool tasks waiting for a slot go back to the queue
+        if self._heartbeat_task is not None:
+            await self._send_heartbeat()
+
+    def _pulse_work_changed(self) -> None:
+        event, self._work_changed = self._work_changed, asyncio.Event()
+        event.set()
+
+    def _report_work(self) -> None:
+        """Our pool work changed: heartbeat soon (one report for the changes of a moment)."""
+        if self._report_pending or self._heartbeat_task is None:
+            return
+        self._report_pending = True
+        self._spawn(self._send_work_report(), "work report")
+
+    async def _send_work_report(self) -> None:
+        try:
+            await asyncio.sleep(_WORK_REPORT_DELAY_S)
+        finally:
+            self._report_pending = False
+        if self._heartbeat_task is not None:
+            await self._send_heartbeat()
+
+    async def _wait_to_start(self, capability: str) -> bool:
+        """Wait for a free slot of ``capability`` for a pool task; ``False`` if we began
+        draining first (the task goes back to the pool queue, not started)."""
+        bound = self._capabilities.get(capability)
+        while not self._draining and bound is not None and bound.semaphore.locked():
+            await self._work_changed.wait()
+        return not self._draining
 
     def _grant_feed(self) -> Declarations:
         """Our control queue hears every grant revocation of our pool."""
@@ -569,7 +621,8 @@ class AgentRuntime:
             incarnation=self._incarnation,
             seq=self._heartbeat_seq,
             in_flight=dict(self._in_flight),
-            draining=self._draining,
+            pool_in_flight={cap: n for cap, n in self._pool_started.items() if n > 0},
+            draining=self._pool_closed,
             sent_at=time.time(),
         )
         self._heartbeat_seq += 1
@@ -773,20 +826,24 @@ class AgentRuntime:
         return self._grant_refused(task, problem, "before the result", result.started_at, extra)
 
     # ---- tasks ----------------------------------------------------------------------------
-    async def _on_task(self, delivery: Delivery) -> None:
+    async def _on_task(self, delivery: Delivery, *, from_pool: bool = False) -> None:
         current = asyncio.current_task()
         if current is not None:
             self._active.add(current)
         self._idle.clear()
         try:
-            await self._handle_task(delivery)
+            await self._handle_task(delivery, from_pool)
         finally:
             if current is not None:
                 self._active.discard(current)
             if not self._active:
                 self._idle.set()
+            self._pulse_work_changed()
 
-    async def _handle_task(self, delivery: Delivery) -> None:
+    async def _on_pool_task(self, delivery: Delivery) -> None:
+        await self._on_task(delivery, from_pool=True)
+
+    async def _handle_task(self, delivery: Delivery, from_pool: bool = False) -> None:
         try:
             task = decode_as(delivery.body, Task)
         except MessageRejected as exc:
@@ -804,30 +861,51 @@ class AgentRuntime:
             await self._refuse_at_claim(delivery, task, problem, extra)
             return
         counted = task.capability in self._in_flight
+        if from_pool and counted and not await self._start_pool_task(delivery, task, extra):
+            return
         if counted:
             self._in_flight[task.capability] += 1
-        claimed = time.monotonic()
         try:
-            result = await self._run_handler(delivery, task, extra)
-            self._note_silence(time.monotonic())
-            if claimed <= self._fenced_before:
-                self.counters["results_fenced"] += 1
-                log.warning("result withheld: claimed before a silence; requeued", extra=extra)
-                await _requeue(delivery, extra)
-                return
-            result = self._at_consumption(task, result, extra)
-            self.counters[f"tasks_{result.status}"] += 1
-            if result.error is not None:
-                log.info("task failed", extra={**extra, "code": result.error.code.value})
-            if await self._send_result(delivery, result, extra):
-                await _ack(delivery, extra)
-            else:
-                if self._result_point is not None and task.grant and task.grant.lease:
-                    self._result_point.give_back(task.grant.lease)  # not published after all
-                await _requeue(delivery, extra)
+            await self._run_and_answer(delivery, task, extra)
         finally:
             if counted:
                 self._in_flight[task.capability] -= 1
+            if from_pool and counted:
+                self._pool_started[task.capability] -= 1
+                self._report_work()
+
+    async def _run_and_answer(self, delivery: Delivery, task: Task, extra: dict[str, Any]) -> None:
+        """Run the handler, revalidate, publish the result, then ack (or requeue)."""
+        claimed = time.monotonic()
+        result = await self._run_handler(delivery, task, extra)
+        self._note_silence(time.monotonic())
+        if claimed <= self._fenced_before:
+            self.counters["results_fenced"] += 1
+            log.warning("result withheld: claimed before a silence; requeued", extra=extra)
+            await _requeue(delivery, extra)
+            return
+        result = self._at_consumption(task, result, extra)
+        self.counters[f"tasks_{result.status}"] += 1
+        if result.error is not None:
+            log.info("task failed", extra={**extra, "code": result.error.code.value})
+        if await self._send_result(delivery, result, extra):
+            await _ack(delivery, extra)
+        else:
+            if self._result_point is not None and task.grant and task.grant.lease:
+                self._result_point.give_back(task.grant.lease)  # not published after all
+            await _requeue(delivery, extra)
+
+    async def _start_pool_task(self, delivery: Delivery, task: Task, extra: dict[str, Any]) -> bool:
+        """Wait for a free slot for a pool task and count it as started (reported to the
+        manager); ``False`` if we began draining first: it goes back to the pool queue."""
+        if not await self._wait_to_start(task.capability):
+            self.counters["pool_tasks_handed_back"] += 1
+            log.info("draining: pool task handed back, not started", extra=extra)
+            await _requeue(delivery, extra)
+            return False
+        self._pool_started[task.capability] += 1
+        self._report_work()
+        return True
 
     async def _run_handler(
         self, delivery: Delivery, task: Task, extra: dict[str, Any]
@@ -990,7 +1068,7 @@ class AgentRuntime:
             self._reregistration.cancel()
         log.info("draining", extra=self._extra(reason=reason))
         # Pool tasks are the pool's, not ours: the other agents take them from now on.
-        self._spawn(self._stop_pool_consumer(), "pool consumer")
+        self._spawn(self._close_pool(), "pool consumer")
         timeout = self.settings.drain_timeout_s if timeout_s is None else timeout_s
         self._shutdown_task = self._spawn(self._drain_then_stop(reason, timeout, request), "drain")
 

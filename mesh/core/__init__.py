@@ -1,9 +1,11 @@
 """The sans-I/O manager core: events in, commands out. No asyncio, aio-pika or kubernetes."""
 
+from mesh.core.capacity import LiveCapacity, LiveOffer, live_slots_resource
 from mesh.core.events import (
     AcquireRequested,
     Announce,
     AppendLog,
+    CapacityMissed,
     Command,
     ConnectionLost,
     ConnectionRestored,
@@ -37,6 +39,7 @@ __all__ = [
     "AppendLog",
     "Candidate",
     "CapabilityIndex",
+    "CapacityMissed",
     "Command",
     "ConnectionLost",
     "ConnectionRestored",
@@ -49,6 +52,8 @@ __all__ = [
     "HeartbeatReceived",
     "Instant",
     "InvalidVersionSpec",
+    "LiveCapacity",
+    "LiveOffer",
     "LogEntry",
     "PoolCore",
     "PoolSettings",
@@ -63,6 +68,7 @@ __all__ = [
     "SendToAgent",
     "Tick",
     "Trigger",
+    "live_slots_resource",
     "next_state",
     "render_mermaid",
 ]

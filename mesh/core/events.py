@@ -93,6 +93,15 @@ class ConnectionRestored:
     """The manager hears the broker again: every liveness window restarts now."""
 
 
+@dataclass(frozen=True, slots=True)
+class CapacityMissed:
+    """Admission deferred a request for a pool's capacity (``CAPACITY``) or for want of a live
+    agent (``NO_LIVE_AGENT``): a capacity miss for the pool's scaling policy, if it has one."""
+
+    pool_id: str
+    reason: str
+
+
 Event = (
     RegistrationReceived
     | DeregistrationReceived
@@ -105,6 +114,7 @@ Event = (
     | ConnectionLost
     | ConnectionRestored
     | ScaleObserved
+    | CapacityMissed
 )
 
 # ---- commands -----------------------------------------------------------------------------

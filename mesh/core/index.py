@@ -73,7 +73,10 @@ class Candidate:
 class Slot:
     """One agent's offer of one capability, with its live in-flight counter.
 
-    Only ``in_flight`` changes during a slot's life; a new registration makes new slots.
+    ``in_flight`` is the one count of work (leased slots plus the pool tasks the agent
+    reported running), ``leased`` the lease path's share of it, ``live`` what the slot adds to
+    its pool's live capacity (``None``: nothing, the agent is not taking work). Only these
+    change during a slot's life; a new registration makes new slots.
     """
 
     agent_id: str
@@ -82,6 +85,8 @@ class Slot:
     cost_class: str
     max_concurrency: int
     in_flight: int = 0
+    leased: int = 0
+    live: int | None = None
     _snapshot: Candidate | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -9,10 +9,12 @@ else (acquiring a draining agent, re-accepting a terminated one) is refused by
 and logs it. The docs' state diagram is rendered from this table by
 :func:`render_mermaid`, and a test keeps the two in step.
 
-Busy means "at least one slot is leased"; it is a label for operators. Whether
-an agent can take *more* work is decided by its per-capability in-flight
-counters, never by this label: an agent with ``max_concurrency > 1`` stays
-acquirable while Busy until it is full.
+Busy means "at least one unit of work in flight" — a leased slot, or a task of
+the pool's shared queue the agent reported it started (one count of work, see
+:mod:`mesh.core.pool`); it is a label for operators. Whether an agent can take
+*more* work is decided by its per-capability in-flight counters, never by this
+label: an agent with ``max_concurrency > 1`` stays acquirable while Busy until
+it is full.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ class Trigger(StrEnum):
     REFUSE = "refuse"  # it did not
     ACQUIRE = "acquire"  # a slot was leased
     RELEASE = "release"  # a slot was given back, others remain leased
-    IDLE = "idle"  # the last leased slot was given back
+    WORK = "work"  # the agent reported it started pool work (a granted task)
+    IDLE = "idle"  # the last unit of work (leased or pool) ended
     DRAIN = "drain"  # take no new work
-    DRAINED = "drained"  # draining and nothing leased any more
+    DRAINED = "drained"  # draining and nothing in flight on either path any more
     LOSE = "lose"  # heartbeats stopped for 3 intervals
     DEREGISTER = "deregister"  # the agent said goodbye
 
@@ -52,6 +55,7 @@ TRANSITIONS: dict[tuple[AgentState, Trigger], AgentState] = {
     (S.READY, T.ACQUIRE): S.BUSY,
     (S.BUSY, T.ACQUIRE): S.BUSY,
     (S.BUSY, T.RELEASE): S.BUSY,
+    (S.READY, T.WORK): S.BUSY,
     (S.BUSY, T.IDLE): S.READY,
     (S.READY, T.DRAIN): S.DRAINING,
     (S.BUSY, T.DRAIN): S.DRAINING,

@@ -11,12 +11,23 @@ publishes, replies) and only then acks. Queries (``find_by_capability``,
 * Registration: a record starts in Spawning, moves to Registering when its
   registration arrives and to Ready once accepted; the agent gets a
   ``RegistrationAccepted`` (or ``RegistrationRefused`` with a reason).
+* One count of work: each agent's in-flight count per capability is its leased
+  slots plus the tasks of its pool's shared queue (the admission path) that it
+  reported running (``pool_in_flight`` in every heartbeat, which an SDK agent
+  also sends as soon as that count changes: a full count each time, so a lost
+  report is corrected by the next one). ``find_by_capability``'s free slots, the
+  Busy label, drain completion and scale-down idleness all read this count.
 * Leases: ``acquire`` takes one slot of one capability on one agent, gated on
-  that capability's in-flight counter against ``max_concurrency``; ``release``
-  gives it back. Leases expire after their TTL so a crashed producer cannot
-  pin an agent forever.
-* Drain: Draining at once (no new leases), Terminated when the last lease is
-  released; the agent is then told it may exit.
+  that count against ``max_concurrency``; ``release`` gives it back. Leases
+  expire after their TTL so a crashed producer cannot pin an agent forever.
+* Live capacity (:mod:`mesh.core.capacity`): per pool, capability and version,
+  the Ready and Busy agents and their concurrency not held by leases, kept as a
+  running aggregate; admission grants at most that (``live_capacity``).
+* Drain: Draining at once (no new leases), Terminated once nothing is in flight
+  on either path; the agent is then told it may exit. An agent that reports its
+  pool work (feature ``work-reports``) must also have confirmed the drain — a
+  heartbeat saying ``draining`` is sent only once it stopped taking pool tasks —
+  so a pool task it claimed just before the drain is never missed.
 * Liveness: receiver-side monotonic time. An agent not heard from for
   ``3 x heartbeat_interval_s`` is lost: Terminated and removed, its leases
   dropped. If the core itself was not ticked for a long while (the manager
@@ -42,10 +53,12 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from mesh import constants as c
+from mesh.core.capacity import LiveCapacity, LiveOffer
 from mesh.core.events import (
     AcquireRequested,
     Announce,
     AppendLog,
+    CapacityMissed,
     Command,
     ConnectionLost,
     ConnectionRestored,
@@ -125,12 +138,15 @@ class AgentRecord:
     last_seen: float
     state: AgentState = AgentState.SPAWNING
     slots: dict[str, Slot] = field(default_factory=dict)
-    in_flight: int = 0
+    in_flight: int = 0  # the one count of work: leased slots + reported pool tasks
     leases: set[str] = field(default_factory=set)
+    pool_work: dict[str, int] = field(default_factory=dict)  # reported pool tasks, by capability
+    reports_work: bool = False  # it reports pool work and confirms drains (work-reports)
+    reported_draining: bool = False  # its last heartbeat said it takes no more pool tasks
     last_heartbeat_seq: int = -1
     last_heartbeat_at: float | None = None
-    reported_in_flight: dict[str, int] = field(default_factory=dict)
-    idle_since: float = 0.0  # monotonic time its last leased slot was released
+    reported_in_flight: dict[str, int] = field(default_factory=dict)  # the heartbeat's in_flight
+    idle_since: float = 0.0  # monotonic time its in-flight count last fell to 0
 
 
 @dataclass(slots=True)
@@ -157,6 +173,10 @@ class PoolCore:
         self._finished_leases: OrderedDict[str, None] = OrderedDict()
         self._reregister_asked: dict[str, float] = {}
         self._last_tick: float | None = None
+        # (pool, capability) -> version -> [live agents, free concurrency for admission]
+        self._live: dict[tuple[str, str], dict[str, list[int]]] = {}
+        self._live_version = 0
+        self._live_offers: tuple[int, dict[tuple[str, str], tuple[LiveOffer, ...]]] = (0, {})
         self._handlers: dict[type[Any], Callable[[Any, Instant], list[Command]]] = {
             HeartbeatReceived: self._on_heartbeat,
             RegistrationReceived: self._on_registration,
@@ -169,6 +189,7 @@ class PoolCore:
             ConnectionLost: self._on_connection_lost,
             ConnectionRestored: self._on_connection_restored,
             ScaleObserved: self._on_scale_observed,
+            CapacityMissed: self._on_capacity_missed,
         }
         self._deaf_since: float | None = None
 
@@ -186,6 +207,23 @@ class PoolCore:
         An empty list is a normal answer. Raises :class:`InvalidVersionSpec` for a bad spec.
         """
         return self.index.find(name, version_spec, limit)
+
+    def live_capacity(self, now: Instant) -> LiveCapacity:
+        """What every pool can do now (:mod:`mesh.core.capacity`): an immutable snapshot,
+        rebuilt only when the live aggregate changed, plus the scale planner's retry hints."""
+        version, offers = self._live_offers
+        if version != self._live_version:
+            offers = {
+                key: tuple(LiveOffer(v, agents, free) for v, (agents, free) in versions.items())
+                for key, versions in self._live.items()
+            }
+            self._live_offers = (self._live_version, offers)
+        retry = {
+            deployment: eta
+            for deployment in self.scaling.deployments
+            if (eta := self.scaling.capacity_expected_in_s(deployment, now.mono)) is not None
+        }
+        return LiveCapacity(offers, retry, self._live_version)
 
     def status(self, now: Instant) -> list[AgentStatus]:
         out = []
@@ -233,6 +271,7 @@ class PoolCore:
             registered_at=now.mono,
             last_seen=now.mono,
             idle_since=now.mono,
+            reports_work=c.FEATURE_WORK_REPORTS in reg.features,
         )
         out += self._transition(agent, Trigger.REGISTER, now, "registration received")
         if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
@@ -309,7 +348,35 @@ class PoolCore:
         agent.last_seen = now.mono
         agent.last_heartbeat_at = now.mono
         agent.reported_in_flight = hb.in_flight
-        return []
+        agent.reported_draining = hb.draining
+        if hb.pool_in_flight == agent.pool_work and agent.state is not AgentState.DRAINING:
+            return []  # the common case: nothing changed
+        return self._take_work_report(agent, hb.pool_in_flight, now)
+
+    def _take_work_report(
+        self, agent: AgentRecord, reported: dict[str, int], now: Instant
+    ) -> list[Command]:
+        """The agent's pool tasks (a full count per capability) into its one count of work:
+        free slots, the Busy label, idleness and drain completion follow."""
+        before = agent.in_flight
+        work = {cap: n for cap, n in reported.items() if n > 0 and cap in agent.slots}
+        if work != agent.pool_work:
+            for cap, slot in agent.slots.items():
+                delta = work.get(cap, 0) - agent.pool_work.get(cap, 0)
+                slot.in_flight += delta
+                agent.in_flight += delta
+            agent.pool_work = work
+            self._refresh_availability(agent, before, agent.in_flight)
+        out: list[Command] = []
+        if before == 0 and agent.in_flight > 0 and agent.state is AgentState.READY:
+            out += self._transition(agent, Trigger.WORK, now, "pool work started")
+        elif before > 0 and agent.in_flight == 0:
+            agent.idle_since = now.mono
+            if agent.state is AgentState.BUSY:
+                out += self._transition(agent, Trigger.IDLE, now, "pool work finished")
+        if agent.state is AgentState.DRAINING and self._drained(agent):
+            out += self._finish_drain(agent, now)
+        return out
 
     def _ask_to_reregister(self, agent_id: str, now: Instant) -> list[Command]:
         self.counters["heartbeat_unknown_agent"] += 1
@@ -385,7 +452,7 @@ class PoolCore:
         out += self._transition(
             agent, trigger, now, reason, capability=lease.capability, lease=lease_id
         )
-        if draining and agent.in_flight == 0:
+        if draining and self._drained(agent):
             out += self._finish_drain(agent, now)
         return out
 
@@ -470,12 +537,19 @@ class PoolCore:
         self._refresh_availability(agent, agent.in_flight, agent.in_flight)
         self.counters["drained"] += 1
         out.append(SendToAgent(agent.agent_id, DrainNotice(agent_id=agent.agent_id, reason=reason)))
-        if agent.in_flight == 0:
+        if self._drained(agent):
             out += self._finish_drain(agent, now)
         return out
 
+    @staticmethod
+    def _drained(agent: AgentRecord) -> bool:
+        """Nothing in flight on either path — and, for an agent that reports its pool work,
+        its report says it takes no more pool tasks (else one it claimed just before the
+        drain could still be on its way)."""
+        return agent.in_flight == 0 and (agent.reported_draining or not agent.reports_work)
+
     def _finish_drain(self, agent: AgentRecord, now: Instant) -> list[Command]:
-        """Draining and nothing leased: Terminated, removed, and told it may exit."""
+        """Draining and nothing in flight: Terminated, removed, and told it may exit."""
         out = self._remove(agent, Trigger.DRAINED, now, "drained: nothing in flight")
         out.append(SendToAgent(agent.agent_id, DrainComplete(agent_id=agent.agent_id)))
         return out
@@ -500,6 +574,12 @@ class PoolCore:
     # ---- scaling -----------------------------------------------------------------------------
     def _on_scale_observed(self, event: ScaleObserved, now: Instant) -> list[Command]:
         self.scaling.observed(event.deployment, event.replicas)
+        return []
+
+    def _on_capacity_missed(self, event: CapacityMissed, now: Instant) -> list[Command]:
+        if self.scaling.manages(event.pool_id):
+            self.counters["admission_capacity_misses"] += 1
+            self.scaling.record_pool_miss(event.pool_id, now.mono)
         return []
 
     def _scale(self, now: Instant) -> list[Command]:
@@ -636,8 +716,10 @@ class PoolCore:
         return [AppendLog(entry)]
 
     def _change_load(self, agent: AgentRecord, slot: Slot, delta: int) -> None:
+        """A lease taken (+1) or given back (-1)."""
         before = agent.in_flight
         slot.in_flight += delta
+        slot.leased += delta
         agent.in_flight += delta
         self._refresh_availability(agent, before, agent.in_flight)
 
@@ -648,12 +730,39 @@ class PoolCore:
             for slot in agent.slots.values():
                 if slot.has_room:
                     self.index.make_available(slot, new_level)
+        self._count_live(agent)
+
+    def _count_live(self, agent: AgentRecord) -> None:
+        """Bring the agent's share of its pool's live capacity up to date: each slot adds one
+        agent and its concurrency not held by leases while the agent takes work, else
+        nothing. Only what changed is touched, so this costs O(the agent's capabilities)."""
+        taking_work = agent.state in ACQUIRABLE
+        for slot in agent.slots.values():
+            share = max(0, slot.max_concurrency - slot.leased) if taking_work else None
+            if share == slot.live:
+                continue
+            key = (agent.deployment, slot.capability)
+            versions = self._live.setdefault(key, {})
+            entry = versions.setdefault(slot.version, [0, 0])
+            if slot.live is not None:
+                entry[0] -= 1
+                entry[1] -= slot.live
+            if share is not None:
+                entry[0] += 1
+                entry[1] += share
+            slot.live = share
+            if entry[0] == 0:
+                del versions[slot.version]
+                if not versions:
+                    del self._live[key]
+            self._live_version += 1
 
     def _remove(
         self, agent: AgentRecord, trigger: Trigger, now: Instant, reason: str
     ) -> list[Command]:
         """Take an agent out of everything. The single removal path: index pruned here."""
         out = self._transition(agent, trigger, now, reason)
+        self._count_live(agent)  # Terminated: it adds nothing to its pool any more
         for slot in agent.slots.values():
             self.index.remove(slot, agent.in_flight)
             by_deployment = self._deployments_by_capability[slot.capability]
@@ -709,6 +818,7 @@ _LOG_KIND = {
     Trigger.REFUSE: "refused",
     Trigger.ACQUIRE: "acquired",
     Trigger.RELEASE: "released",
+    Trigger.WORK: "busy",
     Trigger.IDLE: "released",
     Trigger.DRAIN: "draining",
     Trigger.DRAINED: "terminated",

@@ -6,10 +6,13 @@ The planner is pure and lives inside the core; a scaler (Kubernetes, local
 processes) only carries its decisions out. Each managed deployment has a
 :class:`ScalingPolicy`; the core tells the planner about three things:
 
-* **capacity misses** — an acquire by capability found no agent with a free
-  slot (``NO_AGENT_AVAILABLE``), or none at all (``UNKNOWN_CAPABILITY``) for a
-  capability the policy lists. The first miss opens a window of ``window_s``;
-  the misses in it are *coalesced*.
+* **capacity misses** — on the lease path, an acquire by capability found no
+  agent with a free slot (``NO_AGENT_AVAILABLE``), or none at all
+  (``UNKNOWN_CAPABILITY``) for a capability the policy lists; on the admission
+  path, a request deferred because the pool was full (``CAPACITY``) or had no
+  live agent for the capability (``NO_LIVE_AGENT``). The first miss opens a
+  window of ``window_s``; the misses in it are *coalesced*, whichever path
+  they came from.
 * **observed replicas** — what the scaler reports (at start, and after each
   change it applied), so the planner knows the desired count.
 * **the registry** — on every tick, how many agents of the deployment are live
@@ -45,6 +48,7 @@ class ScalingPolicy:
     scale_up_step: int = 1
     window_s: float = 5.0
     scale_down_idle_s: float = 300.0
+    start_s: float = 5.0  # how long a new replica takes to register: the retry hint meanwhile
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -52,7 +56,12 @@ class ScalingPolicy:
                 f"{self.deployment}: need 0 <= min_replicas ({self.min_replicas}) "
                 f"<= max_replicas ({self.max_replicas})"
             )
-        if self.scale_up_step < 1 or self.window_s <= 0 or self.scale_down_idle_s <= 0:
+        if (
+            self.scale_up_step < 1
+            or self.window_s <= 0
+            or self.scale_down_idle_s <= 0
+            or self.start_s <= 0
+        ):
             raise ValueError(f"{self.deployment}: step >= 1 and positive durations required")
 
 
@@ -79,6 +88,8 @@ class _Pool:
     misses: int = 0
     window_opened_at: float | None = None
     last_change_at: float | None = None
+    short_since: float | None = None  # replicas were pending (desired > live) from then on
+    pending_in_window: bool = False  # some were pending while the open window coalesced
 
 
 class ScalePlanner:
@@ -114,6 +125,33 @@ class ScalePlanner:
             if pool.window_opened_at is None:
                 pool.window_opened_at = now
 
+    def record_pool_miss(self, deployment: str, now: float) -> None:
+        """A capacity miss of one pool (an admission deferred for its capacity or for want of
+        a live agent); ignored for a deployment without a policy."""
+        pool = self._pools.get(deployment)
+        if pool is None:
+            return
+        pool.misses += 1
+        if pool.window_opened_at is None:
+            pool.window_opened_at = now
+
+    def capacity_expected_in_s(self, deployment: str, now: float) -> float | None:
+        """When more capacity may arrive for ``deployment`` (the retry hint of a refusal for
+        its capacity); ``None`` without a policy. An estimate: the rest of an open window plus
+        a replica's start time; a replica asked for lately, the rest of its start time; else
+        a window (the miss being refused opens one) and a start. Replicas pending (fewer
+        live than desired: starting, or replacing one that left) are expected ``start_s``
+        after the planner first saw them missing."""
+        pool = self._pools.get(deployment)
+        if pool is None:
+            return None
+        policy = pool.policy
+        if pool.short_since is not None:  # replicas asked for (or replacing one) are starting
+            return max(0.5, pool.short_since + policy.start_s - now)
+        if pool.window_opened_at is not None:
+            return max(0.0, pool.window_opened_at + policy.window_s - now) + policy.start_s
+        return policy.window_s + policy.start_s
+
     def observed(self, deployment: str, replicas: int | None) -> None:
         pool = self._pools.get(deployment)
         if pool is not None and replicas is not None:
@@ -131,6 +169,7 @@ class ScalePlanner:
         for deployment, pool in self._pools.items():
             if pool.desired is None:
                 continue  # not observed yet: never guess a replica count
+            self._note_pending(pool, now, pool.desired - live.get(deployment, 0))
             decision = self._plan_one(pool, now, live.get(deployment, 0), idle.get(deployment, ()))
             if decision is not None:
                 pool.desired = decision.replicas
@@ -152,12 +191,25 @@ class ScalePlanner:
             return self._close_window(pool, desired, live)
         return self._maybe_scale_down(pool, now, desired, idle)
 
+    @staticmethod
+    def _note_pending(pool: _Pool, now: float, pending: int) -> None:
+        if pending <= 0:
+            pool.short_since = None
+            return
+        if pool.short_since is None:
+            pool.short_since = now
+        if pool.window_opened_at is not None:
+            pool.pending_in_window = True
+
     def _close_window(self, pool: _Pool, desired: int, live: int) -> ScaleDecision | None:
         policy, misses = pool.policy, pool.misses
-        pool.misses, pool.window_opened_at = 0, None
+        waited = pool.pending_in_window
+        pool.misses, pool.window_opened_at, pool.pending_in_window = 0, None, False
         pending = max(0, desired - live)
-        if pending > 0 or desired >= policy.max_replicas:
-            return None  # capacity is on its way, or we may not grow
+        if pending > 0 or waited or desired >= policy.max_replicas:
+            # Capacity is on its way, or came during the window (its misses were waiting
+            # for it: the next window tells whether it is enough), or we may not grow.
+            return None
         target = min(policy.max_replicas, desired + policy.scale_up_step)
         return ScaleDecision(
             policy.deployment,

@@ -13,14 +13,21 @@ it in a worker thread); time is a parameter. One admission:
 2. **Eligibility** (pure, :mod:`mesh.core.eligibility`) over the latest descriptor of every
    pool, the active epochs and the active policy generation. The record of which rule
    filtered which pool is kept for ``explain``.
-3. **Reserve.** Eligible pools are tried least-used first; ``ledger.prepare`` takes every
-   counter (model slot, sandbox, tool permits, the tenant's token budget) in one transaction
-   or nothing. Only shortage moves on to the next pool.
-4. **External grants** (resources outside the ledger) are requested in one global fixed order
+3. **Live agents.** Given the registry's :class:`~mesh.core.capacity.LiveCapacity` (the
+   manager always gives it), a pool with no live agent whose version of the capability is in
+   both the task's range and the descriptor's is skipped (``NO_LIVE_AGENT``), and every
+   reservation also takes the pool's ``live_slots:<capability>`` counter, which each batch
+   first brings up to the free concurrency of those agents. So a grant needs a slot the
+   descriptor allows *and* one a live agent can run; live capacity shrinking revokes
+   nothing, it only stops new grants until there is room.
+4. **Reserve.** Eligible pools are tried least-used first; ``ledger.prepare`` takes every
+   counter (model slot, live slot, sandbox, tool permits, the tenant's token budget) in one
+   transaction or nothing. Only shortage moves on to the next pool.
+5. **External grants** (resources outside the ledger) are requested in one global fixed order
    (by name), each a short-TTL provisional grant keyed by the admission ID. If any is refused,
    every grant taken so far is released, newest first, and the PREPARING reservation is
    cancelled — counters are conserved.
-5. **Activate** by compare-and-set on the fence → an :class:`AdmissionGrant`.
+6. **Activate** by compare-and-set on the fence → an :class:`AdmissionGrant`.
 
 Refusals are values: ``rejected`` when retrying the same request cannot help (no eligible
 pool, stale descriptor, conflict), ``deferred`` with ``retry_after_ms`` when capacity may free
@@ -50,6 +57,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from mesh.core.capacity import LIVE_SLOTS_PREFIX, LiveCapacity, live_slots_resource
 from mesh.core.eligibility import (
     MODEL_SLOTS,
     TENANT_TOKENS_PREFIX,
@@ -198,6 +206,13 @@ class _Batch:
     snapshots: dict[str, EligibilitySnapshot] = field(default_factory=dict)  # it stored
     granted: list[str] = field(default_factory=list)  # admission IDs counted on the board
     evicted: list[Eviction] = field(default_factory=list)
+    live_written: dict[tuple[str, str], int] = field(default_factory=dict)
+    live_checked: tuple[int, int] | None = None  # (live version, descriptors version) written
+    misses: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) deferred
+
+
+_MISS_REASONS = frozenset({AdmissionReason.CAPACITY, AdmissionReason.NO_LIVE_AGENT})
+"""Deferrals that are capacity misses for the pool's scaling policy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +260,11 @@ class Admitter:
     # Eligibility snapshots by ref: stored in the ledger, or read back from it (bounded).
     _snapshots: dict[str, EligibilitySnapshot] = field(default_factory=dict)
     _batch: _Batch | None = None  # while ``admit_many`` runs
+    _live: LiveCapacity | None = None  # the registry's view, while ``admit_many`` runs
+    # (pool, live_slots resource) -> the capacity last committed to the ledger
+    _live_written: dict[tuple[str, str], int] = field(default_factory=dict)
+    _live_checked: tuple[int, int] | None = None  # what _live_written is known to match
+    misses: list[tuple[str, str]] = field(default_factory=list)  # committed; drained by shell
 
     def __post_init__(self) -> None:
         self.pressure = PressureBoard(self.policy.pressure)
@@ -284,6 +304,14 @@ class Admitter:
         if usage is None:
             usage = self.ledger.usage()
         slots = {pool: held for (pool, resource), held in usage.items() if resource == MODEL_SLOTS}
+        live: dict[str, int] = {}  # what the pool's live agents can run, over its capabilities
+        for (pool, resource), (_, capacity) in usage.items():
+            if resource.startswith(LIVE_SLOTS_PREFIX):
+                live[pool] = live.get(pool, 0) + capacity
+        for pool, capacity in live.items():  # stages measure against the smaller capacity
+            if pool in slots:
+                used, described = slots[pool]
+                slots[pool] = (used, min(described, capacity))
         self.pressure.observe_usage(slots, now)
 
     # ---- descriptors ----------------------------------------------------------------------
@@ -420,18 +448,52 @@ class Admitter:
         self._budgets_set.add(tenant)
 
     # ---- admission ------------------------------------------------------------------------
-    def admit(self, request: AdmissionRequest, tenant: str, now: float) -> AdmissionDecision:
+    def admit(
+        self,
+        request: AdmissionRequest,
+        tenant: str,
+        now: float,
+        live: LiveCapacity | None = None,
+    ) -> AdmissionDecision:
         """Decide one request (one ledger transaction)."""
-        (decision,) = self.admit_many([(request, tenant)], now)
+        (decision,) = self.admit_many([(request, tenant)], now, live)
         return decision
 
     def admit_many(
-        self, requests: Sequence[tuple[AdmissionRequest, str]], now: float
+        self,
+        requests: Sequence[tuple[AdmissionRequest, str]],
+        now: float,
+        live: LiveCapacity | None = None,
     ) -> list[AdmissionDecision]:
         """Decide ``(request, authenticated tenant)`` pairs in order, in one ledger
-        transaction (group commit); one decision each, in the same order."""
+        transaction (group commit); one decision each, in the same order.
+
+        ``live``: the registry's live capacity (the manager always passes it). ``None``
+        leaves it out — the descriptors and the ledger alone decide, as for a caller that
+        tracks no agents (the ledger's own tests and benchmarks)."""
         if not requests:
             return []
+        self._live = live
+        try:
+            return self._admit_many(requests, now)
+        finally:
+            self._live = None
+
+    def sync_live(self, live: LiveCapacity, now: float) -> None:
+        """Bring the ledger's live-slot capacities up to ``live`` without deciding anything
+        (every tick: so the ledger, ``mesh status`` and the pressure stages show the pool's
+        live figure even while no admission comes). One transaction, only if one changed."""
+        if (live.version, self._descriptors_version) == self._live_checked:
+            return
+        self._live = live
+        try:
+            self._in_one_transaction([], now, planned=False)
+        finally:
+            self._live = None
+
+    def _admit_many(
+        self, requests: Sequence[tuple[AdmissionRequest, str]], now: float
+    ) -> list[AdmissionDecision]:
         try:
             return self._in_one_transaction(requests, now, planned=True)
         except StoreError as exc:
@@ -456,10 +518,14 @@ class Admitter:
         """``planned``: let the ledger read the IDs' rows up front and write in bulk (its
         fast path); the one-by-one retry after a failed batch takes the plain path."""
         batch = self._batch = _Batch()
+
+        def work() -> list[AdmissionDecision]:
+            self._write_live()
+            return [self._admit(request, tenant, now) for request, tenant in requests]
+
         try:
             decisions = self.ledger.batch(
-                lambda: [self._admit(request, tenant, now) for request, tenant in requests],
-                plan=[request.admission_id for request, _ in requests] if planned else (),
+                work, plan=[request.admission_id for request, _ in requests] if planned else ()
             )
         except BaseException:
             for grantor, admission_id, grant_id in reversed(batch.external):
@@ -477,7 +543,44 @@ class Admitter:
         for ref, snapshot in batch.snapshots.items():
             self._known_snapshot(ref, snapshot)
         self.evictions += batch.evicted
+        self._live_written.update(batch.live_written)
+        if batch.live_checked is not None:
+            self._live_checked = batch.live_checked
+        self.misses += batch.misses
         return decisions
+
+    def drain_misses(self) -> list[tuple[str, str]]:
+        """``(pool, reason)`` of the capacity deferrals committed since the last call (the
+        shell tells the scale planner)."""
+        misses, self.misses = self.misses, []
+        return misses
+
+    def _live_targets(self, live: LiveCapacity) -> dict[tuple[str, str], int]:
+        """The live-slot capacities ``live`` asks of the ledger that it does not hold yet:
+        per described pool and capability, the free concurrency of the live agents whose
+        version the descriptor's range covers."""
+        out = {}
+        for pool_id, descriptor in self.descriptors.items():
+            for offered in descriptor.capabilities:
+                key = (pool_id, live_slots_resource(offered.name))
+                free = live.free(pool_id, offered.name, offered.version_spec)
+                if self._live_written.get(key) != free:
+                    out[key] = free
+        return out
+
+    def _write_live(self) -> None:
+        """In the current transaction: the ledger's live-slot capacities as the registry
+        says (remembered as written once it commits)."""
+        live, batch = self._live, self._batch
+        if live is None or batch is None:
+            return
+        checked = (live.version, self._descriptors_version)
+        if checked == self._live_checked:
+            return  # neither the registry nor the descriptors changed since the last write
+        for (pool_id, resource), capacity in sorted(self._live_targets(live).items()):
+            self.ledger.set_capacity(pool_id, resource, capacity)
+            batch.live_written[(pool_id, resource)] = capacity
+        batch.live_checked = checked
 
     def drain_evictions(self) -> list[Eviction]:
         """The evictions committed since the last call (the shell revokes their grants)."""
@@ -653,41 +756,23 @@ class Admitter:
         req = request.requirements
         first: tuple[str, Shed] | None = None  # why the most preferred pool said no
         tried = False
+        missed: list[tuple[str, str]] = []  # pools refused for capacity or no live agent
         for pool_id, fallback_for in self._pools(req, eligibility):
             tried = True
-            shed = self.pressure.check(
-                pool_id, tenant, req.service_class, req.priority, req.estimated_duration_s,
-                req.deadline, now, _run_of(req.run_id, tenant),
-            )  # fmt: skip
-            if shed is not None:
-                first = first or (pool_id, shed)
+            gated = self._gate(pool_id, req, tenant, now)
+            if gated is not None:
+                first = first or (pool_id, gated)
+                if gated.reason == AdmissionReason.NO_LIVE_AGENT:
+                    missed.append((pool_id, gated.reason))
                 continue
-            items = [
-                (TENANT_POOL if resource.startswith("tenant_tokens:") else pool_id, resource, n)
-                for resource, n in reservation_items(req, tenant)
-            ]
-            prepared = self._prepare(request, digest, items, pool_id, now)
-            if _short_of_slots(prepared) and self._evict_for(request, tenant, pool_id, now):
-                prepared = self._prepare(request, digest, items, pool_id, now)
+            prepared = self._reserve(request, tenant, digest, pool_id, now)
             if isinstance(prepared, Prepared):
-                # The tools a lease names (none to name without a signer).
-                tools = [t.name for t in req.required_tools] if self.lease_signer else []
-                if prepared.replayed:  # reserved before, by a manager that stopped mid-way
-                    decision = self._replay(prepared.reservation, now, tools)
-                elif prepared.reservation.state == "ACTIVE":
-                    decision = self._admitted(
-                        prepared.reservation, [], fallback_for, tools=tools, now=now
-                    )
-                else:
-                    decision = self._take_external_then_activate(
-                        prepared.reservation, now, fallback_for, tools=tools
-                    )
-                if decision.outcome == "admitted":
-                    self._count_grant(request.admission_id, pool_id, req, tenant, now)
-                return decision
+                return self._granted(request, tenant, pool_id, fallback_for, prepared, now)
             if prepared.reason is LedgerReason.CONFLICT:
                 return _refused(request.admission_id, AdmissionReason.CONFLICT, prepared.detail)
             first = first or (pool_id, Shed(prepared.reason.value, prepared.detail, 1))
+            if prepared.reason is LedgerReason.CAPACITY:
+                missed.append((pool_id, AdmissionReason.CAPACITY.value))
             if prepared.reason is LedgerReason.TENANT_BUDGET:
                 break  # the budget is the tenant's, whichever pool
         if not tried:  # no primary: nothing for a fallback to stand in for
@@ -698,16 +783,93 @@ class Admitter:
                 f"an eligible primary pool ({', '.join(eligibility.eligible)})",
             )
         assert first is not None  # every pool tried said why not
-        return self._deferred(request, tenant, first[0], first[1], now)
+        decision = self._deferred(request, tenant, first[0], first[1], now)
+        if decision.outcome == "deferred" and self._batch is not None:
+            self._batch.misses += missed
+        return decision
+
+    def _gate(self, pool_id: str, req: TaskRequirements, tenant: str, now: float) -> Shed | None:
+        """Why ``pool_id`` may not take the request before the ledger is asked: no live agent
+        for it, or the pool's pressure stage sheds it (``None``: ask the ledger)."""
+        return self._no_live_agent(pool_id, req) or self.pressure.check(
+            pool_id, tenant, req.service_class, req.priority, req.estimated_duration_s,
+            req.deadline, now, _run_of(req.run_id, tenant),
+        )  # fmt: skip
+
+    def _reserve(
+        self, request: AdmissionRequest, tenant: str, digest: str, pool_id: str, now: float
+    ) -> Prepared | Refused:
+        """Every counter the request takes in ``pool_id``, or none; short of a slot, once
+        more after evicting a recoverable lower-ranked grant if there is one."""
+        req = request.requirements
+        items = [
+            (TENANT_POOL if resource.startswith("tenant_tokens:") else pool_id, resource, n)
+            for resource, n in reservation_items(req, tenant)
+        ]
+        if self._live is not None:
+            items.append((pool_id, live_slots_resource(req.capability.name), 1))
+        prepared = self._prepare(request, digest, items, pool_id, now)
+        if _short_of_slots(prepared) and self._evict_for(request, tenant, pool_id, now):
+            prepared = self._prepare(request, digest, items, pool_id, now)
+        return prepared
+
+    def _granted(
+        self,
+        request: AdmissionRequest,
+        tenant: str,
+        pool_id: str,
+        fallback_for: str | None,
+        prepared: Prepared,
+        now: float,
+    ) -> AdmissionDecision:
+        """The decision for a reservation the ledger prepared: replayed, activated with it,
+        or activated once the external grants are taken."""
+        req = request.requirements
+        # The tools a lease names (none to name without a signer).
+        tools = [t.name for t in req.required_tools] if self.lease_signer else []
+        if prepared.replayed:  # reserved before, by a manager that stopped mid-way
+            decision = self._replay(prepared.reservation, now, tools)
+        elif prepared.reservation.state == "ACTIVE":
+            decision = self._admitted(prepared.reservation, [], fallback_for, tools=tools, now=now)
+        else:
+            decision = self._take_external_then_activate(
+                prepared.reservation, now, fallback_for, tools=tools
+            )
+        if decision.outcome == "admitted":
+            self._count_grant(request.admission_id, pool_id, req, tenant, now)
+        return decision
+
+    def _no_live_agent(self, pool_id: str, req: TaskRequirements) -> Shed | None:
+        """``NO_LIVE_AGENT`` if no live agent of the pool offers the capability at a version in
+        both the task's range and the descriptor's (``None``: one does, or no live view)."""
+        live = self._live
+        if live is None:
+            return None
+        name = req.capability.name
+        described = next(
+            (c.version_spec for c in self.descriptors[pool_id].capabilities if c.name == name),
+            ">=0",
+        )
+        if live.agents(pool_id, name, req.capability.version_spec, described) > 0:
+            return None
+        return Shed(
+            AdmissionReason.NO_LIVE_AGENT.value,
+            f"{pool_id} has no live agent offering {name} {req.capability.version_spec} "
+            f"(its descriptor allows {described}): none registered, or all draining or lost",
+            None,
+        )
 
     def _deferred(
         self, request: AdmissionRequest, tenant: str, pool_id: str, why: Shed, now: float
     ) -> AdmissionDecision:
-        """A refusal with a retry time from the pool's drain rate — or, when coming back
-        cannot meet the deadline, ``DEADLINE_UNREACHABLE`` at once."""
+        """A refusal with a retry time from the pool's drain rate (for want of a live agent:
+        from the pool's pending scale-up) — or, when coming back cannot meet the deadline,
+        ``DEADLINE_UNREACHABLE`` at once."""
         req = request.requirements
         retry_ms = None
-        if why.slots_to_free is not None:
+        if why.reason == AdmissionReason.NO_LIVE_AGENT:
+            retry_ms = self._no_agent_retry_ms(pool_id, req.deadline, now)
+        elif why.slots_to_free is not None:
             retry_ms = self.pressure.retry_after_ms(
                 pool_id, tenant, why.slots_to_free, req.estimated_duration_s, req.deadline, now,
                 self.rand,
@@ -731,6 +893,19 @@ class Admitter:
             retry_after_ms=retry_ms,
             allowed_degradations=list(req.allowed_degradations),
         )
+
+    def _no_agent_retry_ms(self, pool_id: str, deadline: float | None, now: float) -> int | None:
+        """When an agent may be live in ``pool_id``: the scale planner's estimate where the
+        pool has a scaling policy, else the default retry time; ``None`` past the deadline."""
+        expected_s = self._live.retry_s.get(pool_id) if self._live is not None else None
+        if expected_s is None:
+            wait_ms = float(self.policy.pressure.retry_default_ms)
+        else:
+            wait_ms = 1000.0 * expected_s
+        wait_ms *= 1.0 + 0.2 * self.rand()  # spread the producers' returns
+        if deadline is not None and now + wait_ms / 1000.0 >= deadline:
+            return None
+        return max(1, round(wait_ms))
 
     def _prepare(
         self,
@@ -954,7 +1129,10 @@ def _run_of(run_id: str | None, tenant: str) -> str | None:
 
 
 def _short_of_slots(prepared: Prepared | Refused) -> bool:
-    return isinstance(prepared, Refused) and prepared.resource == MODEL_SLOTS
+    """Short of a model slot or a live agent's slot: what evicting a grant of the pool frees."""
+    return isinstance(prepared, Refused) and (
+        prepared.resource == MODEL_SLOTS or (prepared.resource or "").startswith(LIVE_SLOTS_PREFIX)
+    )
 
 
 def _estimate(requirements: TaskRequirements) -> dict[str, Any]:

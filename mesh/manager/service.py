@@ -36,10 +36,13 @@ from functools import partial
 from typing import Any, TypeVar
 
 from mesh import constants as c
+from mesh.core.capacity import LiveCapacity, live_slots_resource
+from mesh.core.eligibility import MODEL_SLOTS
 from mesh.core.events import (
     AcquireRequested,
     Announce,
     AppendLog,
+    CapacityMissed,
     Command,
     ConnectionLost,
     ConnectionRestored,
@@ -49,6 +52,7 @@ from mesh.core.events import (
     Event,
     FenceAgent,
     FindRequested,
+    Instant,
     LogEntry,
     RegistrationReceived,
     ReleaseRequested,
@@ -81,7 +85,8 @@ from mesh.manager.settings import ManagerSettings, open_ledger
 from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import DEFAULT_EXCHANGE, AmqpTransport, Delivery
+from mesh.transport.amqp import AmqpTransport
+from mesh.transport.delivery import DEFAULT_EXCHANGE, Delivery
 from mesh.transport.ports import ManagerTransport, Subscription
 from mesh.wire.admission import (
     AdmissionDecision,
@@ -106,6 +111,7 @@ from mesh.wire.models import (
     LeaseGranted,
     Message,
     OrchestrationEvent,
+    PoolCapacity,
     Refusal,
     RegistrationRefused,
     ReleaseRequest,
@@ -179,6 +185,7 @@ class ManagerService:
         self._epochs_announced_at = float("-inf")  # monotonic; announced on the first tick
         self._pool_slots: dict[str, int] = {}  # the model slots each pool queue is bound to
         self._pool_queues_polled_at = float("-inf")  # monotonic
+        self._usage: Usage | None = None  # the ledger's counters as the last tick read them
         self._admissions: GroupCommit[tuple[AdmissionRequest, str], AdmissionDecision] = (
             GroupCommit(
                 self._admit_batch,
@@ -490,7 +497,33 @@ class ManagerService:
             uptime_s=now.mono - self._started_at,
             agents=self.core.status(now),
             counters=dict(sorted(counters.items())),
+            pools=self._pool_capacities(now),
         )
+
+    def _pool_capacities(self, now: Instant) -> list[PoolCapacity]:
+        """Per described pool and capability: the registry's live figure and the ledger's
+        counts as the last tick read them (how capacity is counted, docs/admission.md)."""
+        if self.admitter is None:
+            return []
+        live = self.core.live_capacity(now)
+        usage = self._usage or {}
+        out = []
+        for pool_id, descriptor in sorted(self.admitter.descriptors.items()):
+            model = usage.get((pool_id, MODEL_SLOTS))
+            for offered in descriptor.capabilities:
+                held = usage.get((pool_id, live_slots_resource(offered.name)))
+                out.append(
+                    PoolCapacity(
+                        pool_id=pool_id,
+                        capability=offered.name,
+                        live_agents=live.agents(pool_id, offered.name, offered.version_spec),
+                        live_slots=live.free(pool_id, offered.name, offered.version_spec),
+                        granted=None if held is None else held[0],
+                        model_slots=None if model is None else model[1],
+                        model_slots_granted=None if model is None else model[0],
+                    )
+                )
+        return out
 
     async def _feed(self, event: Event, request: Delivery | None = None) -> None:
         commands = self.core.handle(event, self.clock.now())
@@ -620,9 +653,12 @@ class ManagerService:
         admitter = self.admitter
         if admitter is None:
             raise LocalProtocolError("the manager is not started")
-        now = self.clock.now().wall
-        decisions = await self._on_ledger(admitter.admit_many, requests, now)
+        at = self.clock.now()
+        now = at.wall
+        decisions = await self._on_ledger(admitter.admit_many, requests, now, self._live(at))
         self.counters["admission_batches"] += 1
+        for pool_id, reason in admitter.drain_misses():  # capacity misses for the scaler
+            self.core.handle(CapacityMissed(pool_id, reason), at)
         entries = []
         for (request, tenant), decision in zip(requests, decisions, strict=True):
             self.counters[f"admission.{decision.outcome}"] += 1
@@ -661,6 +697,13 @@ class ManagerService:
                 victim.pool_id, victim.admission_id, victim.fence, "RELEASED", now, evicted=True
             )
         return decisions
+
+    def _live(self, now: Instant) -> LiveCapacity | None:
+        """The registry's live capacity for admission (``None``: the descriptors alone bound
+        it, ``admission_capacity="descriptor"``)."""
+        if self.settings.admission_capacity != "live":
+            return None
+        return self.core.live_capacity(now)
 
     async def _revoke_admission(
         self, admitter: Admitter, message: AdmissionRevoke, request: Delivery, now: float
@@ -781,7 +824,7 @@ class ManagerService:
     async def _observe_tick(self) -> None:
         usage = None
         if self.admitter is not None:
-            usage = await self._on_ledger(self.admitter.ledger.usage)
+            usage = self._usage = await self._on_ledger(self.admitter.ledger.usage)
         await self.observer.tick(usage)
         if self.admitter is not None and usage is not None:
             await self._observe_pressure(self.admitter, usage)
@@ -910,6 +953,9 @@ class ManagerService:
         due = self.clock.now().mono - self._epochs_announced_at
         if adopted or due >= self.settings.epoch_announce_interval_s:
             await self._announce_epochs(list(self.admitter.descriptors.values()))
+        live = self._live(self.clock.now())
+        if live is not None:
+            await self._on_ledger(self.admitter.sync_live, live, self.clock.now().wall)
         expired = await self._on_ledger(self.admitter.expire, self.clock.now().wall)
         # WAL checkpoints off the commit path, on the worker thread (own connections).
         await self._in_ledger_thread(self.admitter.ledger.maintain)

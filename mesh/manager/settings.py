@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -65,6 +65,11 @@ class ManagerSettings:
     # blackholed path is noticed within two intervals; the AMQP heartbeat alone takes
     # minutes at RabbitMQ's default). None: off.
     liveness_probe_s: float | None = None
+    # What bounds admission in a pool: "live", the smaller of its descriptor's limits and the
+    # free concurrency of its live agents (no live agent, no grant); "descriptor", the
+    # descriptor's limits alone — for several managers sharing one PostgreSQL ledger, each of
+    # which sees only the agents that registered with it until the registry is sharded.
+    admission_capacity: Literal["live", "descriptor"] = "live"
 
 
 _POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)

@@ -59,6 +59,7 @@ class AdmissionReason(StrEnum):
 
     NO_ELIGIBLE_POOL = "NO_ELIGIBLE_POOL"
     CAPACITY = "CAPACITY"
+    NO_LIVE_AGENT = "NO_LIVE_AGENT"  # no Ready agent of the pool offers it now: retry later
     TENANT_BUDGET = "TENANT_BUDGET"
     STALE_EPOCH = "STALE_EPOCH"
     STALE_GENERATION = "STALE_GENERATION"

@@ -163,7 +163,17 @@ class Heartbeat(Message):
     incarnation: Identifier
     seq: int = Field(ge=0)
     in_flight: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict, max_length=64)
-    draining: bool = False
+    pool_in_flight: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Of in_flight, the tasks from the pool's shared queue (granted) that have "
+        "started, per capability: the manager adds them to the agent's leased slots, its one "
+        "count of work. A full count each time, never a delta.",
+    )
+    draining: bool = Field(
+        default=False,
+        description="The agent takes no more pool tasks (its pool consumer is stopped).",
+    )
     sent_at: Timestamp
 
 
@@ -492,8 +502,23 @@ class AgentStatus(WireModel):
     registered_age_s: float
 
 
+class PoolCapacity(WireModel):
+    """One described pool's capability as admission counts it (``mesh status``)."""
+
+    pool_id: str
+    capability: str
+    live_agents: int = Field(description="Ready and Busy agents offering it, in range.")
+    live_slots: int = Field(description="Their concurrency not held by leases.")
+    granted: int | None = Field(
+        default=None, description="Grants holding a live slot (the ledger's count)."
+    )
+    model_slots: int | None = Field(default=None, description="The descriptor's limit.")
+    model_slots_granted: int | None = None
+
+
 class StatusReply(Message):
-    """Manager -> client: every agent the manager knows, and its counters."""
+    """Manager -> client: every agent the manager knows, its counters, and what each
+    described pool can grant."""
 
     TYPE = "mesh.status-reply.v1"
     type: Literal["mesh.status-reply.v1"] = "mesh.status-reply.v1"
@@ -501,6 +526,7 @@ class StatusReply(Message):
     uptime_s: float
     agents: list[AgentStatus]
     counters: dict[str, int]
+    pools: list[PoolCapacity] = Field(default_factory=list)
 
 
 CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (

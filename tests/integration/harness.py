@@ -14,6 +14,7 @@ from typing import Any
 
 from mesh import constants as c
 from mesh.core.pool import PoolSettings
+from mesh.errors import MeshError
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.scaler.local import LocalProcessScaler, sample_command
@@ -24,6 +25,7 @@ from mesh.wire import (
     Capability,
     Heartbeat,
     Message,
+    ReRegisterRequest,
     decode,
     encode,
 )
@@ -67,8 +69,13 @@ async def eventually(
 
 
 def echo_capability(version: str = "1.0.0", max_concurrency: int = 2) -> Capability:
+    return offered("test.echo", version, max_concurrency)
+
+
+def offered(name: str, version: str, max_concurrency: int) -> Capability:
+    """A capability as an agent offers it (any object in, any object out)."""
     return Capability(
-        name="test.echo",
+        name=name,
         version=version,
         input_schema={"type": "object"},
         output_schema={"type": "object"},
@@ -91,6 +98,7 @@ class RawAgent:
         deployment: str = "raw",
         user_id: str | None = None,
         features: list[str] | None = None,
+        answers_reregister: bool = False,
     ) -> None:
         self.transport = transport
         self.topology = topology
@@ -102,8 +110,12 @@ class RawAgent:
         self.inbox: list[Message] = []
         self.seq = 0
         self.user_id = user_id  # signs registrations and heartbeats (RabbitMQ validates it)
-        self.features = list(c.AGENT_FEATURES) if features is None else features
+        # By default it does not report pool work (no ``work-reports``): its drains complete
+        # on its leases alone.
+        self.features = [c.FEATURE_DESCRIPTOR_EPOCHS] if features is None else features
         self._beating: asyncio.Task[None] | None = None
+        self.answers_reregister = answers_reregister  # registers again when asked to
+        self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.transport.declare(self.topology.agent(self.agent_id, 8))
@@ -112,7 +124,12 @@ class RawAgent:
         )
 
     async def _on_control(self, delivery: Delivery) -> None:
-        self.inbox.append(decode(delivery.body))
+        message = decode(delivery.body)
+        self.inbox.append(message)
+        if self.answers_reregister and isinstance(message, ReRegisterRequest):
+            task = asyncio.create_task(self.register())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def received(self, cls: type[Message]) -> list[Message]:
         return [m for m in self.inbox if isinstance(m, cls)]
@@ -154,7 +171,10 @@ class RawAgent:
     def start_heartbeats(self) -> None:
         async def beat() -> None:
             while True:
-                await self.heartbeat()
+                try:
+                    await self.heartbeat()
+                except MeshError:  # the transport closed under it: the test is over
+                    return
                 await asyncio.sleep(self.interval_s)
 
         self._beating = asyncio.create_task(beat())
@@ -164,6 +184,33 @@ class RawAgent:
             self._beating.cancel()
             await asyncio.gather(self._beating, return_exceptions=True)
             self._beating = None
+
+
+async def live_member(
+    manager: ManagerService,
+    transport: AmqpTransport,
+    agent_id: str,
+    pool: str,
+    capability: Capability,
+) -> RawAgent:
+    """A registered, heartbeating agent of ``pool`` offering ``capability``: live capacity
+    for admission tests whose subject is not the agents (it registers again after a manager
+    restart, and takes no task: what is granted to it stays in the pool's queue)."""
+    agent = RawAgent(
+        transport,
+        manager.topology,
+        agent_id,
+        deployment=pool,
+        capabilities=[capability],
+        answers_reregister=True,
+    )
+    await agent.start()
+    await agent.register()
+    agent.start_heartbeats()
+    await eventually(
+        lambda: agent_id in manager.core.agents, what=f"{agent_id} registered in pool {pool}"
+    )
+    return agent
 
 
 def management_url(management_api: Any, amqp_url: str) -> str:

@@ -54,6 +54,9 @@ async def main(config: dict[str, Any]) -> None:
             active_generation=config["active_generation"], grant_ttl_s=config["grant_ttl_s"]
         ),
         operator_user=config["operator_user"],
+        # Several managers share the ledger and each sees only the agents that registered
+        # with it (the registry is not sharded yet), so the descriptors alone bound admission.
+        admission_capacity="descriptor",
     )
     ledger = PostgresLedger(config["dsn"], schema=config["schema"], application_name=manager_id)
 

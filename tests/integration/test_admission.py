@@ -19,6 +19,7 @@ from mesh.manager.admission import AdmissionPolicy
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.topology import Topology
+from mesh.transport import AmqpTransport
 from mesh.wire import (
     AdmissionDecision,
     AdmissionReason,
@@ -29,7 +30,7 @@ from mesh.wire import (
     Refusal,
 )
 
-from .harness import manager_settings, start_manager
+from .harness import eventually, live_member, manager_settings, offered, start_manager
 
 # The sample's deadline is in 2023: wall-clock tests ask without one.
 REQUIREMENTS = SAMPLE_REQUIREMENTS.model_copy(update={"deadline": None})
@@ -49,12 +50,20 @@ def settings_for(amqp_url: str, namespace: str, tmp_path: Path, **changes: Any) 
     return replace(base, **{"operator_user": "guest", "admission": policy, **changes})
 
 
+RAG_AGENT = offered("rag.search", "2.1.0", max_concurrency=64)  # what DESCRIPTOR's pool runs
+
+
 @pytest.fixture
 async def admission_manager(
     amqp_url: str, namespace: str, tmp_path: Path
 ) -> AsyncIterator[ManagerService]:
+    """A manager, and a live agent in the sample descriptor's pool (``rag-eu``): admission
+    grants only what live agents can run."""
     service = await start_manager(settings_for(amqp_url, namespace, tmp_path))
+    transport = await AmqpTransport.connect(amqp_url, name="rag-eu-agent")
+    await live_member(service, transport, "rag-eu-1", "rag-eu", RAG_AGENT)
     yield service
+    await transport.close()
     await service.stop()
 
 
@@ -154,7 +163,9 @@ async def test_a_restarted_manager_recovers_every_active_reservation_and_never_d
     settings = settings_for(amqp_url, namespace, tmp_path)
     first = await start_manager(settings)
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    transport = await AmqpTransport.connect(amqp_url, name="rag-eu-agent")
     try:
+        await live_member(first, transport, "rag-eu-1", "rag-eu", RAG_AGENT)
         await client.publish_descriptor(fresh())
         grants = [await client.admit(REQUIREMENTS, admission_id=f"adm-{i}") for i in range(4)]
         assert [g.outcome for g in grants] == ["admitted"] * 4  # 4 sandboxes: all taken
@@ -163,6 +174,8 @@ async def test_a_restarted_manager_recovers_every_active_reservation_and_never_d
         second = await start_manager(settings)
         try:
             await client.publish_descriptor(fresh())  # the operator republishes after restart
+            # The registry is in memory: the agent is asked to register again, and does.
+            await eventually(lambda: "rag-eu-1" in second.core.agents, what="re-registration")
             replayed = await client.admit(REQUIREMENTS, admission_id="adm-0")
             assert replayed.grant == grants[0].grant  # recovered from the store
             extra = await client.admit(REQUIREMENTS, admission_id="adm-4")
@@ -172,6 +185,7 @@ async def test_a_restarted_manager_recovers_every_active_reservation_and_never_d
         finally:
             await second.stop()
     finally:
+        await transport.close()
         await client.close()
 
 

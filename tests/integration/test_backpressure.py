@@ -30,10 +30,11 @@ from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.topology import Topology
+from mesh.transport import AmqpTransport
 from mesh.wire import AdmissionDecision, CapabilityRange, TaskRequirements
 from mesh.wire.admission import ModelLimits
 
-from .harness import eventually, start_manager
+from .harness import echo_capability, eventually, live_member, start_manager
 from .test_admission import fresh, settings_for
 
 ECHO = CapabilityRange(name="test.echo", version_spec=">=1,<2")
@@ -102,8 +103,12 @@ async def pool_mesh(
     *,
     slots: int,
     agents: int,
+    members: int = 0,
     pressure: PressurePolicy | None = None,
 ) -> AsyncIterator[PoolMesh]:
+    """A manager, a producer, ``agents`` SDK echo agents of pool ``echo``, and ``members``
+    raw agents of the pool that register and heartbeat but never take a task (live capacity
+    whose grants stay in the pool's queue: a stuck consumer)."""
     parts = urlsplit(management_api.base_url)
     amqp = urlsplit(amqp_url)
     policy = AdmissionPolicy(
@@ -126,7 +131,10 @@ async def pool_mesh(
         for i in range(agents)
     ]
     mesh = PoolMesh(manager, producer, runtimes, Topology(namespace=namespace), slots)
+    raw = await AmqpTransport.connect(amqp_url, name="echo-members")
     try:
+        for i in range(members):
+            await live_member(manager, raw, f"echo-stuck-{i}", "echo", echo_capability("1.0.0", 8))
         accepted = await producer.publish_descriptor(echo_descriptor(slots))
         assert accepted.type == "mesh.descriptor-accepted.v1", accepted
         for runtime in runtimes:
@@ -140,6 +148,7 @@ async def pool_mesh(
     finally:
         for runtime in runtimes:
             await runtime.stop()
+        await raw.close()
         for client in mesh.clients:
             await client.close()
         await producer.close()
@@ -177,7 +186,9 @@ async def test_a_full_pool_queue_nacks_the_producer_and_every_grant_is_given_bac
     """The ledger keeps the queue below its bound; tasks published around it (here by hand)
     fill it; then a granted task is nacked: ``QUEUE_FULL``, the grant settled, retried until
     the deadline, which raises with the last reason code. Nothing is dropped silently."""
-    async with pool_mesh(amqp_url, namespace, tmp_path, management_api, slots=2, agents=0) as mesh:
+    async with pool_mesh(
+        amqp_url, namespace, tmp_path, management_api, slots=2, agents=0, members=1
+    ) as mesh:
         transport = mesh.producer.transport
         accepted = 0
         with pytest.raises(PublishNacked):
@@ -410,8 +421,9 @@ async def refused_retry_instants(
 ) -> list[float]:
     """Fill a 2-slot pool, then let 80 producers ask at once; when would each come back?"""
     async with pool_mesh(
-        amqp_url, namespace, tmp_path, management_api, slots=2, agents=0, pressure=policy
-    ) as mesh:
+        amqp_url, namespace, tmp_path, management_api, slots=2, agents=0, members=1,
+        pressure=policy,
+    ) as mesh:  # fmt: skip
         for i in range(2):
             held = await mesh.producer.admit(echo_requirements(), admission_id=f"hold-{i}")
             assert held.outcome == "admitted"
@@ -564,7 +576,10 @@ async def test_a_cross_region_fallback_is_granted_over_the_broker_only_when_the_
     policy = AdmissionPolicy(active_generation=DESCRIPTOR.policy_generation, grant_ttl_s=60)
     manager = await start_manager(settings_for(amqp_url, namespace, tmp_path, admission=policy))
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="regions")
+    raw = await AmqpTransport.connect(amqp_url, name="region-members")
     try:
+        for pool_id in ("eu", "us"):
+            await live_member(manager, raw, f"{pool_id}-1", pool_id, echo_capability("1.0.0", 4))
         limits = ModelLimits(context_tokens=8_000, max_output_tokens=1_000, slots=1)
         for pool_id, region in (("eu", "eu-west-1"), ("us", "us-east-1")):
             pool = fresh(
@@ -586,5 +601,6 @@ async def test_a_cross_region_fallback_is_granted_over_the_broker_only_when_the_
         assert move.grant is not None
         assert (move.grant.pool_id, move.grant.fallback_for) == ("us", "eu")
     finally:
+        await raw.close()
         await client.close()
         await manager.stop()

@@ -15,9 +15,10 @@ import pytest
 
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
+from mesh.transport import AmqpTransport
 
-from .harness import start_manager
-from .test_admission import REQUIREMENTS, fresh, settings_for
+from .harness import live_member, start_manager
+from .test_admission import RAG_AGENT, REQUIREMENTS, fresh, settings_for
 
 
 def mesh(
@@ -106,7 +107,9 @@ async def manager_with_history(
     )
     service = await start_manager(settings)
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="cli-test")
+    transport = await AmqpTransport.connect(amqp_url, name="rag-eu-agent")
     try:
+        await live_member(service, transport, "rag-eu-1", "rag-eu", RAG_AGENT)
         await client.publish_descriptor(fresh())
         await client.publish_descriptor(fresh(pool_id="rag-us", regions=["us-east-1"]))
         granted = await client.admit(REQUIREMENTS, admission_id="adm-granted")
@@ -116,6 +119,7 @@ async def manager_with_history(
     finally:
         await client.close()
     yield service
+    await transport.close()
     try:
         await asyncio.wait_for(service.stop(), 30)
     except TimeoutError:

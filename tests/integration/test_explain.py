@@ -23,6 +23,7 @@ from unit.samples import DESCRIPTOR
 from mesh.core.eligibility import RULE_NAMES, EligibilityResult, check_eligibility
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
+from mesh.transport import AmqpTransport
 from mesh.wire import (
     AdmissionReason,
     CapabilityDescriptor,
@@ -35,8 +36,8 @@ from mesh.wire import (
     TenantIsolation,
 )
 
-from .harness import start_manager
-from .test_admission import REQUIREMENTS, fresh, settings_for
+from .harness import live_member, start_manager
+from .test_admission import RAG_AGENT, REQUIREMENTS, fresh, settings_for
 
 ROLLOUT_EPOCH = 5
 
@@ -115,8 +116,10 @@ async def test_explain_reproduces_the_filtering_of_a_recorded_decision_exactly(
     settings = settings_for(amqp_url, namespace, tmp_path)
     manager: ManagerService | None = await start_manager(settings)
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="explain-test")
+    transport = await AmqpTransport.connect(amqp_url, name="rag-eu-agent")
     try:
         assert manager is not None and manager.admitter is not None
+        await live_member(manager, transport, "rag-eu-1", "rag-eu", RAG_AGENT)
         cases = pools(time.time())
         published = {pool_id: descriptor for pool_id, (descriptor, _) in cases.items()}
         for descriptor in published.values():
@@ -217,5 +220,6 @@ async def test_explain_reproduces_the_filtering_of_a_recorded_decision_exactly(
         assert refused_again.eligibility == refused_record
     finally:
         await client.close()
+        await transport.close()
         if manager is not None:
             await manager.stop()

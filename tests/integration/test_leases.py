@@ -69,7 +69,14 @@ class SearchingCalc(Agent):
     tool: ToolService | None = None
     runs = 0
 
-    @capability("math.evaluate", version="1.0.0", input_schema=SCHEMA, output_schema=SCHEMA)
+    # Two at a time: a test holds two grants at once, and grants need live slots.
+    @capability(
+        "math.evaluate",
+        version="1.0.0",
+        input_schema=SCHEMA,
+        output_schema=SCHEMA,
+        max_concurrency=2,
+    )
     async def evaluate(self, payload: dict[str, Any]) -> dict[str, Any]:
         type(self).runs += 1
         assert self.tool is not None

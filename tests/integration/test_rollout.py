@@ -27,7 +27,7 @@ from mesh.transport.amqp import AmqpTransport
 from mesh.wire import AdmissionReason, Message, Reason, RegistrationAccepted, RegistrationRefused
 from mesh.wire.models import TaskGrant, TaskResult
 
-from .harness import RawAgent, eventually, start_manager
+from .harness import RawAgent, echo_capability, eventually, live_member, start_manager
 from .test_admission import settings_for
 from .test_backpressure import echo_descriptor, echo_requirements
 from .test_grant_enforcement import send_task
@@ -199,7 +199,9 @@ async def test_shadow_routing_records_what_a_candidate_epoch_would_change_and_en
 ) -> None:
     manager = await start_manager(settings_for(amqp_url, namespace, tmp_path))
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="operator")
+    transport = await AmqpTransport.connect(amqp_url, name="echo-agent")
     try:
+        await live_member(manager, transport, "echo-1", "echo", echo_capability())
         live = echo_descriptor(4)
         assert (await client.publish_descriptor(live)).type.endswith("accepted.v1")
         # The candidate narrows the classifications: "internal" input would be filtered.
@@ -239,4 +241,5 @@ async def test_shadow_routing_records_what_a_candidate_epoch_would_change_and_en
         assert plain.eligibility is not None and "shadow" not in plain.eligibility
     finally:
         await client.close()
+        await transport.close()
         await manager.stop()

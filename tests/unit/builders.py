@@ -73,13 +73,16 @@ def registration(
     *capabilities: Capability,
     incarnation: str = "inc-1",
     heartbeat_interval_s: float = 10.0,
+    deployment: str = "pool",
+    features: Sequence[str] = (),
 ) -> AgentRegistration:
     return AgentRegistration(
         agent_id=agent_id,
         incarnation=incarnation,
-        deployment="pool",
+        deployment=deployment,
         capabilities=list(capabilities) or [capability()],
         heartbeat_interval_s=heartbeat_interval_s,
+        features=list(features),
     )
 
 
@@ -157,12 +160,16 @@ class Pool:
         *capabilities: Capability,
         incarnation: str = "inc-1",
         heartbeat_interval_s: float = 10.0,
+        deployment: str = "pool",
+        features: Sequence[str] = (),
     ) -> list[Command]:
         reg = registration(
             agent_id,
             *capabilities,
             incarnation=incarnation,
             heartbeat_interval_s=heartbeat_interval_s,
+            deployment=deployment,
+            features=features,
         )
         return self.core.handle(RegistrationReceived(reg), self.clock.now())
 
@@ -171,7 +178,13 @@ class Pool:
         return self.core.handle(DeregistrationReceived(msg), self.clock.now())
 
     def heartbeat(
-        self, agent_id: str, *, incarnation: str = "inc-1", seq: int | None = None
+        self,
+        agent_id: str,
+        *,
+        incarnation: str = "inc-1",
+        seq: int | None = None,
+        pool_in_flight: dict[str, int] | None = None,
+        draining: bool = False,
     ) -> list[Command]:
         if seq is None:
             seq = self._heartbeat_seq.get(agent_id, -1) + 1
@@ -181,6 +194,8 @@ class Pool:
             incarnation=incarnation,
             seq=seq,
             sent_at=self.clock.now().wall,
+            pool_in_flight=pool_in_flight or {},
+            draining=draining,
         )
         return self.core.handle(HeartbeatReceived(hb), self.clock.now())
 

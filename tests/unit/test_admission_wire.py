@@ -110,6 +110,7 @@ def test_the_admission_reasons_are_the_documented_stable_strings() -> None:
     assert [r.value for r in AdmissionReason] == [r.name for r in AdmissionReason]
     assert set(AdmissionReason.__members__) == {
         "NO_ELIGIBLE_POOL",
+        "NO_LIVE_AGENT",
         "CAPACITY",
         "TENANT_BUDGET",
         "STALE_EPOCH",

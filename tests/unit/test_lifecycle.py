@@ -28,6 +28,7 @@ EXPECTED: dict[tuple[AgentState, Trigger], AgentState] = {
     (S.READY, T.ACQUIRE): S.BUSY,
     (S.BUSY, T.ACQUIRE): S.BUSY,
     (S.BUSY, T.RELEASE): S.BUSY,
+    (S.READY, T.WORK): S.BUSY,
     (S.BUSY, T.IDLE): S.READY,
     (S.READY, T.DRAIN): S.DRAINING,
     (S.BUSY, T.DRAIN): S.DRAINING,
