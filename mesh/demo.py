@@ -3,11 +3,16 @@
 It starts the manager as a real process with the local-process scaler standing
 in for Kubernetes: the manager scales each sample deployment to its
 ``min_replicas`` by starting ``mesh agent`` processes, and keeps them there.
-The demo follows the orchestration events, runs a producer that sends real
-tasks by capability and version range, drains one agent half-way through (no
-in-flight task is lost; the scaler replaces it), and ends with a summary. The
-manager runs in its own session, so Ctrl-C reaches only the demo, which then
-stops the manager; the manager drains its agents before it exits.
+The demo publishes a capability descriptor for each sample pool (as the
+operator), follows the orchestration events, and runs a producer on the main
+path: ``MeshClient.submit`` asks for admission by capability and version range,
+waits as told when deferred, and sends each admitted task to its pool's shared
+queue. Half-way through it drains the agent holding the most work (no task is
+lost or run twice; while that pool has no live agent its admissions are deferred
+``NO_LIVE_AGENT``; the scaler replaces it), and ends with a summary that counts
+each task's executions. The manager runs in its own session, so Ctrl-C reaches
+only the demo, which then stops the manager; the manager drains its agents
+before it exits.
 """
 
 from __future__ import annotations
@@ -32,11 +37,30 @@ from urllib.parse import urlsplit
 import orjson
 
 from mesh import constants as c
-from mesh.errors import MeshError, RequestTimeout, TaskFailed, TaskRefused
+from mesh.errors import (
+    AdmissionRefused,
+    MeshError,
+    RequestTimeout,
+    SubmitDeadlineExceeded,
+    TaskFailed,
+)
+from mesh.manager.admission import AdmissionPolicy
 from mesh.producer import MeshClient
 from mesh.topology.specs import BindingSpec, Declarations
 from mesh.transport import Delivery
-from mesh.wire import OrchestrationEvent, Refusal, decode
+from mesh.wire import (
+    AdmissionDecision,
+    CapabilityDescriptor,
+    CapabilityRange,
+    HealthEvidence,
+    ModelLimits,
+    OrchestrationEvent,
+    Refusal,
+    Sandbox,
+    TaskRequirements,
+    TenantIsolation,
+    decode,
+)
 
 SHOWN_EVENTS = {
     "manager_started",
@@ -84,8 +108,36 @@ class DemoSettings:
     def agent_count(self) -> int:
         return sum(n for _, n in self.replicas)
 
+    @property
+    def operator(self) -> str:
+        """The demo's broker user, which the manager takes descriptors from."""
+        return urlsplit(self.amqp_url).username or "guest"
+
+    def descriptor(self, pool: str, now: float) -> CapabilityDescriptor:
+        """What the operator allows ``pool``: its sample's capability, more model slots than
+        its agents can run (so the live figure is what binds), a day to live. The epoch is
+        the time, so a rerun on the same ledger is a newer epoch."""
+        return CapabilityDescriptor(
+            pool_id=pool,
+            descriptor_epoch=int(now),
+            runtime_digest="sha256:" + "0" * 64,
+            capabilities=[CapabilityRange(name=CAPABILITIES[pool], version_spec=">=1")],
+            task_schema_range=">=1,<2",
+            result_schema_range=">=1,<2",
+            data_classifications=["public", "internal"],
+            tenant_isolation=TenantIsolation(mode="shared"),
+            regions=["local"],
+            model_limits=ModelLimits(context_tokens=8192, max_output_tokens=1024, slots=16),
+            sandbox=Sandbox(kind="none", count=0),
+            policy_generation=AdmissionPolicy().active_generation,
+            health=HealthEvidence(status="healthy", checked_at=now),
+            issued_at=now - 1,
+            expires_at=now + 86_400,
+            issued_by=self.operator,
+        )
+
     def scaling_file(self) -> dict[str, Any]:
-        capabilities = {"calc": "math.evaluate", "textstats": "text.stats", "echo": "test.echo"}
+        capabilities = CAPABILITIES
         return {
             "deployments": [
                 {
@@ -95,10 +147,28 @@ class DemoSettings:
                     "max_replicas": n + 1,
                     "window_s": 5,
                     "scale_down_idle_s": 600,
+                    "start_s": 3,  # a local process registers in a second or two
                 }
                 for name, n in self.replicas
             ]
         }
+
+
+CAPABILITIES = {"calc": "math.evaluate", "textstats": "text.stats", "echo": "test.echo"}
+POOLS = {capability: pool for pool, capability in CAPABILITIES.items()}
+
+
+def requirements(capability: str, spec: str) -> TaskRequirements:
+    """A demo task's requirements: the capability and range, nothing the pools do not give."""
+    return TaskRequirements(
+        capability=CapabilityRange(name=capability, version_spec=spec),
+        task_schema_version="1.0.0",
+        result_schema_version="1.0.0",
+        input_classifications=["internal"],
+        estimated_tokens=200,
+        estimated_duration_s=0.5,
+        service_class="interactive",
+    )
 
 
 @dataclass
@@ -107,6 +177,7 @@ class Tally:
     succeeded: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
+    deferred: Counter[str] = field(default_factory=Counter)  # waited, then asked again
     by_agent: Counter[str] = field(default_factory=Counter)
     latencies_ms: list[float] = field(default_factory=list)
 
@@ -261,6 +332,7 @@ async def _start_mesh(
             "--agent-heartbeat-interval", str(s.heartbeat_interval_s),
             "--http-port", str(port),
             "--management-url", management_url_for(s.amqp_url),
+            "--operator-user", s.operator,
         )  # fmt: skip
         say(
             f"status page: http://127.0.0.1:{port}/ (metrics at /metrics; "
@@ -270,6 +342,8 @@ async def _start_mesh(
         await _wait_for(lambda: _manager_answers(client), 20, stop)
     except TimeoutError:
         say("the manager did not answer within 20 s; see its log above")
+        return None
+    if not s.producer_only and not await _publish_descriptors(s, client):
         return None
     wanted = 1 if s.producer_only else s.agent_count
     names: list[str] = []
@@ -286,6 +360,19 @@ async def _start_mesh(
         return None
     say(f"every agent is Ready: {', '.join(names)}")
     return [] if s.producer_only else names
+
+
+async def _publish_descriptors(s: DemoSettings, client: MeshClient) -> bool:
+    """As the operator: a descriptor for each sample pool (its bounded task queue comes with
+    it), so producers can submit by admission."""
+    now = time.time()
+    for pool, _ in s.replicas:
+        reply = await client.publish_descriptor(s.descriptor(pool, now))
+        if isinstance(reply, Refusal):
+            say(f"the descriptor of pool {pool} was refused: {reply.reason}: {reply.detail}")
+            return False
+    say(f"descriptors published for pools {', '.join(pool for pool, _ in s.replicas)}")
+    return True
 
 
 async def _manager_answers(client: MeshClient) -> bool:
@@ -321,6 +408,10 @@ async def _produce(
         + (f" for {s.duration_s:g} s" if s.duration_s else "")
     )
 
+    def deferred(decision: AdmissionDecision) -> bool:
+        tally.deferred[decision.reason.value if decision.reason else "?"] += 1
+        return True  # wait as told (retry_after_ms, with jittered backoff) and ask again
+
     async def worker() -> None:
         while not stop.is_set():
             tally.submitted += 1
@@ -328,10 +419,12 @@ async def _produce(
             capability, spec, payload = BAD_JOB if bad else next(jobs)
             started = time.perf_counter()
             try:
-                outcome = await client.run_task(capability, payload, version_spec=spec)
-            except TaskRefused as exc:
+                done = await client.submit(
+                    requirements(capability, spec), payload, timeout_s=20, on_deferred=deferred
+                )
+            except (AdmissionRefused, SubmitDeadlineExceeded) as exc:
                 tally.refused[exc.code] += 1
-                say(f"  refused  {capability:<14} {exc.code}: {exc.message}")
+                say(f"  refused  {capability:<14} {exc.code}: {exc.message[:90]}")
                 await asyncio.sleep(0.5)
                 continue
             except TaskFailed as exc:
@@ -347,35 +440,48 @@ async def _produce(
             ms = (time.perf_counter() - started) * 1000
             tally.succeeded += 1
             tally.latencies_ms.append(ms)
-            tally.by_agent[outcome.lease.agent_id] += 1
+            tally.by_agent[done.result.agent_id] += 1
             say(
-                f"  ok       {capability:<14} on {outcome.lease.agent_id:<12} {ms:6.0f} ms  "
-                f"{_brief(outcome.output)}"
+                f"  ok       {capability:<14} on {done.result.agent_id:<12} {ms:6.0f} ms  "
+                f"{_brief(done.output)}"
             )
             await asyncio.sleep(rng.uniform(0.1, 0.4))
 
     workers = [asyncio.create_task(worker()) for _ in range(s.concurrency)]
     drain_at = time.monotonic() + s.duration_s / 2 if s.duration_s else None
     end_at = time.monotonic() + s.duration_s if s.duration_s else None
-    victim = agent_names[0] if agent_names else None
-    drained = False
+    victim: str | None = None
     while not stop.is_set() and (end_at is None or time.monotonic() < end_at):
-        if victim and drain_at and not drained and time.monotonic() >= drain_at:
-            drained = True
-            reply = await client.drain(victim, "demo: showing a graceful drain under load")
-            if isinstance(reply, Refusal):
-                say(f"drain of {victim} refused: {reply.reason}")
-            else:
-                say(f"draining {victim} with {reply.in_flight} task(s) in flight")
-        await asyncio.sleep(0.2)
+        if agent_names and drain_at and victim is None and time.monotonic() >= drain_at:
+            victim = await _drain_a_busy_agent(client)
+        await asyncio.sleep(0.1 if victim is None and drain_at else 0.2)
     stop.set()
     say("producer: stopping; waiting for tasks in flight")
     await asyncio.gather(*workers, return_exceptions=True)
-    if drained and victim:
+    if victim:
         status = await client.status()
         now = sorted(a.agent_id for a in status.agents)
         gone = "has left" if victim not in now else "is still finishing its drain"
         say(f"{victim} {gone}; the scaler keeps the replicas: {', '.join(now)}")
+
+
+async def _drain_a_busy_agent(client: MeshClient) -> str | None:
+    """Drain the agent with the most work in flight (both paths: the manager's one count),
+    once one has any; ``None`` while none has."""
+    status = await client.status()
+    busy = [a for a in status.agents if a.state == "Busy" and a.in_flight > 0]
+    if not busy:
+        return None
+    victim = max(busy, key=lambda a: (a.in_flight, a.agent_id)).agent_id
+    reply = await client.drain(victim, "demo: showing a graceful drain under load")
+    if isinstance(reply, Refusal):
+        say(f"drain of {victim} refused: {reply.reason}")
+    else:
+        say(
+            f"draining {victim} with {reply.in_flight} task(s) in flight: they finish there, "
+            "its pool's new tasks go to the others (or wait for its replacement)"
+        )
+    return victim
 
 
 def _brief(output: dict[str, Any]) -> str:
@@ -388,14 +494,18 @@ async def _report(client: MeshClient, tally: Tally) -> None:
     print()
     print("summary")
     print(f"  tasks submitted   {tally.submitted}")
-    print(f"  succeeded         {tally.succeeded}")
+    print(f"  completed once    {tally.succeeded}")
     for code, n in sorted(tally.errors.items()):
         print(f"  typed error       {n} x {code}")
     if tally.errors:
         print(f"                    (every {BAD_EVERY}th task is a bad payload, sent on purpose)")
     for code, n in sorted(tally.refused.items()):
         print(f"  refused           {n} x {code}")
+    for code, n in sorted(tally.deferred.items()):
+        print(f"  deferred          {n} x {code} (waited as told, then admitted or refused)")
     print(f"  lost              {tally.submitted - tally.accounted}")
+    # A task run twice answers twice: its second result reaches a caller already gone.
+    print(f"  executed twice    {client.counters['duplicate_results']}")
     if lat:
         p95 = lat[min(len(lat) - 1, int(len(lat) * 0.95))]
         print(

@@ -31,7 +31,7 @@ import logging
 import random
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,7 +53,8 @@ from mesh.errors import (
 from mesh.ids import new_admission_id
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import AmqpTransport, Delivery
+from mesh.transport.amqp import AmqpTransport
+from mesh.transport.delivery import Delivery
 from mesh.transport.ports import ClientTransport, Subscription
 from mesh.wire.admission import (
     AdmissionDecision,
@@ -97,6 +98,7 @@ log = logging.getLogger(__name__)
 
 REPLY_MAX_BYTES = 64 * 1024 * 1024
 _QUEUE_FULL_RETRY_MS = 250  # a full pool queue drains as its agents claim tasks
+_ANSWERED_KEPT = 10_000  # answered correlation IDs remembered, to tell duplicates from late
 
 _METHODS: dict[type[Message], str] = {
     FindRequest: "find",
@@ -171,6 +173,8 @@ class MeshClient:
         self.reply_queue = reply_queue
         self.counters: Counter[str] = Counter()
         self._pending: dict[str, asyncio.Future[Message]] = {}
+        # Correlation IDs answered lately (bounded): a second answer to one is a duplicate.
+        self._answered: OrderedDict[str, None] = OrderedDict()
         self._consumer: Subscription | None = None
         self._owns_transport = False
         self._background: set[asyncio.Task[None]] = set()
@@ -221,6 +225,9 @@ class MeshClient:
             self.counters["late_replies"] += 1
             await self._release_late_grant(delivery)
             return
+        self._answered[delivery.correlation_id or ""] = None
+        if len(self._answered) > _ANSWERED_KEPT:
+            self._answered.popitem(last=False)
         try:
             # Replies come from the manager and agents, not strangers: a status of thousands
             # of agents is legitimately larger than the inbound limit for untrusted input.
@@ -229,11 +236,15 @@ class MeshClient:
             fut.set_exception(exc)
 
     async def _release_late_grant(self, delivery: Delivery) -> None:
-        """A grant that arrives after its caller gave up would pin a slot until its TTL."""
+        """A grant that arrives after its caller gave up would pin a slot until its TTL; a
+        second result for a task is counted (``duplicate_results``: it ran twice)."""
         try:
             reply = decode(delivery.body)
         except Exception:
             return
+        if isinstance(reply, TaskResult) and delivery.correlation_id in self._answered:
+            self.counters["duplicate_results"] += 1
+            log.warning("a second result for a task", extra={"task_id": reply.task_id})
         if isinstance(reply, LeaseGranted):
             self.counters["late_grants_released"] += 1
             task = asyncio.create_task(self._release_quietly(reply.lease.lease_id))
