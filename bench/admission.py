@@ -23,16 +23,20 @@ A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to
    reply, as the caller sees it) feeds the round's p50/p99. Rounds alternate ABBA, the medians
    of the rounds are compared. The manager runs in-process (unique ``bench-<uuid8>``
    namespace, SQLite ledger and journal in a temp dir, the broker user as operator) with a
-   descriptor whose capacities and tenant budget are too large to run out and grants that
-   outlive the run, so every decision must be ``admitted`` (checked) and no expiry sweep
-   does work during the rounds. CPU per request is printed too: the whole process's (client
-   and manager, or echo client and server), the manager's ledger thread's alone, and the
+   descriptor whose capacities and tenant budget are too large to run out, live agents in
+   the pool (registered over the broker, as agents do, with more concurrency than the run
+   can hold: the manager's default ``admission_capacity="live"`` decides against them) and
+   grants that outlive the run, so every decision must be ``admitted`` (checked) and no
+   expiry sweep does work during the rounds. CPU per request is printed too: the whole
+   process's (client and manager, or echo client and server), the manager's ledger thread's
+   alone, and the
    local broker's (``beam.smp`` read from /proc; it includes whatever other clients made
    the broker do meanwhile). On this 2-core machine the broker, both our threads and any
    neighbour share the cores, so throughput follows total CPU per request: when wall-clock
    rates jump between rounds while CPU per request stays put, the noise is a neighbour.
 
-B) In-core decisions. ``Admitter.admit`` called directly, no broker, with each store:
+B) In-core decisions. ``Admitter.admit`` called directly, no broker, with each store (and
+   the live view part A's agents give the manager, so each takes its live-slot counter too):
    ``SqliteLedger`` (a temp file, WAL) and ``PostgresLedger`` (a fresh schema, dropped
    afterwards), N fresh admission IDs each — time-ordered, as the SDK makes them
    (:func:`mesh.ids.new_admission_id`); one more SQLite row with random UUIDv4 IDs shows what
@@ -73,6 +77,7 @@ import aio_pika
 import psycopg
 
 from mesh import constants as c
+from mesh.core.capacity import LiveCapacity, LiveOffer
 from mesh.errors import BrokerUnavailable, StoreError
 from mesh.gc_tuning import tune_gc
 from mesh.ids import new_admission_id
@@ -88,6 +93,8 @@ from mesh.topology.specs import Topology
 from mesh.transport.amqp import AmqpTransport, redact
 from mesh.wire import (
     AdmissionRequest,
+    AgentRegistration,
+    Capability,
     CapabilityDescriptor,
     CapabilityRange,
     DescriptorAccepted,
@@ -162,6 +169,37 @@ def requirements(now: float) -> TaskRequirements:
         service_class="interactive",
         allowed_degradations=["less_retrieval", "partial_results"],
         allowed_fallbacks=["rag-eu-2"],
+    )
+
+
+POOL_AGENTS = 6  # live agents of the pool, each at the most concurrency an agent may offer
+AGENT_CONCURRENCY = 10_000
+LIVE = LiveCapacity(
+    {("rag-eu", "rag.search"): (LiveOffer("2.1.0", POOL_AGENTS, POOL_AGENTS * AGENT_CONCURRENCY),)},
+    version=1,
+)
+"""Part B's live view: what part A's registered agents give the manager's admitter."""
+
+
+def agent_registration(agent_id: str) -> AgentRegistration:
+    """A ``rag.search`` agent of the pool that beats rarely (it never does: the run is
+    shorter than its liveness window)."""
+    return AgentRegistration(
+        agent_id=agent_id,
+        incarnation=uuid.uuid4().hex,
+        deployment="rag-eu",
+        capabilities=[
+            Capability(
+                name="rag.search",
+                version="2.1.0",
+                input_schema={"type": "object"},
+                output_schema={"type": "object"},
+                max_concurrency=AGENT_CONCURRENCY,
+                cost_class="B",
+            )
+        ],
+        heartbeat_interval_s=3_600,
+        features=list(c.AGENT_FEATURES),
     )
 
 
@@ -373,8 +411,28 @@ class EndToEnd:
         accepted = await self.client.publish_descriptor(descriptor(time.time()))
         if not isinstance(accepted, DescriptorAccepted):
             raise RuntimeError(f"the manager refused the descriptor: {accepted}")
+        await self._register_agents()
         self.echo = Echo(self.url, self.echo_exchange, self.echo_queue, self.client.user_id)
         await self.echo.start()
+
+    async def _register_agents(self) -> None:
+        """The pool's live agents, registered on the announce exchange as an agent does."""
+        assert self.client is not None and self.service is not None
+        topology = Topology(self.namespace)
+        for n in range(POOL_AGENTS):
+            agent_id = f"rag-eu-{n}"
+            await self.client.transport.publish(
+                topology.announce_exchange,
+                f"{c.RK_AGENT}.{agent_id}.register",
+                agent_registration(agent_id),
+            )
+        core = self.service.core
+        for _ in range(100):
+            if core.live_capacity(self.service.clock.now()).agents("rag-eu", "rag.search"):
+                if len(core.agents) == POOL_AGENTS:
+                    return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("the pool's agents did not register with the manager")
 
     async def ours(self, count: int, concurrency: int) -> Round:
         client = self.client
@@ -655,13 +713,13 @@ def in_core(
         for _ in range(warmup + count)
     ]
     for pair in requests[:warmup]:
-        assert admitter.admit(*pair, now).outcome == "admitted"
+        assert admitter.admit(*pair, now, LIVE).outcome == "admitted"
     timed = requests[warmup:]
     start = time.perf_counter()
     outcomes = [
         decision.outcome
         for at in range(0, count, batch)
-        for decision in admitter.admit_many(timed[at : at + batch], now)
+        for decision in admitter.admit_many(timed[at : at + batch], now, LIVE)
     ]
     seconds = time.perf_counter() - start
     assert outcomes == ["admitted"] * count, {o: outcomes.count(o) for o in set(outcomes)}
@@ -676,7 +734,7 @@ def store_alone(store: str, ledger: SqliteLedger, count: int, warmup: int, batch
     now = time.time()
     assert admitter.publish_descriptor(descriptor(now), now) is None
     sample = AdmissionRequest(admission_id=new_admission_id(), requirements=requirements(now))
-    assert admitter.admit(sample, "guest", now).outcome == "admitted"
+    assert admitter.admit(sample, "guest", now, LIVE).outcome == "admitted"
     reservation, decided = ledger.get(sample.admission_id), admitter.recorded(sample.admission_id)
     assert reservation is not None and decided is not None
     items, digest, record = list(reservation.items), decided.digest, decided.to_json()

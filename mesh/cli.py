@@ -242,6 +242,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         liveness_probe_s=args.liveness_probe,
         shared_topology=args.shared_topology,
         lease_public_keys=tuple(Path(path) for path in args.lease_public_key),
+        open_tasks=args.open_tasks,
     )
 
     async def run() -> int:
@@ -1033,6 +1034,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="require an invocation lease signed by this manager key on every granted task "
         "(the manager's --lease-key FILE.pub; repeat for a key rotation; env "
         "MESH_LEASE_PUBLIC_KEY)",
+    )
+    p.add_argument(
+        "--open-tasks",
+        action="store_true",
+        default=os.environ.get("MESH_OPEN_TASKS", "") in ("1", "on", "true"),
+        help="also run tasks that carry neither a grant nor a lease the manager issued to this "
+        "agent (a mesh without admission and leases; env MESH_OPEN_TASKS; default: refused, "
+        "NOT_AUTHORIZED)",
     )
     _add_liveness_probe(p)
     p.add_argument(

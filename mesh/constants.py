@@ -27,7 +27,13 @@ FEATURE_DESCRIPTOR_EPOCHS: Final = "descriptor-epochs"
 # It reports its pool tasks (heartbeat ``pool_in_flight``, also sent when that count changes)
 # and says ``draining`` only once it stopped taking them: the manager waits for that report.
 FEATURE_WORK_REPORTS: Final = "work-reports"
-AGENT_FEATURES: Final = (FEATURE_DESCRIPTOR_EPOCHS, FEATURE_WORK_REPORTS)  # the SDK runtime's
+# It runs a lease-path task only under a lease the manager told it of (mesh.lease-notice.v1).
+FEATURE_LEASE_NOTICES: Final = "lease-notices"
+AGENT_FEATURES: Final = (  # what the SDK runtime implements
+    FEATURE_DESCRIPTOR_EPOCHS,
+    FEATURE_WORK_REPORTS,
+    FEATURE_LEASE_NOTICES,
+)
 AGENT_ANNOUNCE_VERBS: Final = ("register", "deregister", "drain")  # the <verb> above
 RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>
 RK_LOG: Final = "log"  # log.<agent_id>.<kind>

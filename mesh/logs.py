@@ -1,4 +1,5 @@
-"""Logging setup, used only by the CLI: JSON lines for services, plain text for humans."""
+"""Logging setup, used only by the CLI: JSON lines for services, plain text for humans; and
+the one rule every ``extra=`` must keep (:data:`RESERVED`, :func:`checked`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,30 @@ from typing import Any
 
 import orjson
 
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+from mesh.errors import LocalProtocolError
+
+RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+}
+"""Names an ``extra=`` field may not take: ``Logger.makeRecord`` raises ``KeyError`` for them
+at the call — a log line in an error path would then fail the very command it reports on
+(``msg`` once failed every command batch that messaged a vanished agent). A unit test walks
+the source for them; :func:`checked` refuses them where fields are built at run time."""
+_STANDARD = RESERVED
+
+
+def checked(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields``, if none of its keys is :data:`RESERVED`; else :class:`LocalProtocolError`
+    naming them (at once, where the fields are built, instead of a ``KeyError`` from
+    deep inside ``logging`` in whatever path logs them first)."""
+    clash = RESERVED.intersection(fields)
+    if clash:
+        raise LocalProtocolError(
+            f"log field(s) {', '.join(sorted(clash))} are reserved by logging.LogRecord; "
+            "name them otherwise"
+        )
+    return fields
 
 
 class JsonLines(logging.Formatter):

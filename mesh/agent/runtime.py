@@ -32,13 +32,22 @@ is gone); if the broker's answer stays unknown the task is requeued, so a result
 may arrive twice but is never silently lost. A cancelled handler (the channel
 closed) acks nothing, and the broker redelivers the task.
 
+No credentials, no work. A task runs only if it carries an admission ``grant`` (checked
+below) or, on the agent's own queue, a ``lease_id`` the manager told this agent of
+(``LeaseNotice``, sent before the producer gets the lease; a task that races ahead of its
+notice waits up to ``lease_notice_wait_s`` for it). Anything else — no credentials, a lease
+issued to another agent or already ended, a task on the pool queue without a grant — is
+answered ``NOT_AUTHORIZED`` (so its producer does not wait), dead-lettered with that reason,
+counted (``tasks_without_credentials``) and never run. ``open_tasks`` lifts this for a mesh
+that runs without admission and leases (development only).
+
 Tasks carrying an admission ``grant`` are revalidated at claim (before the handler runs)
 and at the consumption point (before the result is published): a foreign, expired, revoked or
 stale-epoch grant answers ``GRANT_INVALID``, is logged, counted (``grants_refused``) and the
 task acked. The control queue is also bound to ``grant.<deployment>.#`` on the events exchange,
 where the manager announces revoked grants (``grant_revoked``) and the pool's active descriptor
 epoch (``descriptor_active``); see
-:mod:`mesh.agent.grants` for the rules. Tasks without a grant are not affected.
+:mod:`mesh.agent.grants` for the rules. A task without a grant: "No credentials, no work".
 
 Self-fencing. The manager declares an agent lost once it has heard nothing for
 ``missed_heartbeats_before_lost`` heartbeat intervals, and the broker gives the agent's unacked
@@ -62,7 +71,9 @@ Control messages (each acked; garbage dead-lettered):
   ``draining`` with what still runs, which is the manager's cue that no pool task
   will start here any more. Tasks on the agent's own queue are still worked
   (they were leased before the drain);
-* ``DrainComplete``: the manager released every lease - finish shutting down.
+* ``DrainComplete``: the manager released every lease - finish shutting down;
+* ``LeaseNotice``: a lease on one of our slots was issued (remembered until its expiry) or
+  ended (forgotten).
 
 With ``http_port`` set, :class:`~mesh.agent.http.AgentHttpServer` serves ``/ready``,
 ``/healthz`` and ``/drain`` (the preStop hook) from the beginning of ``start()`` to the very
@@ -79,6 +90,7 @@ is empty, and close the transport if this runtime opened it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -114,6 +126,7 @@ from mesh.errors import (
     TransportError,
 )
 from mesh.leases import ConsumptionPoint, LeaseVerifier
+from mesh.logs import checked
 from mesh.topology import BindingSpec, Declarations, Topology, names
 from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery
 from mesh.transport.ports import Subscription
@@ -127,6 +140,7 @@ from mesh.wire.models import (
     DrainRequest,
     ErrorInfo,
     Heartbeat,
+    LeaseNotice,
     Message,
     OrchestrationEvent,
     Refusal,
@@ -151,6 +165,7 @@ _CONTROL_TYPES: tuple[type[Message], ...] = (
     DrainComplete,
     DrainAccepted,
     Refusal,
+    LeaseNotice,
     OrchestrationEvent,  # grant revocations from the events exchange
 )
 _CONTROL_PREFETCH = 16
@@ -203,6 +218,13 @@ class AgentSettings:
     """Probe the broker this often and reconnect when it stops answering (None: off). A
     handler that blocks the event loop for this long would be taken for a dead broker:
     keep it well above the longest synchronous stretch of your handlers."""
+    open_tasks: bool = False
+    """Run tasks that carry neither a grant nor a lease the manager issued to this agent — for
+    a mesh without admission and leases (development). Off: such tasks are refused
+    ``NOT_AUTHORIZED`` and dead-lettered (see the module doc; docs/security.md)."""
+    lease_notice_wait_s: float = 2.0
+    """How long a lease-path task waits for the manager's notice of its lease (it is sent
+    before the producer gets the lease, so only a reordering makes one wait)."""
 
 
 def backoff_delay(
@@ -281,6 +303,8 @@ class AgentRuntime:
         self._http: AgentHttpServer | None = None
         self._revoked = RevokedGrants()
         self._active_epoch: int | None = None  # our pool's, as the manager last announced it
+        self._issued: dict[str, float] = {}  # lease ID -> loop time it ends (LeaseNotice)
+        self._lease_noticed = asyncio.Event()  # pulsed on every lease notice
         # admission ID -> the asyncio task running its handler (to stop it if evicted)
         self._running: dict[str, asyncio.Task[Any]] = {}
         self._evicting: set[str] = set()  # admission IDs whose handler was cancelled for it
@@ -327,7 +351,8 @@ class AgentRuntime:
         return None if self._http is None else self._http.port
 
     def _extra(self, **more: Any) -> dict[str, Any]:
-        return {"agent_id": self.agent_id, "incarnation": self._incarnation, **more}
+        """Log fields: the agent's identity and ``more`` (refused at once if reserved)."""
+        return checked({"agent_id": self.agent_id, "incarnation": self._incarnation, **more})
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -675,12 +700,74 @@ class AgentRuntime:
             log.info("manager released every lease", extra=self._extra())
             self._begin_drain("drain complete")
             self._drain_complete.set()
+        elif isinstance(message, LeaseNotice):
+            self._on_lease_notice(message)
         elif isinstance(message, Refusal):
             self._on_refusal(message)
         elif isinstance(message, OrchestrationEvent):
             self._on_event(message)
         else:
             log.info("drain accepted by the manager", extra=self._extra())
+
+    def _on_lease_notice(self, notice: LeaseNotice) -> None:
+        now = asyncio.get_running_loop().time()
+        if notice.ended:
+            self._issued.pop(notice.lease_id, None)
+        else:
+            self._issued[notice.lease_id] = now + notice.expires_in_s
+        for lease_id in [k for k, until in self._issued.items() if until <= now]:
+            del self._issued[lease_id]  # expired without an end notice (a lost one)
+        event, self._lease_noticed = self._lease_noticed, asyncio.Event()
+        event.set()
+
+    async def _credentials_problem(self, task: Task, from_pool: bool) -> str | None:
+        """Why ``task`` may not run here for want of credentials (``None``: it may; a grant
+        it carries is checked on its own, :meth:`_grant_problem`)."""
+        if task.grant is not None or self.settings.open_tasks:
+            return None
+        if from_pool:
+            return "a task of the pool queue without a grant"
+        if task.lease_id is None:
+            return "the task carries neither a grant nor a lease"
+        if await self._lease_known(task.lease_id):
+            return None
+        return f"lease {task.lease_id!r} was not issued to {self.agent_id}, or has ended"
+
+    async def _lease_known(self, lease_id: str) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.lease_notice_wait_s
+        while True:
+            until = self._issued.get(lease_id)
+            if until is not None and until > loop.time():
+                return True
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._lease_noticed.wait()
+
+    async def _refuse_without_credentials(
+        self, delivery: Delivery, task: Task, problem: str, from_pool: bool, extra: dict[str, Any]
+    ) -> None:
+        """Answer ``NOT_AUTHORIZED`` (the producer does not wait for nothing), dead-letter the
+        task with that reason; it never runs."""
+        self.counters["tasks_without_credentials"] += 1
+        log.warning("task refused: no credentials", extra={**extra, "problem": problem})
+        now = time.time()
+        result = TaskResult(
+            task_id=task.task_id,
+            agent_id=self.agent_id,
+            capability=task.capability,
+            status="error",
+            error=ErrorInfo(code=Reason.NOT_AUTHORIZED, message=f"at claim: {problem}"),
+            started_at=now,
+            finished_at=now,
+        )
+        await self._send_result(delivery, result, extra)
+        queue = self.topology.pool_task_queue(self.agent.deployment) if from_pool else None
+        exc = MessageRejected(Reason.NOT_AUTHORIZED, f"{self.agent_id}: {problem}")
+        await self._dead_letter(delivery, queue or self._task_queue, exc)
 
     def _on_refusal(self, refusal: Refusal) -> None:
         """The manager's reply to our DrainRequest: it does not know us, so nothing is leased."""
@@ -745,7 +832,7 @@ class AgentRuntime:
     def _grant_problem(self, task: Task) -> str | None:
         grant = task.grant
         if grant is None:
-            return None  # the lease path
+            return None  # the lease path (its lease was checked: _credentials_problem)
         now = time.time()
         problem = check_grant(
             grant,
@@ -856,6 +943,10 @@ class AgentRuntime:
             return
         if delivery.redelivered:
             log.info("task redelivered; running it again", extra=extra)
+        uncredentialed = await self._credentials_problem(task, from_pool)
+        if uncredentialed is not None:
+            await self._refuse_without_credentials(delivery, task, uncredentialed, from_pool, extra)
+            return
         problem = self._grant_problem(task)
         if problem is not None:  # at claim: the task never runs
             await self._refuse_at_claim(delivery, task, problem, extra)

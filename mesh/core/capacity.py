@@ -25,8 +25,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from packaging.specifiers import SpecifierSet
-
 from mesh.core.index import parse_spec, parse_version
 
 LIVE_SLOTS_PREFIX = "live_slots:"
@@ -54,22 +52,29 @@ class LiveCapacity:
     offers: Mapping[tuple[str, str], tuple[LiveOffer, ...]] = field(default_factory=dict)
     retry_s: Mapping[str, float] = field(default_factory=dict)
     version: int = 0
+    # (pool, capability, specs) -> matching offers: every admission asks the same few
+    # questions of one snapshot, and a version range check costs more than the rest.
+    _matching: dict[tuple[str, str, tuple[str, ...]], tuple[LiveOffer, ...]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
-    def matching(
-        self, pool_id: str, capability: str, *specs: SpecifierSet | str
-    ) -> list[LiveOffer]:
+    def matching(self, pool_id: str, capability: str, *specs: str) -> tuple[LiveOffer, ...]:
         """The pool's offers of ``capability`` whose version is in every one of ``specs``."""
-        parsed = [parse_spec(s) if isinstance(s, str) else s for s in specs]
-        return [
-            offer
-            for offer in self.offers.get((pool_id, capability), ())
-            if all(s.contains(parse_version(offer.version), prereleases=True) for s in parsed)
-        ]
+        key = (pool_id, capability, specs)
+        found = self._matching.get(key)
+        if found is None:
+            parsed = [parse_spec(s) for s in specs]
+            found = self._matching[key] = tuple(
+                offer
+                for offer in self.offers.get((pool_id, capability), ())
+                if all(p.contains(parse_version(offer.version), prereleases=True) for p in parsed)
+            )
+        return found
 
-    def free(self, pool_id: str, capability: str, *specs: SpecifierSet | str) -> int:
+    def free(self, pool_id: str, capability: str, *specs: str) -> int:
         """Free concurrency for admission of the matching versions."""
         return sum(offer.free for offer in self.matching(pool_id, capability, *specs))
 
-    def agents(self, pool_id: str, capability: str, *specs: SpecifierSet | str) -> int:
+    def agents(self, pool_id: str, capability: str, *specs: str) -> int:
         """Live agents offering a matching version."""
         return sum(offer.agents for offer in self.matching(pool_id, capability, *specs))

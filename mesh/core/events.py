@@ -55,13 +55,20 @@ class FindRequested:
 
 @dataclass(frozen=True, slots=True)
 class AcquireRequested:
+    """``holder``: the broker user that asked (RabbitMQ validated it); only it may release."""
+
     request: AcquireRequest
     lease_id: str
+    holder: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRequested:
+    """``by``: the broker user that asked (``""``: it did not say); a lease bound to a holder
+    is released only by that holder."""
+
     lease_id: str
+    by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

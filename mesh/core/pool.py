@@ -19,7 +19,9 @@ publishes, replies) and only then acks. Queries (``find_by_capability``,
   Busy label, drain completion and scale-down idleness all read this count.
 * Leases: ``acquire`` takes one slot of one capability on one agent, gated on
   that count against ``max_concurrency``; ``release`` gives it back. Leases
-  expire after their TTL so a crashed producer cannot pin an agent forever.
+  expire after their TTL so a crashed producer cannot pin an agent forever. An
+  agent that lists ``lease-notices`` is told of each lease on it (issued, before
+  the producer hears of it; ended) and runs a lease-path task only under one.
 * Live capacity (:mod:`mesh.core.capacity`): per pool, capability and version,
   the Ready and Busy agents and their concurrency not held by leases, kept as a
   running aggregate; admission grants at most that (``live_capacity``).
@@ -101,6 +103,7 @@ from mesh.wire.models import (
     FindReply,
     Lease,
     LeaseGranted,
+    LeaseNotice,
     Refusal,
     RegistrationAccepted,
     RegistrationRefused,
@@ -142,6 +145,7 @@ class AgentRecord:
     leases: set[str] = field(default_factory=set)
     pool_work: dict[str, int] = field(default_factory=dict)  # reported pool tasks, by capability
     reports_work: bool = False  # it reports pool work and confirms drains (work-reports)
+    hears_leases: bool = False  # it is told of each lease on it (lease-notices)
     reported_draining: bool = False  # its last heartbeat said it takes no more pool tasks
     last_heartbeat_seq: int = -1
     last_heartbeat_at: float | None = None
@@ -155,6 +159,7 @@ class LeaseRecord:
     agent_id: str
     capability: str
     expires_at: float
+    holder: str | None = None  # the broker user that acquired it: only it may release it
 
 
 class PoolCore:
@@ -176,7 +181,7 @@ class PoolCore:
         # (pool, capability) -> version -> [live agents, free concurrency for admission]
         self._live: dict[tuple[str, str], dict[str, list[int]]] = {}
         self._live_version = 0
-        self._live_offers: tuple[int, dict[tuple[str, str], tuple[LiveOffer, ...]]] = (0, {})
+        self._live_snapshot = LiveCapacity()
         self._handlers: dict[type[Any], Callable[[Any, Instant], list[Command]]] = {
             HeartbeatReceived: self._on_heartbeat,
             RegistrationReceived: self._on_registration,
@@ -210,20 +215,23 @@ class PoolCore:
 
     def live_capacity(self, now: Instant) -> LiveCapacity:
         """What every pool can do now (:mod:`mesh.core.capacity`): an immutable snapshot,
-        rebuilt only when the live aggregate changed, plus the scale planner's retry hints."""
-        version, offers = self._live_offers
-        if version != self._live_version:
-            offers = {
-                key: tuple(LiveOffer(v, agents, free) for v, (agents, free) in versions.items())
-                for key, versions in self._live.items()
-            }
-            self._live_offers = (self._live_version, offers)
+        rebuilt only when the live aggregate or the scale planner's retry hints changed."""
+        snapshot = self._live_snapshot
         retry = {
             deployment: eta
             for deployment in self.scaling.deployments
             if (eta := self.scaling.capacity_expected_in_s(deployment, now.mono)) is not None
         }
-        return LiveCapacity(offers, retry, self._live_version)
+        if snapshot.version == self._live_version and snapshot.retry_s == retry:
+            return snapshot  # unchanged: the same object, and what it has worked out so far
+        offers = snapshot.offers
+        if snapshot.version != self._live_version:
+            offers = {
+                key: tuple(LiveOffer(v, agents, free) for v, (agents, free) in versions.items())
+                for key, versions in self._live.items()
+            }
+        self._live_snapshot = LiveCapacity(offers, retry, self._live_version)
+        return self._live_snapshot
 
     def status(self, now: Instant) -> list[AgentStatus]:
         out = []
@@ -272,6 +280,7 @@ class PoolCore:
             last_seen=now.mono,
             idle_since=now.mono,
             reports_work=c.FEATURE_WORK_REPORTS in reg.features,
+            hears_leases=c.FEATURE_LEASE_NOTICES in reg.features,
         )
         out += self._transition(agent, Trigger.REGISTER, now, "registration received")
         if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
@@ -396,7 +405,7 @@ class PoolCore:
         return [Reply(FindReply(agents=[_summary(cand) for cand in found]))]
 
     def acquire(
-        self, request: AcquireRequest, lease_id: str, now: Instant
+        self, request: AcquireRequest, lease_id: str, now: Instant, holder: str | None = None
     ) -> tuple[Lease | Refusal, list[Command]]:
         """Lease one slot; returns the lease (or a refusal) and the log commands.
 
@@ -422,7 +431,7 @@ class PoolCore:
         slot = slot_or_refusal
         agent = self.agents[slot.agent_id]
         ttl = request.ttl_s or self.settings.default_lease_ttl_s
-        lease = LeaseRecord(lease_id, agent.agent_id, slot.capability, now.mono + ttl)
+        lease = LeaseRecord(lease_id, agent.agent_id, slot.capability, now.mono + ttl, holder)
         self.leases[lease_id] = lease
         agent.leases.add(lease_id)
         heapq.heappush(self._expiry_heap, (lease.expires_at, lease_id))
@@ -431,20 +440,47 @@ class PoolCore:
         out = self._transition(
             agent, Trigger.ACQUIRE, now, "slot leased", capability=slot.capability, lease=lease_id
         )
-        return _lease(lease, slot, now), out
+        granted = _lease(lease, slot, now)
+        if agent.hears_leases:  # before the producer has it: the agent runs only what it knows
+            notice = LeaseNotice(
+                agent_id=agent.agent_id,
+                lease_id=lease_id,
+                capability=slot.capability,
+                expires_in_s=granted.expires_in_s,
+            )
+            out.append(SendToAgent(agent.agent_id, notice))
+        return granted, out
 
-    def release(self, lease_id: str, now: Instant, reason: str = "released") -> list[Command]:
-        """Give a leased slot back. Unknown leases are refused (as a Reply), never fatal."""
-        lease = self.leases.pop(lease_id, None)
+    def release(
+        self, lease_id: str, now: Instant, reason: str = "released", by: str | None = None
+    ) -> list[Command]:
+        """Give a leased slot back. Unknown leases are refused (as a Reply), never fatal.
+        ``by``: who asks (``None``: the manager itself — expiry, an undeliverable grant); a
+        lease bound to a holder is released only by that holder."""
+        lease = self.leases.get(lease_id)
         if lease is None:
             self.counters["release_unknown_lease"] += 1
             return [Reply(Refusal(reason=Reason.UNKNOWN_LEASE, detail=f"no lease {lease_id!r}"))]
+        if by is not None and lease.holder is not None and by != lease.holder:
+            self.counters["release_not_authorized"] += 1
+            detail = f"lease {lease_id!r} is held by another broker user ({by!r} asked)"
+            return [Reply(Refusal(reason=Reason.NOT_AUTHORIZED, detail=detail))]
+        del self.leases[lease_id]
         self._remember_finished(lease_id)
         agent = self.agents[lease.agent_id]
         agent.leases.discard(lease_id)
         self._change_load(agent, agent.slots[lease.capability], -1)
         self.counters["released"] += 1
         out: list[Command] = [Reply(Released(lease_id=lease_id))]
+        if agent.hears_leases:
+            ended = LeaseNotice(
+                agent_id=agent.agent_id,
+                lease_id=lease_id,
+                capability=lease.capability,
+                expires_in_s=0.0,
+                ended=True,
+            )
+            out.append(SendToAgent(agent.agent_id, ended))
         draining = agent.state is AgentState.DRAINING
         trigger = Trigger.RELEASE if agent.in_flight > 0 or draining else Trigger.IDLE
         if agent.in_flight == 0:
@@ -457,12 +493,12 @@ class PoolCore:
         return out
 
     def _on_acquire(self, event: AcquireRequested, now: Instant) -> list[Command]:
-        result, out = self.acquire(event.request, event.lease_id, now)
+        result, out = self.acquire(event.request, event.lease_id, now, event.holder)
         reply = LeaseGranted(lease=result) if isinstance(result, Lease) else result
         return [*out, Reply(reply)]
 
     def _on_release(self, event: ReleaseRequested, now: Instant) -> list[Command]:
-        return self.release(event.lease_id, now)
+        return self.release(event.lease_id, now, by=event.by)
 
     def _choose_slot(self, req: AcquireRequest) -> Slot | Refusal:
         try:

@@ -188,7 +188,12 @@ class MeshClient:
         namespace: str = c.DEFAULT_NAMESPACE,
         name: str = "client",
         transport: ClientTransport | None = None,
+        user_id: str | None = None,
     ) -> MeshClient:
+        """Connect to ``url`` (or use ``transport``). Requests carry ``user_id``: on a
+        connection of its own, the URL's user (RabbitMQ validates it); with a transport
+        handed in, ``user_id`` — the in-memory broker of :mod:`mesh.testing` takes it as
+        said, so a test can speak as its manager's operator."""
         owns = transport is None
         if transport is None:
             transport = await AmqpTransport.connect(url, name=name)
@@ -198,7 +203,7 @@ class MeshClient:
         await transport.declare_reply_queue(queue)
         client = cls(transport, topology, queue)
         client._owns_transport = owns
-        client.user_id = urlsplit(url).username if owns else None
+        client.user_id = urlsplit(url).username if owns else user_id
         client._consumer = await transport.consume(queue, client._on_reply, no_ack=True)
         return client
 

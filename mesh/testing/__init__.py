@@ -11,7 +11,7 @@ Run your agent, the real manager and a client in one event loop::
 
     broker = InMemoryBroker()
     manager = ManagerService(
-        ManagerSettings(namespace="test", ledger_url="sqlite::memory:"),
+        ManagerSettings(namespace="test", ledger_url="sqlite::memory:", operator_user="ops"),
         transport=InMemoryTransport(broker, "manager"),
         journal=SqliteJournal(":memory:"),
         clock=FakeClock(),
@@ -20,9 +20,10 @@ Run your agent, the real manager and a client in one event loop::
     runtime = AgentRuntime(MyAgent("my-1"), AgentSettings(namespace="test"),
                            InMemoryTransport(broker, "my-1"))
     await runtime.start()
-    client = await MeshClient.connect(namespace="test",
+    client = await MeshClient.connect(namespace="test", user_id="ops",  # may drain, too
                                       transport=InMemoryTransport(broker, "client"))
     outcome = await client.run_task("my.capability", {...})
+    await client.drain("my-1")
 
 :mod:`mesh.testing.memory` lists where the in-memory broker differs from RabbitMQ. The
 project's own integration tests run against a real broker; ``tests/integration/

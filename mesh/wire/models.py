@@ -232,6 +232,21 @@ class DrainComplete(Message):
     agent_id: AgentId
 
 
+class LeaseNotice(Message):
+    """Manager -> agent: a lease on one of your slots was issued (``ended``: given back or
+    expired). A task on your own queue runs only under a lease you were told of: its
+    ``lease_id``, before ``expires_in_s`` from when you received this. Sent before the lease
+    reaches the producer, to agents that list the ``lease-notices`` feature."""
+
+    TYPE = "mesh.lease-notice.v1"
+    type: Literal["mesh.lease-notice.v1"] = "mesh.lease-notice.v1"
+    agent_id: AgentId
+    lease_id: Identifier
+    capability: CapabilityName
+    expires_in_s: float = Field(ge=0)
+    ended: bool = False
+
+
 class OrchestrationEvent(Message):
     """One entry of the append-only orchestration log (also published on the events exchange)."""
 
@@ -311,8 +326,10 @@ class TaskGrant(WireModel):
 class Task(Message):
     """Producer -> agent: run one capability on this payload.
 
-    A task carries a ``lease_id`` (the lease path) or a ``grant`` (the admission path), or
-    neither; an agent refuses a task whose grant is foreign, expired or revoked.
+    A task carries a ``lease_id`` (the lease path: a lease the manager issued to the agent it
+    is sent to) or a ``grant`` (the admission path). An agent refuses a task whose grant is
+    foreign, expired or revoked, whose lease it was not told of, or that carries neither
+    (unless it runs with open tasks allowed): no credentials, no work.
     """
 
     TYPE = "mesh.task.v1"
@@ -539,6 +556,7 @@ CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (
     ReRegisterRequest,
     DrainNotice,
     DrainComplete,
+    LeaseNotice,
     OrchestrationEvent,
     Task,
     TaskResult,

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,7 +34,15 @@ from mesh.errors import MeshError
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.scaler.local import LocalProcessScaler, sample_command
-from mesh.wire import AdmissionReason, OrchestrationEvent
+from mesh.wire import (
+    AdmissionReason,
+    Lease,
+    Message,
+    OrchestrationEvent,
+    Reason,
+    Task,
+    TaskResult,
+)
 
 from .harness import FAST_POOL, eventually
 from .test_admission import settings_for
@@ -346,3 +355,89 @@ async def test_grants_never_exceed_the_live_figure_and_shrinking_it_revokes_noth
         finally:
             await second.stop()
             await first.stop()
+
+
+# ---- (4) no credentials, no work ---------------------------------------------------------------
+async def publish_task(
+    client: MeshClient, exchange: str, key: str, task: Task
+) -> asyncio.Future[Message]:
+    """Publish ``task`` as a producer would (reply_to, correlation_id); the future its
+    result completes."""
+    fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+    client._pending[task.task_id] = fut
+    await client.transport.publish(
+        exchange, key, task, reply_to=client.reply_queue, correlation_id=task.task_id
+    )
+    return fut
+
+
+def bare_task(lease_id: str | None = None) -> Task:
+    return Task(
+        task_id=uuid.uuid4().hex,
+        capability="test.echo",
+        payload={"message": "who sent me?"},
+        submitted_at=time.time(),
+        lease_id=lease_id,
+    )
+
+
+async def test_a_task_without_a_grant_or_an_issued_lease_is_never_run(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    async with echo_manager(amqp_url, namespace, tmp_path) as (manager, client):
+        agent = echo_runtime(amqp_url, namespace, "echo-1")
+        other = echo_runtime(amqp_url, namespace, "echo-2")
+        await agent.start()
+        await other.start()
+        try:
+            t = manager.topology
+            foreign = await client.acquire("test.echo", agent_id="echo-2")  # echo-2's lease
+            assert isinstance(foreign, Lease)
+            sent = {
+                "to the pool queue, no grant": (t.tasks_exchange, "pool.echo", bare_task()),
+                "to the agent, no lease": (t.tasks_exchange, "echo-1", bare_task()),
+                "a made-up lease": (t.tasks_exchange, "echo-1", bare_task("not-a-lease")),
+                "another agent's lease": (
+                    t.tasks_exchange, "echo-1", bare_task(foreign.lease_id)
+                ),
+            }  # fmt: skip
+            answers = {
+                what: await asyncio.wait_for(await publish_task(client, *where), 10)
+                for what, where in sent.items()
+            }
+            for what, answer in answers.items():
+                assert isinstance(answer, TaskResult), what
+                assert answer.status == "error" and answer.error is not None, what
+                assert answer.error.code is Reason.NOT_AUTHORIZED, (what, answer.error)
+            refused = agent.counters["tasks_without_credentials"]
+            assert refused == 4 and agent.counters["tasks_ok"] == 0
+
+            letters = [await client.transport.get_one(t.dead_letter_queue) for _ in range(4)]
+            assert [ltr.headers["x-mesh-reason"] for ltr in letters if ltr] == [
+                "NOT_AUTHORIZED"
+            ] * 4
+            sources = sorted(ltr.headers["x-mesh-source-queue"] for ltr in letters if ltr)
+            assert sources == sorted(
+                [t.pool_task_queue("echo")] + [t.agent_task_queue("echo-1")] * 3
+            )
+
+            # The lease path with a lease the manager issued to the agent runs, as always.
+            done = await client.run_task("test.echo", {"message": "leased"}, timeout_s=10)
+            assert done.output["message"] == "leased"
+        finally:
+            await other.stop()
+            await agent.stop()
+
+
+async def test_an_agent_may_be_told_to_run_open_tasks(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    async with echo_manager(amqp_url, namespace, tmp_path) as (manager, client):
+        agent = echo_runtime(amqp_url, namespace, "echo-open", open_tasks=True)
+        await agent.start()
+        try:
+            where = (manager.topology.tasks_exchange, "echo-open", bare_task())
+            answer = await asyncio.wait_for(await publish_task(client, *where), 10)
+            assert isinstance(answer, TaskResult) and answer.status == "ok", answer
+        finally:
+            await agent.stop()

@@ -40,6 +40,7 @@ from mesh.wire import (
     Heartbeat,
     Lease,
     LeaseGranted,
+    LeaseNotice,
     Message,
     ModelLimits,
     OrchestrationEvent,
@@ -178,6 +179,9 @@ _samples: list[Message] = [
     ReRegisterRequest(agent_id="calc-7f9c", reason="unknown agent"),
     DrainNotice(agent_id="calc-7f9c", reason="rolling deploy"),
     DrainComplete(agent_id="calc-7f9c"),
+    LeaseNotice(
+        agent_id="calc-7f9c", lease_id="lease-42", capability="math.evaluate", expires_in_s=30.0
+    ),
     OrchestrationEvent(
         seq=7,
         at=T0,

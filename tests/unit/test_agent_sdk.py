@@ -35,6 +35,7 @@ from mesh.wire import (
     DrainNotice,
     DrainRequest,
     Heartbeat,
+    LeaseNotice,
     Message,
     Reason,
     RegistrationAccepted,
@@ -569,6 +570,9 @@ FAST = AgentSettings(
     drain_timeout_s=1.0,
     stop_timeout_s=0.2,
     shutdown_grace_s=1.0,
+    # These tests are about running tasks: they deliver tasks without credentials. The
+    # credential checks have tests of their own (CLOSED, below).
+    open_tasks=True,
 )
 TOPOLOGY = Topology("t")
 
@@ -1153,5 +1157,94 @@ async def test_a_result_claimed_before_a_long_silence_is_withheld_and_the_task_r
         [result] = transport.of_type(TaskResult)
         assert result.correlation_id == "after"
         assert runtime.counters["silences"] == 1  # one silence, noticed once
+    finally:
+        await runtime.stop()
+
+
+# ---- no credentials, no work ------------------------------------------------------------------
+CLOSED = {"open_tasks": False, "lease_notice_wait_s": 0.05}
+
+
+def lease_notice(lease_id: str, *, ended: bool = False, expires_in_s: float = 30.0) -> Delivery:
+    notice = LeaseNotice(
+        agent_id="toy-1",
+        lease_id=lease_id,
+        capability="toy.double",
+        expires_in_s=0.0 if ended else expires_in_s,
+        ended=ended,
+    )
+    return make_delivery(notice)
+
+
+async def answer_to(transport: FakeTransport, queue: str, task: Task) -> TaskResult:
+    delivery = make_delivery(task, reply_to="reply.q")
+    await transport.deliver(queue, delivery)
+    result = transport.of_type(TaskResult)[-1].decoded
+    assert isinstance(result, TaskResult)
+    return result
+
+
+async def test_a_task_without_a_grant_or_a_lease_is_refused_dead_lettered_and_never_run() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport, **CLOSED)
+    await runtime.start()
+    try:
+        result = await answer_to(transport, "t.agent.toy-1.tasks", make_task(task_id="t-1"))
+        assert result.error is not None and result.error.code is Reason.NOT_AUTHORIZED
+        assert "neither a grant nor a lease" in result.error.message
+        pool_task = await answer_to(transport, "t.pool.toy.tasks", make_task(task_id="t-2"))
+        assert pool_task.error is not None and pool_task.error.code is Reason.NOT_AUTHORIZED
+        assert transport.dead_letters == [
+            ("t.agent.toy-1.tasks", "NOT_AUTHORIZED"),
+            ("t.pool.toy.tasks", "NOT_AUTHORIZED"),
+        ]
+        assert runtime.counters["tasks_without_credentials"] == 2
+        assert runtime.counters["tasks_ok"] == 0
+    finally:
+        await runtime.stop()
+
+
+async def test_a_lease_the_manager_told_of_runs_until_it_ends() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport, **CLOSED)
+    await runtime.start()
+    try:
+        await transport.deliver("t.agent.toy-1.control", lease_notice("lease-1"))
+        ok = await answer_to(transport, "t.agent.toy-1.tasks", make_task(lease_id="lease-1"))
+        assert (ok.status, ok.output) == ("ok", {"n": 4})
+
+        await transport.deliver("t.agent.toy-1.control", lease_notice("lease-1", ended=True))
+        ended = await answer_to(transport, "t.agent.toy-1.tasks", make_task(lease_id="lease-1"))
+        assert ended.error is not None and ended.error.code is Reason.NOT_AUTHORIZED
+        assert "not issued to toy-1, or has ended" in ended.error.message
+    finally:
+        await runtime.stop()
+
+
+async def test_a_task_that_overtakes_its_lease_notice_waits_for_it() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport, open_tasks=False, lease_notice_wait_s=2.0)
+    await runtime.start()
+    try:
+        delivery = make_delivery(make_task(lease_id="lease-2"), reply_to="reply.q")
+        running = transport.deliver("t.agent.toy-1.tasks", delivery)
+        await asyncio.sleep(0.05)
+        assert not running.done()  # waiting for the notice, not refused
+        await transport.deliver("t.agent.toy-1.control", lease_notice("lease-2"))
+        await running
+        result = transport.of_type(TaskResult)[-1].decoded
+        assert isinstance(result, TaskResult) and result.status == "ok"
+    finally:
+        await runtime.stop()
+
+
+async def test_a_lease_never_noticed_is_refused_after_the_wait() -> None:
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport, **CLOSED)
+    await runtime.start()
+    try:
+        refused = await answer_to(transport, "t.agent.toy-1.tasks", make_task(lease_id="made-up"))
+        assert refused.error is not None and refused.error.code is Reason.NOT_AUTHORIZED
+        assert runtime.counters["tasks_ok"] == 0
     finally:
         await runtime.stop()

@@ -644,7 +644,12 @@ def test_the_fake_clock_moves_only_when_advanced_and_is_a_manager_clock() -> Non
 async def started_manager(transport: InMemoryTransport, namespace: str) -> ManagerService:
     """The real manager on the in-memory broker: an in-memory ledger and journal, a fake clock."""
     manager = ManagerService(
-        ManagerSettings(namespace=namespace, tick_interval_s=0.05, ledger_url="sqlite::memory:"),
+        ManagerSettings(
+            namespace=namespace,
+            tick_interval_s=0.05,
+            ledger_url="sqlite::memory:",
+            operator_user="operator",  # the client below speaks as it, to drain
+        ),
         transport=transport,
         journal=SqliteJournal(":memory:"),
         clock=FakeClock(),
@@ -664,7 +669,10 @@ async def test_an_agent_the_manager_and_a_client_run_a_task_and_drain_without_a_
     )
     await runtime.start()
     client = await MeshClient.connect(
-        namespace=namespace, name="producer", transport=InMemoryTransport(broker, "producer")
+        namespace=namespace,
+        name="producer",
+        transport=InMemoryTransport(broker, "producer"),
+        user_id="operator",
     )
     try:
         outcome = await client.run_task(

@@ -10,11 +10,13 @@ from mesh.core import (
     AgentState,
     CapacityMissed,
     PoolSettings,
+    Reply,
     ScaleObserved,
     ScaleTo,
     ScalingPolicy,
+    SendToAgent,
 )
-from mesh.wire import Capability, DrainComplete, Lease
+from mesh.wire import Capability, DrainComplete, Lease, LeaseNotice
 
 from .builders import Pool, capability, sent, transitions
 
@@ -255,3 +257,39 @@ def test_a_replica_replacing_a_drained_one_is_waited_for_not_scaled_past() -> No
     out += pool.run_for(6, heartbeats=["a-2"])
 
     assert [cmd for cmd in out if isinstance(cmd, ScaleTo)] == []
+
+
+# ---- no credentials, no work: the agent is told of its leases ---------------------------------
+def test_an_agent_that_hears_leases_is_told_of_one_before_the_producer_and_when_it_ends(
+    pool: Pool,
+) -> None:
+    pool.register("a-1", search(2), deployment="rag", features=(c.FEATURE_LEASE_NOTICES,))
+
+    out = pool.acquire_commands("rag.search", lease_id="lease-x")
+
+    notices = sent(out, LeaseNotice)
+    assert [(n.lease_id, n.capability, n.ended) for _, n in notices] == [
+        ("lease-x", "rag.search", False)
+    ]
+    assert notices[0][1].expires_in_s == pytest.approx(pool.core.settings.default_lease_ttl_s)
+    told = next(i for i, cmd in enumerate(out) if isinstance(cmd, SendToAgent))
+    answered = next(i for i, cmd in enumerate(out) if isinstance(cmd, Reply))
+    assert told < answered  # the shell carries commands out in order
+
+    ended = sent(pool.release("lease-x"), LeaseNotice)
+    assert [(n.lease_id, n.ended) for _, n in ended] == [("lease-x", True)]
+
+
+def test_an_expired_lease_is_ended_at_the_agent_too(pool: Pool) -> None:
+    pool.register("a-1", search(2), deployment="rag", features=(c.FEATURE_LEASE_NOTICES,))
+    pool.lease("rag.search", ttl_s=5)
+
+    out = pool.run_for(6, heartbeats=["a-1"])
+
+    assert [n.ended for _, n in sent(out, LeaseNotice)] == [True]
+
+
+def test_an_agent_without_the_feature_is_sent_no_lease_notices(pool: Pool) -> None:
+    pool.register("a-1", search(2), deployment="rag")
+    lease = pool.lease("rag.search")
+    assert sent(pool.release(lease.lease_id), LeaseNotice) == []
