@@ -343,7 +343,7 @@ async def _start_mesh(
     except TimeoutError:
         say("the manager did not answer within 20 s; see its log above")
         return None
-    if not s.producer_only and not await _publish_descriptors(s, client):
+    if not await _publish_descriptors(s, client):  # producer only: as the operator too
         return None
     wanted = 1 if s.producer_only else s.agent_count
     names: list[str] = []

@@ -75,7 +75,7 @@ from mesh.errors import (
 from mesh.leases import LeaseSigner
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore, Usage
-from mesh.manager.admission import Admitter, Eviction, ExternalGrantor
+from mesh.manager.admission import Admitter, DecisionRecord, Eviction, ExternalGrantor
 from mesh.manager.batching import GroupCommit
 from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
@@ -435,14 +435,31 @@ class ManagerService:
             event = FindRequested(message)
         elif isinstance(message, AcquireRequest):
             lease_id = _lease_id(delivery)
-            event = AcquireRequested(message, lease_id)
+            event = AcquireRequested(message, lease_id, holder=delivery.user_id)
         elif isinstance(message, ReleaseRequest):
-            event = ReleaseRequested(message.lease_id)
+            event = ReleaseRequested(message.lease_id, by=delivery.user_id or "")
         elif isinstance(message, DrainRequest):
+            if delivery.user_id != self.settings.operator_user:
+                # Draining stops an agent: an operator's act (or the agent's own, on the
+                # announce exchange), never a producer's.
+                await self._refuse_not_operator(delivery, message.type, message.agent_id)
+                return
             event = DrainRequested(message.agent_id, message.reason)
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
         await self._feed(event, delivery)
+
+    async def _refuse_not_operator(self, delivery: Delivery, what: str, subject: str) -> None:
+        self.counters[f"not_authorized.{what}"] += 1
+        log.warning(
+            "request refused: only the operator may send it",
+            extra={"message_type": what, "subject": subject, "user_id": delivery.user_id},
+        )
+        detail = (
+            f"{what} is accepted only from the operator user {self.settings.operator_user!r}; "
+            f"this came from {delivery.user_id!r}"
+        )
+        await self._reply(delivery, Refusal(reason=Reason.NOT_AUTHORIZED, detail=detail))
 
     async def _guarded(
         self, delivery: Delivery, queue: str, handle: Callable[[Delivery], Awaitable[None]]
@@ -536,27 +553,43 @@ class ManagerService:
         task.add_done_callback(self._background.discard)
 
     async def _execute(self, commands: Sequence[Command], request: Delivery | None = None) -> None:
+        """Carry the commands out in order. A bug in one is logged and counted
+        (``command_errors``) and the rest still run — above all the reply its requester
+        waits for; a transport failure propagates (the delivery is redelivered, and the
+        core's handling is idempotent)."""
         logs = [cmd.entry for cmd in commands if isinstance(cmd, AppendLog)]
         stored = self._append(logs) if logs else []
         for event in stored:
             await self._publish_event(names.log_key(event.agent_id, event.kind), event)
         for cmd in commands:
-            if isinstance(cmd, SendToAgent):
-                await self._send_to_agent(cmd.agent_id, cmd.message)
-            elif isinstance(cmd, Reply):
-                if request is not None:
-                    delivered = await self._reply(request, cmd.message)
-                    if not delivered and isinstance(cmd.message, LeaseGranted):
-                        await self._release_unclaimed(cmd.message.lease.lease_id)
-            elif isinstance(cmd, Announce):
-                key = names.capability_key(cmd.capability, cmd.agent_id)
-                await self._publish_event(key, _to_wire(cmd.entry))
-            elif isinstance(cmd, ScaleTo | DeletePod):
-                await self._scale(cmd)
-            elif isinstance(cmd, FenceAgent):
-                task = asyncio.create_task(self._fence(cmd))  # it may retry: not inline
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            try:
+                await self._carry_out(cmd, request)
+            except TransportError:
+                raise
+            except Exception:
+                self.counters["command_errors"] += 1
+                log.exception(
+                    "bug while carrying out a command; the next ones still run",
+                    extra={"command": type(cmd).__name__},
+                )
+
+    async def _carry_out(self, cmd: Command, request: Delivery | None) -> None:
+        if isinstance(cmd, SendToAgent):
+            await self._send_to_agent(cmd.agent_id, cmd.message)
+        elif isinstance(cmd, Reply):
+            if request is not None:
+                delivered = await self._reply(request, cmd.message)
+                if not delivered and isinstance(cmd.message, LeaseGranted):
+                    await self._release_unclaimed(cmd.message.lease.lease_id)
+        elif isinstance(cmd, Announce):
+            key = names.capability_key(cmd.capability, cmd.agent_id)
+            await self._publish_event(key, _to_wire(cmd.entry))
+        elif isinstance(cmd, ScaleTo | DeletePod):
+            await self._scale(cmd)
+        elif isinstance(cmd, FenceAgent):
+            task = asyncio.create_task(self._fence(cmd))  # it may retry: not inline
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _append(self, entries: list[LogEntry]) -> list[OrchestrationEvent]:
         if self._journal is None:
@@ -616,12 +649,21 @@ class ManagerService:
             return await self._shadow_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
             started = self.clock.now().mono
+            record = await self._on_ledger(admitter.recorded, message.admission_id)
+            if not self._may_release(record, request.user_id):
+                self.counters["not_authorized.admission_release"] += 1
+                return AdmissionReleaseReply(
+                    admission_id=message.admission_id,
+                    released=False,
+                    reason=AdmissionReason.NOT_AUTHORIZED,
+                    detail="an admission is released by the tenant it was granted to (or the "
+                    f"operator); this came from {request.user_id!r}",
+                )
             reply = await self._on_ledger(
                 admitter.release, message.admission_id, message.fence, now
             )
             if reply.released:
                 self.observer.metrics.release_latency.observe(self.clock.now().mono - started)
-                record = await self._on_ledger(admitter.recorded, message.admission_id)
                 self.observer.metrics.settled(
                     record.estimate if record else None,
                     message.actual_tokens,
@@ -644,6 +686,12 @@ class ManagerService:
                 detail="no authenticated producer: publish with user_id set to your broker user",
             )
         return await self._admissions.submit((message, tenant))
+
+    def _may_release(self, record: DecisionRecord | None, user_id: str | None) -> bool:
+        """The tenant an admission was decided for, or the operator, may release it (a
+        record the ledger no longer has, or one without a tenant, is left to the fence)."""
+        tenant = None if record is None else record.tenant
+        return tenant is None or user_id in (tenant, self.settings.operator_user)
 
     async def _admit_batch(
         self, requests: list[tuple[AdmissionRequest, str]]
@@ -1106,7 +1154,8 @@ class ManagerService:
         except PublishUnroutable:
             self.counters["agent_unreachable"] += 1
             log.info(
-                "agent has no control queue", extra={"agent_id": agent_id, "msg": message.type}
+                "agent has no control queue",
+                extra={"agent_id": agent_id, "message_type": message.type},
             )
 
     async def _reply(self, request: Delivery, message: Message) -> bool:

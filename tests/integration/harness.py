@@ -44,6 +44,11 @@ def manager_settings(namespace: str, journal: Path, **overrides: Any) -> Manager
         "pool": FAST_POOL,
     }
     base.update(overrides)
+    # The tests' broker user is the operator: tests drain agents and publish descriptors
+    # with it (a test of who may do that makes a user of its own).
+    base.setdefault(
+        "operator_user", urllib.parse.urlsplit(base.get("amqp_url", "")).username or "guest"
+    )
     return ManagerSettings(**base)
 
 
