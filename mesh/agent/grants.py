@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 A :class:`~mesh.wire.models.Task` may carry a ``grant`` (a
-:class:`~mesh.wire.models.TaskGrant`, the admission decision's ``AdmissionGrant``). Tasks
-without one take the lease path and are not affected by anything here.
+:class:`~mesh.wire.models.AdmissionGrant`, the admission decision's own). Tasks
+without one take the lease path (their lease is checked by the runtime: no credentials,
+no work) and are not affected by anything here.
 
 The agent checks a grant twice: when it **claims** the task (before the handler runs) and again
 at the **consumption point**, right before it publishes the result. :func:`check_grant` is the
@@ -68,7 +69,7 @@ from collections.abc import Collection
 from typing import Any
 
 from mesh import constants as c
-from mesh.wire.models import TaskGrant
+from mesh.wire.models import AdmissionGrant
 
 GRANT_REVOKED = c.EVENT_GRANT_REVOKED
 """The ``kind`` of the orchestration event that revokes a grant."""
@@ -79,7 +80,7 @@ DEFAULT_MAX_REVOKED = 10_000
 
 
 def check_grant(
-    grant: TaskGrant,
+    grant: AdmissionGrant,
     *,
     pool_id: str,
     now: float,
@@ -155,7 +156,7 @@ class RevokedGrants:
         """The operator's reason, if ``admission_id`` was revoked for security."""
         return self._security.get(admission_id)
 
-    def evicted(self, grant: TaskGrant) -> bool:
+    def evicted(self, grant: AdmissionGrant) -> bool:
         """Was ``grant`` revoked by an eviction (rather than a release or an expiry)?"""
         known = self._fences.get(grant.admission_id)
         return known is not None and known[1] and grant.fence <= known[0]

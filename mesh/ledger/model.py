@@ -38,6 +38,7 @@ from functools import lru_cache
 from typing import Final, NamedTuple
 
 from mesh.errors import LocalProtocolError, StoreError
+from mesh.wire.reasons import Reason
 
 TENANT_POOL: Final = "*"
 """The pseudo pool of counters shared across pools (tenant budgets)."""
@@ -85,21 +86,15 @@ TRANSITIONS: Final[Mapping[LedgerEvent, Transition]] = {
 """Every state change of the ledger, in one table (the stores' SQL follows it)."""
 
 
-class LedgerReason(StrEnum):
-    """Why the ledger refused: the ledger's share of the admission reason codes
-    (``docs/admission.md``), with the same strings."""
+LedgerReason = Reason
+"""Why the ledger refused: ``CONFLICT``, ``CAPACITY``, ``TENANT_BUDGET``, ``STALE_FENCE`` or
+``NOT_FOUND`` (:data:`LEDGER_REASONS`), members of the one reason enum
+(:class:`~mesh.wire.reasons.Reason`); this name is kept for one version."""
 
-    CONFLICT = "CONFLICT"
-    """The admission ID is already used with another requirement digest."""
-    CAPACITY = "CAPACITY"
-    """A pool counter (model slots, sandboxes, tool permits) has too little left."""
-    TENANT_BUDGET = "TENANT_BUDGET"
-    """The tenant's token budget (``tenant_tokens:<tenant>``) has too little left."""
-    STALE_FENCE = "STALE_FENCE"
-    """The fence is not the reservation's current one, or the reservation can no longer make
-    that move (already ACTIVE, final, or past its expiry)."""
-    NOT_FOUND = "NOT_FOUND"
-    """No reservation has this admission ID."""
+LEDGER_REASONS = frozenset(
+    {Reason.CONFLICT, Reason.CAPACITY, Reason.TENANT_BUDGET, Reason.STALE_FENCE, Reason.NOT_FOUND}
+)
+"""What the ledger itself refuses with."""
 
 
 class Item(NamedTuple):

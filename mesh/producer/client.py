@@ -89,7 +89,6 @@ from mesh.wire.models import (
     StatusReply,
     StatusRequest,
     Task,
-    TaskGrant,
     TaskResult,
 )
 from mesh.wire.reasons import Reason
@@ -476,7 +475,7 @@ class MeshClient:
             payload=payload,
             deadline=deadline,
             submitted_at=time.time(),
-            grant=TaskGrant.from_grant(grant),
+            grant=grant,
             allowed_degradations=requirements.allowed_degradations,
         )
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()

@@ -32,7 +32,6 @@ request.
 from __future__ import annotations
 
 import hashlib
-from enum import StrEnum
 from functools import lru_cache
 from typing import Annotated, Any, Literal, Self
 
@@ -43,40 +42,23 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from mesh.wire.models import (
     UNIQUE_ITEMS,
     CapabilityName,
+    Count,
     Degradations,
     Identifier,
-    InvocationLease,
     Message,
+    PoolId,
+    PositiveInt,
     SemVer,
     Timestamp,
     WireModel,
     distinct,
 )
+from mesh.wire.models import AdmissionGrant as AdmissionGrant  # re-exported: the one grant
+from mesh.wire.reasons import Reason
 
-
-class AdmissionReason(StrEnum):
-    """Why an admission (or a release) was not granted. Stable strings on the wire."""
-
-    NO_ELIGIBLE_POOL = "NO_ELIGIBLE_POOL"
-    CAPACITY = "CAPACITY"
-    NO_LIVE_AGENT = "NO_LIVE_AGENT"  # no Ready agent of the pool offers it now: retry later
-    TENANT_BUDGET = "TENANT_BUDGET"
-    STALE_EPOCH = "STALE_EPOCH"
-    STALE_GENERATION = "STALE_GENERATION"
-    DESCRIPTOR_EXPIRED = "DESCRIPTOR_EXPIRED"
-    CONFLICT = "CONFLICT"
-    INVALID_REQUEST = "INVALID_REQUEST"
-    STALE_FENCE = "STALE_FENCE"
-    NOT_FOUND = "NOT_FOUND"
-    EXTERNAL_GRANT_FAILED = "EXTERNAL_GRANT_FAILED"
-    LEDGER_UNAVAILABLE = "LEDGER_UNAVAILABLE"  # the store failed; retry the same admission ID
-    SHED = "SHED"  # the pool is under pressure and sheds this service class for now
-    TENANT_FAIR_SHARE = "TENANT_FAIR_SHARE"  # the pool is busy and the tenant holds its share
-    DEADLINE_UNREACHABLE = "DEADLINE_UNREACHABLE"  # it would finish after its deadline
-    RUN_CONCURRENCY = "RUN_CONCURRENCY"  # the pool is tight and the task's run holds its share
-    QUEUE_FULL = "QUEUE_FULL"  # the pool's bounded task queue refused the task (a nack)
-    EVICTED = "EVICTED"  # the admitted task was evicted for more urgent work: resubmit it
-    NOT_AUTHORIZED = "NOT_AUTHORIZED"  # only the operator principal may do this
+AdmissionReason = Reason
+"""The admission decisions' codes are :class:`~mesh.wire.reasons.Reason` members (one enum);
+this name is kept for one version."""
 
 
 # ---- field types --------------------------------------------------------------------------
@@ -99,14 +81,6 @@ def _valid_specifier(text: str) -> bool:
     return True
 
 
-PoolId = Annotated[
-    str,
-    Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$",  # the AgentId form: a routing-key word
-        description="Pool identifier: the agent Deployment; usable as a routing-key word.",
-        examples=["calc"],
-    ),
-]
 Specifier = Annotated[
     str,
     Field(
@@ -152,12 +126,6 @@ Classifications = Annotated[list[Classification], AfterValidator(distinct), UNIQ
 Regions = Annotated[list[Region], AfterValidator(distinct), UNIQUE_ITEMS]
 Tenants = Annotated[list[Tenant], AfterValidator(distinct), UNIQUE_ITEMS]
 PoolIds = Annotated[list[PoolId], AfterValidator(distinct), UNIQUE_ITEMS]
-MAX_SAFE_INT = 2**53 - 1
-"""The largest integer every JSON reader keeps exactly (and far inside what the ledger's
-64-bit counters hold): counts, fences and epochs past it are refused at the edge, not
-deep in a batch where one of them would fail every other request decided with it."""
-PositiveInt = Annotated[int, Field(ge=1, le=MAX_SAFE_INT)]
-Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]
 
 
 # ---- the capability descriptor ------------------------------------------------------------
@@ -353,29 +321,6 @@ class AdmissionRequest(Message):
     type: Literal["mesh.admission-request.v1"] = "mesh.admission-request.v1"
     admission_id: Identifier
     requirements: TaskRequirements
-
-
-class AdmissionGrant(WireModel):
-    """A reservation that reached ACTIVE: revalidated at claim, dispatch and every use."""
-
-    admission_id: Identifier
-    pool_id: PoolId
-    descriptor_epoch: PositiveInt
-    policy_generation: PositiveInt
-    fence: PositiveInt
-    grant_ids: list[Identifier] = Field(
-        default_factory=list, max_length=64, description="Ledger and external grant IDs."
-    )
-    expires_at: Timestamp
-    fallback_for: PoolId | None = Field(
-        default=None,
-        description="Set when a fallback pool was granted: the primary pool it stands in for.",
-    )
-    lease: InvocationLease | None = Field(
-        default=None,
-        description="The invocation lease an attempt presents at each consumption point "
-        "(when the manager signs them: mesh manager --lease-key).",
-    )
 
 
 class AdmissionDecision(Message):

@@ -292,35 +292,57 @@ class InvocationLease(WireModel):
     )
 
 
-class TaskGrant(WireModel):
-    """The admission grant a task runs under: the fields of ``AdmissionGrant``, mirrored here so
-    the task model needs nothing from :mod:`mesh.wire.admission` (which imports this module).
+PoolId = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$",  # the AgentId form: a routing-key word
+        description="Pool identifier: the agent Deployment; usable as a routing-key word.",
+        examples=["calc"],
+    ),
+]
+MAX_SAFE_INT = 2**53 - 1
+"""The largest integer every JSON reader keeps exactly (and far inside what the ledger's
+64-bit counters hold): counts, fences and epochs past it are refused at the edge, not
+deep in a batch where one of them would fail every other request decided with it."""
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_SAFE_INT)]
+Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]
 
-    The agent revalidates it when it claims the task and again before it publishes the result
-    (:mod:`mesh.agent.grants`). Build one from a decision's grant with :meth:`from_grant`.
-    """
+
+class AdmissionGrant(WireModel):
+    """A reservation that reached ACTIVE: the grant an admission decision carries, and the
+    one its task runs under (``Task.grant``) — one type on the wire. The agent revalidates it
+    when it claims the task and again before it publishes the result
+    (:mod:`mesh.agent.grants`)."""
 
     admission_id: Identifier
-    pool_id: AgentId = Field(description="The pool (agent Deployment) the grant is for.")
-    descriptor_epoch: Annotated[int, Field(ge=1)]
-    policy_generation: Annotated[int, Field(ge=1)]
-    fence: Annotated[int, Field(ge=1)]
+    pool_id: PoolId
+    descriptor_epoch: PositiveInt
+    policy_generation: PositiveInt
+    fence: PositiveInt
     grant_ids: list[Identifier] = Field(
         default_factory=list, max_length=64, description="Ledger and external grant IDs."
     )
     expires_at: Timestamp
-    fallback_for: AgentId | None = Field(
+    fallback_for: PoolId | None = Field(
         default=None,
         description="Set when a fallback pool was granted: the primary pool it stands in for.",
     )
     lease: InvocationLease | None = Field(
-        default=None, description="The invocation lease, when the manager signs them."
+        default=None,
+        description="The invocation lease an attempt presents at each consumption point "
+        "(when the manager signs them: mesh manager --lease-key).",
     )
 
     @classmethod
-    def from_grant(cls, grant: BaseModel) -> TaskGrant:
-        """The same grant as an ``AdmissionGrant`` (or any model with these fields) holds it."""
-        return cls.model_validate(grant.model_dump())
+    def from_grant(cls, grant: AdmissionGrant) -> AdmissionGrant:
+        """``grant`` itself: a task carries the decision's grant as it is (kept for the
+        callers of ``TaskGrant.from_grant``)."""
+        return grant
+
+
+TaskGrant = AdmissionGrant
+"""The grant a task runs under is the decision's :class:`AdmissionGrant`; this name, from
+when a copy of it stood here, is kept for one version."""
 
 
 class Task(Message):
@@ -340,7 +362,7 @@ class Task(Message):
     payload: dict[str, Any]
     deadline: Timestamp | None = None
     submitted_at: Timestamp
-    grant: TaskGrant | None = Field(
+    grant: AdmissionGrant | None = Field(
         default=None, description="The admission grant it runs under, revalidated by the agent."
     )
     allowed_degradations: Degradations = Field(

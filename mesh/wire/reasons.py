@@ -1,4 +1,7 @@
-"""Machine-readable reason codes carried by refusals, errors and dead letters."""
+"""Machine-readable reason codes: one enum for every refusal, decision, task error and dead
+letter, whichever path or layer says it (the admission decisions' and the ledger's codes are
+members of it, ``AdmissionReason`` and ``LedgerReason`` its old names, kept for one version).
+The strings on the wire are stable."""
 
 from __future__ import annotations
 
@@ -7,6 +10,25 @@ from enum import StrEnum
 
 class Reason(StrEnum):
     """Why something was refused, failed or dead-lettered. Stable strings on the wire."""
+
+    # Admission (decisions and releases; the ledger's own refusals are among them).
+    NO_ELIGIBLE_POOL = "NO_ELIGIBLE_POOL"
+    CAPACITY = "CAPACITY"  # a pool counter (model or live slots, sandboxes, tools) is short
+    NO_LIVE_AGENT = "NO_LIVE_AGENT"  # no Ready agent of the pool offers it now: retry later
+    TENANT_BUDGET = "TENANT_BUDGET"
+    STALE_EPOCH = "STALE_EPOCH"
+    STALE_GENERATION = "STALE_GENERATION"
+    DESCRIPTOR_EXPIRED = "DESCRIPTOR_EXPIRED"
+    CONFLICT = "CONFLICT"  # the admission ID is used with other requirements
+    INVALID_REQUEST = "INVALID_REQUEST"
+    STALE_FENCE = "STALE_FENCE"
+    NOT_FOUND = "NOT_FOUND"
+    EXTERNAL_GRANT_FAILED = "EXTERNAL_GRANT_FAILED"
+    LEDGER_UNAVAILABLE = "LEDGER_UNAVAILABLE"  # the store failed; retry the same admission ID
+    SHED = "SHED"  # the pool is under pressure and sheds this service class for now
+    TENANT_FAIR_SHARE = "TENANT_FAIR_SHARE"  # the pool is busy and the tenant holds its share
+    DEADLINE_UNREACHABLE = "DEADLINE_UNREACHABLE"  # it would finish after its deadline
+    RUN_CONCURRENCY = "RUN_CONCURRENCY"  # the pool is tight and the task's run holds its share
 
     # Capacity and lookup (replies to find / acquire).
     NO_AGENT_AVAILABLE = "NO_AGENT_AVAILABLE"
@@ -39,9 +61,22 @@ class Reason(StrEnum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     AGENT_SHUTDOWN = "AGENT_SHUTDOWN"  # the agent left (drain deadline) before running it
     GRANT_INVALID = "GRANT_INVALID"  # the task's admission grant is foreign, expired or revoked
-    EVICTED = "EVICTED"  # its grant was taken back for more urgent work (it was recoverable)
+    EVICTED = "EVICTED"  # its grant was taken back for more urgent work: resubmit it
     DEGRADATION_NOT_ALLOWED = "DEGRADATION_NOT_ALLOWED"  # degraded beyond what the task allowed
     # Transport outcomes surfaced to callers.
-    QUEUE_FULL = "QUEUE_FULL"
+    QUEUE_FULL = "QUEUE_FULL"  # a bounded queue refused the publish (a nack)
     UNROUTABLE = "UNROUTABLE"
     PUBLISH_OUTCOME_UNKNOWN = "PUBLISH_OUTCOME_UNKNOWN"
+
+
+ADMISSION_REASONS = frozenset(
+    {
+        Reason.NO_ELIGIBLE_POOL, Reason.CAPACITY, Reason.NO_LIVE_AGENT, Reason.TENANT_BUDGET,
+        Reason.STALE_EPOCH, Reason.STALE_GENERATION, Reason.DESCRIPTOR_EXPIRED, Reason.CONFLICT,
+        Reason.INVALID_REQUEST, Reason.STALE_FENCE, Reason.NOT_FOUND,
+        Reason.EXTERNAL_GRANT_FAILED, Reason.LEDGER_UNAVAILABLE, Reason.SHED,
+        Reason.TENANT_FAIR_SHARE, Reason.DEADLINE_UNREACHABLE, Reason.RUN_CONCURRENCY,
+        Reason.QUEUE_FULL, Reason.EVICTED, Reason.NOT_AUTHORIZED,
+    }
+)  # fmt: skip
+"""The codes an admission decision or release reply says (docs/admission.md)."""

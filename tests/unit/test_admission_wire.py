@@ -17,6 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from mesh.errors import MessageRejected
+from mesh.ledger.model import LEDGER_REASONS, LedgerReason
 from mesh.wire import (
     ADMISSION_MESSAGE_TYPES,
     MESSAGE_TYPES,
@@ -33,6 +34,7 @@ from mesh.wire import (
     requirement_digest,
 )
 from mesh.wire.models import WireModel
+from mesh.wire.reasons import ADMISSION_REASONS
 
 from .samples import DESCRIPTOR, GRANT, REQUIREMENTS, SAMPLES, sample_json
 
@@ -107,8 +109,7 @@ def test_the_admission_messages_are_registered_whichever_module_is_imported_firs
 
 
 def test_the_admission_reasons_are_the_documented_stable_strings() -> None:
-    assert [r.value for r in AdmissionReason] == [r.name for r in AdmissionReason]
-    assert set(AdmissionReason.__members__) == {
+    assert {r.value for r in ADMISSION_REASONS} == {
         "NO_ELIGIBLE_POOL",
         "NO_LIVE_AGENT",
         "CAPACITY",
@@ -130,6 +131,14 @@ def test_the_admission_reasons_are_the_documented_stable_strings() -> None:
         "NOT_AUTHORIZED",
         "RUN_CONCURRENCY",
     }
+
+
+def test_there_is_one_reason_enum_and_its_strings_are_its_names() -> None:
+    """Decisions, refusals, task errors, dead letters and the ledger say why in one
+    vocabulary; the old names are the same enum, kept for one version."""
+    assert AdmissionReason is Reason and LedgerReason is Reason
+    assert [r.value for r in Reason] == [r.name for r in Reason]
+    assert LEDGER_REASONS <= ADMISSION_REASONS <= set(Reason)
 
 
 # ---- unknown fields deny, at any depth --------------------------------------------------------
