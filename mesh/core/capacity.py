@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mesh.core.index import parse_spec, parse_version
+from mesh.core.ranking import cheapest
 
 LIVE_SLOTS_PREFIX = "live_slots:"
 
@@ -37,12 +38,13 @@ def live_slots_resource(capability: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class LiveOffer:
-    """One version of a capability in one pool: how many live agents offer it, and their
-    concurrency not held by leases."""
+    """One version of a capability at one cost class in one pool: how many live agents offer
+    it, and their concurrency not held by leases."""
 
     version: str
     agents: int
     free: int
+    cost_class: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +80,8 @@ class LiveCapacity:
     def agents(self, pool_id: str, capability: str, *specs: str) -> int:
         """Live agents offering a matching version."""
         return sum(offer.agents for offer in self.matching(pool_id, capability, *specs))
+
+    def cost_class(self, pool_id: str, capability: str, *specs: str) -> str | None:
+        """The pool's cost class for the capability: the cheapest its live agents offer at a
+        matching version (``None``: none does) — what pool choice ranks it by."""
+        return cheapest([offer.cost_class for offer in self.matching(pool_id, capability, *specs)])

@@ -5,13 +5,14 @@ Theory of operation
 ``find_by_capability`` must stay cheap at tens of thousands of agents, so the
 index never scans agents. For each capability name it keeps one
 :class:`VersionGroup` per distinct version (parsed once, when the first agent
-with it registers). Each group keeps, per cost class, only the agents that can
-take work *now*, bucketed by load level (the agent's total leased slots) in
-insertion-ordered dicts. A query:
+with it registers). Each group keeps only the agents that can take work *now*,
+bucketed by their rank (:func:`mesh.core.ranking.rank` of their cost class and
+load level — the agent's in-flight count) in insertion-ordered dicts. A query:
 
 1. resolves the version spec to the matching groups — parsed once and cached
    per spec string, the cache dropped whenever the set of versions changes;
-2. walks cost classes A, B, C; within one, walks load levels from the lowest;
+2. walks the buckets in rank order (cheapest cost class, then least loaded, as
+   :mod:`mesh.core.ranking` defines it);
 3. stops as soon as ``limit`` agents are found.
 
 Its cost grows with the number of distinct versions and load levels, not with
@@ -34,9 +35,10 @@ from functools import lru_cache
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+from mesh.core import ranking
+from mesh.core.ranking import Rank
 from mesh.errors import LocalProtocolError
 
-COST_CLASSES = ("A", "B", "C")
 _SPEC_CACHE_MAX = 1024
 
 
@@ -113,19 +115,17 @@ class VersionGroup:
     version: Version
     text: str
     members: int = 0
-    # cost class -> load level -> agent_id -> Slot (dicts keep insertion order)
-    available: dict[str, dict[int, dict[str, Slot]]] = field(
-        default_factory=lambda: {cost: {} for cost in COST_CLASSES}
-    )
+    # rank (cost class, load level) -> agent_id -> Slot (dicts keep insertion order)
+    available: dict[Rank, dict[str, Slot]] = field(default_factory=dict)
 
     def add_available(self, slot: Slot, level: int) -> None:
-        self.available[slot.cost_class].setdefault(level, {})[slot.agent_id] = slot
+        self.available.setdefault(ranking.rank(slot.cost_class, level), {})[slot.agent_id] = slot
 
     def discard_available(self, slot: Slot, level: int) -> None:
-        levels = self.available[slot.cost_class]
-        bucket = levels.get(level)
+        key = ranking.rank(slot.cost_class, level)
+        bucket = self.available.get(key)
         if bucket is not None and bucket.pop(slot.agent_id, None) is not None and not bucket:
-            del levels[level]
+            del self.available[key]
 
 
 @dataclass(slots=True)
@@ -216,23 +216,20 @@ class CapabilityIndex:
         groups = entry.matching(spec_text)
         out: list[Candidate] = []
         want = limit if limit is not None else -1
-        for cost in COST_CLASSES:
-            per_group = [levels for g in groups if (levels := g.available[cost])]
-            if not per_group:
-                continue
-            all_levels = (
-                sorted(per_group[0]) if len(per_group) == 1 else sorted(set().union(*per_group))
-            )
-            for level in all_levels:
-                for levels in per_group:
-                    bucket = levels.get(level)
-                    if bucket is None:
-                        continue
-                    if want < 0:
-                        out += [slot.candidate() for slot in bucket.values()]
-                        continue
-                    for slot in bucket.values():
-                        out.append(slot.candidate())
-                        if len(out) == want:
-                            return out
+        per_group = [ranked for g in groups if (ranked := g.available)]
+        if not per_group:
+            return out
+        ranks = sorted(per_group[0]) if len(per_group) == 1 else sorted(set().union(*per_group))
+        for key in ranks:
+            for ranked in per_group:
+                bucket = ranked.get(key)
+                if bucket is None:
+                    continue
+                if want < 0:
+                    out += [slot.candidate() for slot in bucket.values()]
+                    continue
+                for slot in bucket.values():
+                    out.append(slot.candidate())
+                    if len(out) == want:
+                        return out
         return out

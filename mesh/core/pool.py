@@ -147,6 +147,7 @@ class AgentRecord:
     reports_work: bool = False  # it reports pool work and confirms drains (work-reports)
     hears_leases: bool = False  # it is told of each lease on it (lease-notices)
     reported_draining: bool = False  # its last heartbeat said it takes no more pool tasks
+    drain_confirmed: bool = False  # the manager has journaled that, for this drain
     last_heartbeat_seq: int = -1
     last_heartbeat_at: float | None = None
     reported_in_flight: dict[str, int] = field(default_factory=dict)  # the heartbeat's in_flight
@@ -178,8 +179,8 @@ class PoolCore:
         self._finished_leases: OrderedDict[str, None] = OrderedDict()
         self._reregister_asked: dict[str, float] = {}
         self._last_tick: float | None = None
-        # (pool, capability) -> version -> [live agents, free concurrency for admission]
-        self._live: dict[tuple[str, str], dict[str, list[int]]] = {}
+        # (pool, capability) -> (version, cost class) -> [live agents, free concurrency]
+        self._live: dict[tuple[str, str], dict[tuple[str, str], list[int]]] = {}
         self._live_version = 0
         self._live_snapshot = LiveCapacity()
         self._handlers: dict[type[Any], Callable[[Any, Instant], list[Command]]] = {
@@ -227,7 +228,10 @@ class PoolCore:
         offers = snapshot.offers
         if snapshot.version != self._live_version:
             offers = {
-                key: tuple(LiveOffer(v, agents, free) for v, (agents, free) in versions.items())
+                key: tuple(
+                    LiveOffer(version, agents, free, cost)
+                    for (version, cost), (agents, free) in versions.items()
+                )
                 for key, versions in self._live.items()
             }
         self._live_snapshot = LiveCapacity(offers, retry, self._live_version)
@@ -383,9 +387,29 @@ class PoolCore:
             agent.idle_since = now.mono
             if agent.state is AgentState.BUSY:
                 out += self._transition(agent, Trigger.IDLE, now, "pool work finished")
-        if agent.state is AgentState.DRAINING and self._drained(agent):
-            out += self._finish_drain(agent, now)
+        if agent.state is AgentState.DRAINING:
+            if agent.reported_draining and not agent.drain_confirmed:
+                out.append(self._drain_confirmed(agent, now))
+            if self._drained(agent):
+                out += self._finish_drain(agent, now)
         return out
+
+    @staticmethod
+    def _drain_confirmed(agent: AgentRecord, now: Instant) -> AppendLog:
+        """The agent says it stopped taking pool tasks (and handed back those not started):
+        one entry per drain, with what still runs there."""
+        agent.drain_confirmed = True
+        running = sum(agent.pool_work.values())
+        return AppendLog(
+            LogEntry(
+                at=now.wall,
+                kind="drain_confirmed",
+                agent_id=agent.agent_id,
+                reason=f"pool consumer stopped; {running} pool task(s) and "
+                f"{len(agent.leases)} lease(s) still in flight",
+                detail={"pool_in_flight": dict(agent.pool_work), "leases": len(agent.leases)},
+            )
+        )
 
     def _ask_to_reregister(self, agent_id: str, now: Instant) -> list[Command]:
         self.counters["heartbeat_unknown_agent"] += 1
@@ -573,6 +597,8 @@ class PoolCore:
         self._refresh_availability(agent, agent.in_flight, agent.in_flight)
         self.counters["drained"] += 1
         out.append(SendToAgent(agent.agent_id, DrainNotice(agent_id=agent.agent_id, reason=reason)))
+        if agent.reports_work and agent.reported_draining:  # it asked first (SIGTERM)
+            out.append(self._drain_confirmed(agent, now))
         if self._drained(agent):
             out += self._finish_drain(agent, now)
         return out
@@ -779,7 +805,8 @@ class PoolCore:
                 continue
             key = (agent.deployment, slot.capability)
             versions = self._live.setdefault(key, {})
-            entry = versions.setdefault(slot.version, [0, 0])
+            offer = (slot.version, slot.cost_class)
+            entry = versions.setdefault(offer, [0, 0])
             if slot.live is not None:
                 entry[0] -= 1
                 entry[1] -= slot.live
@@ -788,7 +815,7 @@ class PoolCore:
                 entry[1] += share
             slot.live = share
             if entry[0] == 0:
-                del versions[slot.version]
+                del versions[offer]
                 if not versions:
                     del self._live[key]
             self._live_version += 1

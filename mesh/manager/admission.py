@@ -20,8 +20,9 @@ it in a worker thread); time is a parameter. One admission:
    first brings up to the free concurrency of those agents. So a grant needs a slot the
    descriptor allows *and* one a live agent can run; live capacity shrinking revokes
    nothing, it only stops new grants until there is room.
-4. **Reserve.** Eligible pools are tried least-used first; ``ledger.prepare`` takes every
-   counter (model slot, live slot, sandbox, tool permits, the tenant's token budget) in one
+4. **Reserve.** Eligible pools are tried in the one preference order
+   (:mod:`mesh.core.ranking`: cost class, then load); ``ledger.prepare`` takes every counter
+   (model slot, live slot, sandbox, tool permits, the tenant's token budget) in one
    transaction or nothing. Only shortage moves on to the next pool.
 5. **External grants** (resources outside the ledger) are requested in one global fixed order
    (by name), each a short-TTL provisional grant keyed by the admission ID. If any is refused,
@@ -57,6 +58,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from mesh.core import ranking
 from mesh.core.capacity import LIVE_SLOTS_PREFIX, LiveCapacity, live_slots_resource
 from mesh.core.eligibility import (
     MODEL_SLOTS,
@@ -80,6 +82,7 @@ from mesh.core.pressure import (
     evict_order,
     shed_rank,
 )
+from mesh.core.ranking import Rank
 from mesh.errors import StoreError
 from mesh.leases import LeaseSigner
 from mesh.ledger.model import TENANT_POOL, LedgerReason, Prepared, Refused, Reservation
@@ -963,14 +966,17 @@ class Admitter:
         """The pools to try, in order, as ``(pool_id, the primary it stands in for)``; the
         fallbacks are checked only once every primary is full.
 
-        Primaries — eligible pools the task does not name as fallbacks — come first, least
-        used first. Then the task's ``allowed_fallbacks`` that are eligible, in its order, each
-        only if it gives the task nothing the preferred primary would not
+        Primaries — eligible pools the task does not name as fallbacks — come first, in the
+        one preference order (:meth:`_by_preference`). Then the task's ``allowed_fallbacks``
+        that are eligible, in its order, each only if it gives the task nothing the preferred
+        primary would not
         (:func:`~mesh.core.eligibility.widening`). Without an eligible primary, a fallback has
         nothing to stand in for: nothing is tried.
         """
         named = set(requirements.allowed_fallbacks)
-        primaries = self._by_preference([p for p in eligibility.eligible if p not in named])
+        primaries = self._by_preference(
+            [p for p in eligibility.eligible if p not in named], requirements
+        )
         if not primaries:
             return
         for pool_id in primaries:
@@ -1078,17 +1084,21 @@ class Admitter:
         else:
             self._budgets_set.add(tenant)
 
-    def _by_preference(self, pools: Sequence[str]) -> list[str]:
-        """Least-used model slots first (a fraction), then pool ID: spread the load."""
+    def _by_preference(self, pools: Sequence[str], req: TaskRequirements) -> list[str]:
+        """In the one preference order (:func:`mesh.core.ranking.rank`) — the pool's cost
+        class for the capability, from its live agents, then its share of model slots in
+        use — and then pool ID."""
         if len(pools) < 2:
             return list(pools)  # nothing to order: spare the ledger a read
         usage = self.ledger.usage()
+        live, name, wanted = self._live, req.capability.name, req.capability.version_spec
 
-        def load(pool_id: str) -> tuple[float, str]:
-            used, capacity = usage.get((pool_id, "model_slots"), (0, 0))
-            return (used / capacity if capacity else 1.0, pool_id)
+        def key(pool_id: str) -> tuple[Rank, str]:
+            used, capacity = usage.get((pool_id, MODEL_SLOTS), (0, 0))
+            cost = None if live is None else live.cost_class(pool_id, name, wanted)
+            return (ranking.rank(cost, used / capacity if capacity else 1.0), pool_id)
 
-        return sorted(pools, key=load)
+        return sorted(pools, key=key)
 
     # ---- release and expiry ---------------------------------------------------------------
     def release(self, admission_id: str, fence: int, now: float) -> AdmissionReleaseReply:

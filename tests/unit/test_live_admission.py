@@ -35,7 +35,7 @@ def admitter(ledger: SqliteLedger) -> Admitter:
 
 def live(*offers: tuple[str, int, int], version: int = 1, **retry_s: float) -> LiveCapacity:
     """rag.search offers of the pool as (version, agents, free)."""
-    entries = tuple(LiveOffer(v, agents, free) for v, agents, free in offers)
+    entries = tuple(LiveOffer(v, agents, free, "B") for v, agents, free in offers)
     return LiveCapacity({(POOL, "rag.search"): entries} if entries else {}, retry_s, version)
 
 

@@ -18,7 +18,7 @@ from mesh.core import (
 )
 from mesh.wire import Capability, DrainComplete, Lease, LeaseNotice
 
-from .builders import Pool, capability, sent, transitions
+from .builders import Pool, capability, log_entries, sent, transitions
 
 WORKS = (c.FEATURE_WORK_REPORTS,)
 
@@ -132,8 +132,11 @@ def test_a_drain_waits_for_pool_work_on_an_agent_that_reports_it(pool: Pool) -> 
 
     still = pool.heartbeat("a-1", pool_in_flight={"rag.search": 1}, draining=True)
     assert pool.state("a-1") is AgentState.DRAINING and sent(still, DrainComplete) == []
+    (confirmed,) = log_entries(still, "drain_confirmed")  # once per drain, in the journal
+    assert confirmed.detail == {"pool_in_flight": {"rag.search": 1}, "leases": 0}
 
     done = pool.heartbeat("a-1", pool_in_flight={}, draining=True)
+    assert log_entries(done, "drain_confirmed") == []
     assert pool.state("a-1") is None
     assert [m.agent_id for _, m in sent(done, DrainComplete)] == ["a-1"]
 
