@@ -29,6 +29,7 @@ handing the same one out twice is safe.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -117,15 +118,25 @@ class VersionGroup:
     members: int = 0
     # rank (cost class, load level) -> agent_id -> Slot (dicts keep insertion order)
     available: dict[Rank, dict[str, Slot]] = field(default_factory=dict)
+    ranks: list[Rank] = field(default_factory=list)  # the keys of ``available``, sorted
+    ranks_changed: int = 0  # bumped whenever a rank appears or goes
 
     def add_available(self, slot: Slot, level: int) -> None:
-        self.available.setdefault(ranking.rank(slot.cost_class, level), {})[slot.agent_id] = slot
+        key = ranking.rank(slot.cost_class, level)
+        bucket = self.available.get(key)
+        if bucket is None:
+            bucket = self.available[key] = {}
+            bisect.insort(self.ranks, key)
+            self.ranks_changed += 1
+        bucket[slot.agent_id] = slot
 
     def discard_available(self, slot: Slot, level: int) -> None:
         key = ranking.rank(slot.cost_class, level)
         bucket = self.available.get(key)
         if bucket is not None and bucket.pop(slot.agent_id, None) is not None and not bucket:
             del self.available[key]
+            del self.ranks[bisect.bisect_left(self.ranks, key)]
+            self.ranks_changed += 1
 
 
 @dataclass(slots=True)
@@ -134,6 +145,24 @@ class CapabilityEntry:
 
     groups: dict[str, VersionGroup] = field(default_factory=dict)
     spec_cache: dict[str, tuple[VersionGroup, ...]] = field(default_factory=dict)
+    # spec -> (the matching groups' ``ranks_changed``, their ranks merged): a query over
+    # several versions walks one sorted list, rebuilt only when a rank came or went
+    merged: dict[str, tuple[tuple[int, ...], list[Rank]]] = field(default_factory=dict)
+
+    def ranks(self, spec_text: str, groups: tuple[VersionGroup, ...]) -> list[Rank]:
+        """Every rank with an available agent in ``groups`` (those ``spec_text`` matches),
+        sorted."""
+        if len(groups) == 1:
+            return groups[0].ranks
+        stamp = tuple(g.ranks_changed for g in groups)
+        cached = self.merged.get(spec_text)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        merged = sorted(set().union(*(g.ranks for g in groups)))
+        if len(self.merged) >= _SPEC_CACHE_MAX:  # clients choose the spec strings
+            self.merged.clear()
+        self.merged[spec_text] = (stamp, merged)
+        return merged
 
     def matching(self, spec_text: str) -> tuple[VersionGroup, ...]:
         cached = self.spec_cache.get(spec_text)
@@ -181,6 +210,7 @@ class CapabilityIndex:
             group = VersionGroup(parse_version(slot.version), slot.version)
             entry.groups[slot.version] = group
             entry.spec_cache.clear()
+            entry.merged.clear()
         group.members += 1
         return is_new
 
@@ -193,6 +223,7 @@ class CapabilityIndex:
         if group.members == 0:
             del entry.groups[slot.version]
             entry.spec_cache.clear()
+            entry.merged.clear()
             if not entry.groups:
                 del self._entries[slot.capability]
 
@@ -216,13 +247,11 @@ class CapabilityIndex:
         groups = entry.matching(spec_text)
         out: list[Candidate] = []
         want = limit if limit is not None else -1
-        per_group = [ranked for g in groups if (ranked := g.available)]
-        if not per_group:
-            return out
-        ranks = sorted(per_group[0]) if len(per_group) == 1 else sorted(set().union(*per_group))
-        for key in ranks:
-            for ranked in per_group:
-                bucket = ranked.get(key)
+        # Ranks in order (kept sorted, merged across versions only when one came or went),
+        # stopping as soon as ``limit`` agents are found.
+        for key in entry.ranks(spec_text, groups):
+            for group in groups:
+                bucket = group.available.get(key)
                 if bucket is None:
                     continue
                 if want < 0:

@@ -300,6 +300,7 @@ class PoolCore:
                 out += self._version_drift(cap.name, now)
         out += self._transition(agent, Trigger.ACCEPT, now, "registration accepted")
         self._refresh_availability(agent, agent.in_flight, agent.in_flight)
+        self._count_live(agent)
         self.counters["registered"] += 1
         out.append(SendToAgent(agent.agent_id, _accepted(reg)))
         for cap in reg.capabilities:
@@ -595,6 +596,7 @@ class PoolCore:
         """Draining at once (out of the index); Terminated as soon as nothing is leased."""
         out = self._transition(agent, Trigger.DRAIN, now, reason)
         self._refresh_availability(agent, agent.in_flight, agent.in_flight)
+        self._count_live(agent)
         self.counters["drained"] += 1
         out.append(SendToAgent(agent.agent_id, DrainNotice(agent_id=agent.agent_id, reason=reason)))
         if agent.reports_work and agent.reported_draining:  # it asked first (SIGTERM)
@@ -784,6 +786,7 @@ class PoolCore:
         slot.leased += delta
         agent.in_flight += delta
         self._refresh_availability(agent, before, agent.in_flight)
+        self._count_live_slot(agent, slot, agent.state in ACQUIRABLE)
 
     def _refresh_availability(self, agent: AgentRecord, old_level: int, new_level: int) -> None:
         for slot in agent.slots.values():
@@ -792,7 +795,6 @@ class PoolCore:
             for slot in agent.slots.values():
                 if slot.has_room:
                     self.index.make_available(slot, new_level)
-        self._count_live(agent)
 
     def _count_live(self, agent: AgentRecord) -> None:
         """Bring the agent's share of its pool's live capacity up to date: each slot adds one
@@ -800,9 +802,11 @@ class PoolCore:
         nothing. Only what changed is touched, so this costs O(the agent's capabilities)."""
         taking_work = agent.state in ACQUIRABLE
         for slot in agent.slots.values():
-            share = max(0, slot.max_concurrency - slot.leased) if taking_work else None
-            if share == slot.live:
-                continue
+            self._count_live_slot(agent, slot, taking_work)
+
+    def _count_live_slot(self, agent: AgentRecord, slot: Slot, taking_work: bool) -> None:
+        share = max(0, slot.max_concurrency - slot.leased) if taking_work else None
+        if share != slot.live:
             key = (agent.deployment, slot.capability)
             versions = self._live.setdefault(key, {})
             offer = (slot.version, slot.cost_class)

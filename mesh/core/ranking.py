@@ -11,15 +11,20 @@ buckets in ascending order, and the admitter sorts eligible pools by it.
 from __future__ import annotations
 
 COST_CLASSES = ("A", "B", "C")
-_COST_RANK = {cost: n for n, cost in enumerate(COST_CLASSES)}
-_UNKNOWN_COST = len(COST_CLASSES)  # a pool whose agents' cost class is not known: after C
+_CLASS_STEP = 1e9  # above any load: an agent's in-flight count, a pool's share in use
+# Cost class -> the start of its range of ranks; unknown (a pool whose agents' cost class is
+# not known) after C.
+_COST_BASE = {cost: n * _CLASS_STEP for n, cost in enumerate(COST_CLASSES)}
+_UNKNOWN_COST = len(COST_CLASSES) * _CLASS_STEP
 
-Rank = tuple[int, float]
+Rank = float
+"""One number, lowest first: the capability index keys its buckets by it and sorts them on
+every ``find``, which a float does faster than a tuple."""
 
 
 def rank(cost_class: str | None, load: float) -> Rank:
     """A sort key, lowest first: cost class A < B < C < unknown, then ``load`` ascending."""
-    return (_COST_RANK.get(cost_class, _UNKNOWN_COST) if cost_class else _UNKNOWN_COST, load)
+    return _COST_BASE.get(cost_class or "", _UNKNOWN_COST) + load
 
 
 def cheapest(cost_classes: list[str]) -> str | None:

@@ -69,8 +69,8 @@ def test_find_and_pool_choice_both_follow_the_one_ranking(ledger: SqliteLedger) 
 def test_changing_the_ranking_function_changes_both(
     ledger: SqliteLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def least_loaded_whatever_it_costs(cost_class: str | None, load: float) -> tuple[int, float]:
-        return (0, load)
+    def least_loaded_whatever_it_costs(cost_class: str | None, load: float) -> float:
+        return load
 
     monkeypatch.setattr(ranking, "rank", least_loaded_whatever_it_costs)
 
