@@ -883,7 +883,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--operator-user",
         default=_env("MESH_OPERATOR_USER", "mesh-operator"),
-        help="the broker user whose descriptors are accepted (env MESH_OPERATOR_USER)",
+        help="the operator's broker user: the only one whose descriptors, shadows, "
+        "revocations and drains are accepted (env MESH_OPERATOR_USER)",
     )
     _add_liveness_probe(p)
     p.add_argument(

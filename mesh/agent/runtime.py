@@ -754,20 +754,40 @@ class AgentRuntime:
         task with that reason; it never runs."""
         self.counters["tasks_without_credentials"] += 1
         log.warning("task refused: no credentials", extra={**extra, "problem": problem})
+        queue = self.topology.pool_task_queue(self.agent.deployment) if from_pool else None
+        await self._answer_and_dead_letter(
+            delivery,
+            task,
+            Reason.NOT_AUTHORIZED,
+            f"{self.agent_id}, at claim: {problem}",
+            queue,
+            extra,
+        )
+
+    async def _answer_and_dead_letter(
+        self,
+        delivery: Delivery,
+        task: Task,
+        code: Reason,
+        message: str,
+        queue: str | None,
+        extra: dict[str, Any],
+    ) -> None:
+        """A task that will not run here: its producer gets a ``code`` error result now (not
+        a timeout later), and the task is dead-lettered with that reason (``queue``: where it
+        came from; the agent's own by default), then acked."""
         now = time.time()
         result = TaskResult(
             task_id=task.task_id,
             agent_id=self.agent_id,
             capability=task.capability,
             status="error",
-            error=ErrorInfo(code=Reason.NOT_AUTHORIZED, message=f"at claim: {problem}"),
+            error=ErrorInfo(code=code, message=message),
             started_at=now,
             finished_at=now,
         )
         await self._send_result(delivery, result, extra)
-        queue = self.topology.pool_task_queue(self.agent.deployment) if from_pool else None
-        exc = MessageRejected(Reason.NOT_AUTHORIZED, f"{self.agent_id}: {problem}")
-        await self._dead_letter(delivery, queue or self._task_queue, exc)
+        await self._dead_letter(delivery, queue or self._task_queue, MessageRejected(code, message))
 
     def _on_refusal(self, refusal: Refusal) -> None:
         """The manager's reply to our DrainRequest: it does not know us, so nothing is leased."""
@@ -1032,19 +1052,9 @@ class AgentRuntime:
         self.counters["tasks_given_up"] += 1
         extra = self._extra(task_id=task.task_id, capability=task.capability, why=why)
         log.warning("giving up a task", extra=extra)
-        now = time.time()
-        result = TaskResult(
-            task_id=task.task_id,
-            agent_id=self.agent_id,
-            capability=task.capability,
-            status="error",
-            error=ErrorInfo(code=Reason.AGENT_SHUTDOWN, message=f"{self.agent_id}: {why}"),
-            started_at=now,
-            finished_at=now,
+        await self._answer_and_dead_letter(
+            delivery, task, Reason.AGENT_SHUTDOWN, f"{self.agent_id}: {why}", None, extra
         )
-        await self._send_result(delivery, result, extra)
-        exc = MessageRejected(Reason.AGENT_SHUTDOWN, f"{self.agent_id}: {why}")
-        await self._dead_letter(delivery, self._task_queue, exc)
 
     async def _send_result(
         self, delivery: Delivery, result: TaskResult, extra: dict[str, Any]
