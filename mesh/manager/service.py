@@ -304,6 +304,11 @@ class ManagerService:
         await self.observer.close()
         if self._owns_transport and self._transport is not None:
             await self._transport.close()
+        # A tick cancelled above may have left a checkpoint running on the ledger thread (a
+        # cancelled await does not stop the thread), on connections closed next: closing one
+        # under it crashed the process (SIGSEGV in sqlite3). The thread runs one call at a
+        # time, in order, so a call of nothing returns once whatever ran before it is done.
+        await self._in_ledger_thread(_nothing)
         if self._journal is not None:
             self._journal.close()
         if self._owns_ledger and self._ledger is not None:
@@ -1176,6 +1181,10 @@ class ManagerService:
             self.counters["reply_failed"] += 1
             return False
         return True
+
+
+def _nothing() -> None:
+    """A call that waits its turn on the ledger thread (a barrier)."""
 
 
 def _lease_id(request: Delivery) -> str:
