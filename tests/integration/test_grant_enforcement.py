@@ -84,9 +84,13 @@ async def send_task(
     payload: dict[str, Any],
     timeout_s: float = 10.0,
     deadline_s: float | None = 10.0,
+    *,
+    lease_id: str | None = None,
+    routing_key: str | None = None,
 ) -> TaskResult:
-    """Send one task straight to the agent's task queue, as ``MeshClient._send_and_wait`` does
-    (a deadline ``deadline_s`` from now, if any), and wait ``timeout_s`` for its result."""
+    """Send one task straight to the agent's task queue (or ``routing_key`` on the tasks
+    exchange, e.g. ``pool.<pool>``), as ``MeshClient._send_and_wait`` does (a deadline
+    ``deadline_s`` from now, if any), and wait ``timeout_s`` for its result."""
     task = Task(
         task_id=uuid.uuid4().hex,
         capability=capability,
@@ -94,13 +98,14 @@ async def send_task(
         deadline=None if deadline_s is None else time.time() + deadline_s,
         submitted_at=time.time(),
         grant=grant,
+        lease_id=lease_id,
     )
     fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
     producer._pending[task.task_id] = fut
     try:
         await producer.transport.publish(
             topology.tasks_exchange,
-            agent_id,
+            routing_key or agent_id,
             task,
             reply_to=producer.reply_queue,
             correlation_id=task.task_id,

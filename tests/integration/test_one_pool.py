@@ -22,7 +22,6 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -34,19 +33,19 @@ from mesh.errors import MeshError
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.scaler.local import LocalProcessScaler, sample_command
+from mesh.topology import Topology
 from mesh.wire import (
     AdmissionReason,
     Lease,
-    Message,
     OrchestrationEvent,
     Reason,
-    Task,
     TaskResult,
 )
 
 from .harness import FAST_POOL, eventually
 from .test_admission import settings_for
 from .test_backpressure import echo_descriptor, echo_requirements
+from .test_grant_enforcement import send_task
 
 SCHEMA = {"type": "object"}
 HEARTBEAT_S = 5.0  # the least `mesh agent` accepts: lost after 15 s of silence
@@ -358,27 +357,16 @@ async def test_grants_never_exceed_the_live_figure_and_shrinking_it_revokes_noth
 
 
 # ---- (4) no credentials, no work ---------------------------------------------------------------
-async def publish_task(
-    client: MeshClient, exchange: str, key: str, task: Task
-) -> asyncio.Future[Message]:
-    """Publish ``task`` as a producer would (reply_to, correlation_id); the future its
-    result completes."""
-    fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-    client._pending[task.task_id] = fut
-    await client.transport.publish(
-        exchange, key, task, reply_to=client.reply_queue, correlation_id=task.task_id
-    )
-    return fut
-
-
-def bare_task(lease_id: str | None = None) -> Task:
-    return Task(
-        task_id=uuid.uuid4().hex,
-        capability="test.echo",
-        payload={"message": "who sent me?"},
-        submitted_at=time.time(),
-        lease_id=lease_id,
-    )
+async def bare_task(
+    client: MeshClient, topology: Topology, to: str, lease_id: str | None = None
+) -> TaskResult:
+    """An echo task with no grant (and ``lease_id``, if any), as a producer would send it, to
+    agent ``to`` or routing key ``pool.<pool>``; its answer."""
+    routing_key = to if to.startswith("pool.") else None
+    return await send_task(
+        client, topology, to, None, "test.echo", {"message": "who sent me?"},
+        lease_id=lease_id, routing_key=routing_key,
+    )  # fmt: skip
 
 
 async def test_a_task_without_a_grant_or_an_issued_lease_is_never_run(
@@ -394,16 +382,14 @@ async def test_a_task_without_a_grant_or_an_issued_lease_is_never_run(
             foreign = await client.acquire("test.echo", agent_id="echo-2")  # echo-2's lease
             assert isinstance(foreign, Lease)
             sent = {
-                "to the pool queue, no grant": (t.tasks_exchange, "pool.echo", bare_task()),
-                "to the agent, no lease": (t.tasks_exchange, "echo-1", bare_task()),
-                "a made-up lease": (t.tasks_exchange, "echo-1", bare_task("not-a-lease")),
-                "another agent's lease": (
-                    t.tasks_exchange, "echo-1", bare_task(foreign.lease_id)
-                ),
-            }  # fmt: skip
+                "to the pool queue, no grant": ("pool.echo", None),
+                "to the agent, no lease": ("echo-1", None),
+                "a made-up lease": ("echo-1", "not-a-lease"),
+                "another agent's lease": ("echo-1", foreign.lease_id),
+            }
             answers = {
-                what: await asyncio.wait_for(await publish_task(client, *where), 10)
-                for what, where in sent.items()
+                what: await bare_task(client, t, to, lease_id)
+                for what, (to, lease_id) in sent.items()
             }
             for what, answer in answers.items():
                 assert isinstance(answer, TaskResult), what
@@ -436,8 +422,7 @@ async def test_an_agent_may_be_told_to_run_open_tasks(
         agent = echo_runtime(amqp_url, namespace, "echo-open", open_tasks=True)
         await agent.start()
         try:
-            where = (manager.topology.tasks_exchange, "echo-open", bare_task())
-            answer = await asyncio.wait_for(await publish_task(client, *where), 10)
+            answer = await bare_task(client, manager.topology, "echo-open")
             assert isinstance(answer, TaskResult) and answer.status == "ok", answer
         finally:
             await agent.stop()
