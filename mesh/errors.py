@@ -68,6 +68,17 @@ class StoreError(MeshError):
     """The journal store failed."""
 
 
+class StaleView(StoreError):
+    """A decided batch's write found the ledger no longer as the batch read it (another
+    manager took a counter, recorded a decision, or released or expired a reservation
+    meanwhile): nothing of the batch was kept; decide it again on a fresh view.
+    ``admission_id``: the reservation that changed, when it was one (leave it out)."""
+
+    def __init__(self, detail: str, admission_id: str | None = None) -> None:
+        super().__init__(detail)
+        self.admission_id = admission_id
+
+
 class TaskFailed(MeshError):
     """A task did not produce a result; ``code`` is the machine-readable reason."""
 

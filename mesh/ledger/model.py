@@ -143,6 +143,92 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class DecisionRow:
+    """The latest decision recorded about an admission ID."""
+
+    admission_id: str
+    digest: str
+    outcome: str
+    decided_at: float
+    record: str  # JSON, written and read by the admission core
+
+
+Usage = dict[tuple[str, str], tuple[int, int]]
+"""``{(pool_id, resource): (used, capacity)}``: every counter, as the store holds it."""
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerView:
+    """What a batch of admissions is decided from, read in the batch's own transaction.
+
+    ``counters``: every counter; ``reservations`` and ``decisions``: those the batch's
+    admission IDs already have; ``fences``: fresh values of the fence sequence, ascending,
+    one for each reservation the batch may create (an unused one is a harmless gap)."""
+
+    counters: Mapping[tuple[str, str], tuple[int, int]]
+    reservations: Mapping[str, Reservation]
+    decisions: Mapping[str, DecisionRow]
+    fences: tuple[int, ...] = ()
+
+
+# ---- what a decided batch asks the store to write, in order, in its one transaction --------
+@dataclass(frozen=True, slots=True)
+class SetCapacity:
+    """Create a counter, or change its capacity (``used`` is kept)."""
+
+    pool_id: str
+    resource: str
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Write a fresh reservation as it is (its fence drawn for the batch) and take its items'
+    counters; the log gets ``prepared`` (and ``activated``, for an ACTIVE one)."""
+
+    reservation: Reservation
+
+
+@dataclass(frozen=True, slots=True)
+class Activate:
+    """PREPARING → ACTIVE until ``expires_at``, if ``fence`` is still current (a reservation
+    a manager prepared and stopped before activating)."""
+
+    admission_id: str
+    fence: int
+    expires_at: float
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """PREPARING|ACTIVE → RELEASED if ``fence`` is still current; the items are given back."""
+
+    admission_id: str
+    fence: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class RecordDecision:
+    """Keep the latest decision about an admission ID (see ``LedgerStore.record_decision``)."""
+
+    row: DecisionRow
+
+
+@dataclass(frozen=True, slots=True)
+class SaveEligibility:
+    """Keep an eligibility snapshot under its content address, once."""
+
+    ref: str
+    body: str
+
+
+LedgerOp = SetCapacity | Reserve | Activate | Release | RecordDecision | SaveEligibility
+"""One write of a decided batch (:meth:`mesh.ledger.store.LedgerStore.apply`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class LogEntry:
     """One row of the append-only ledger log."""
 
@@ -210,6 +296,19 @@ def shortage_reason(resource: str) -> LedgerReason:
     if resource.startswith(TENANT_TOKENS_PREFIX):
         return LedgerReason.TENANT_BUDGET
     return LedgerReason.CAPACITY
+
+
+def shortage(pool_id: str, resource: str, amount: int, counter: tuple[int, int] | None) -> Refused:
+    """The refusal for ``amount`` of a counter ``(used, capacity)`` that cannot give it
+    (``None``: the counter has no row, capacity 0)."""
+    if counter is not None:
+        used, capacity = counter
+        left = f"{max(capacity - used, 0)} of {capacity} left"
+    else:
+        left = "no capacity is configured"
+    return Refused(
+        shortage_reason(resource), f"{pool_id}/{resource}: needs {amount}, {left}", resource
+    )
 
 
 def check_ttl(ttl_s: float, now: float) -> None:

@@ -80,29 +80,39 @@ from typing import Any, Protocol, Self, TypeVar
 
 import orjson
 
-from mesh.errors import LocalProtocolError, StoreError
+from mesh.errors import LocalProtocolError, StaleView, StoreError
 from mesh.ledger.model import (
     HOLDING_STATES,
     TRANSITIONS,
+    Activate,
+    DecisionRow,
     Item,
     LedgerEvent,
+    LedgerOp,
     LedgerReason,
+    LedgerView,
     LogEntry,
     Prepared,
+    RecordDecision,
     Refused,
+    Release,
     Reservation,
     ReservationState,
+    Reserve,
+    SaveEligibility,
+    SetCapacity,
+    Usage,
     check_ttl,
     default_pool,
     normalize_items,
     replay,
-    shortage_reason,
+    shortage,
 )
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Usage = dict[tuple[str, str], tuple[int, int]]
+__all__ = ["DecisionRow", "LedgerStore", "SqlLedger", "Usage"]  # the first and last: model's
 
 _HOLDING = "(" + ", ".join(f"'{state}'" for state in sorted(HOLDING_STATES)) + ")"
 _RES_COLUMNS = (
@@ -123,17 +133,6 @@ def items_json(items: tuple[Item, ...]) -> str:
 @functools.lru_cache(maxsize=1024)
 def _items_from_json(text: str) -> tuple[Item, ...]:
     return tuple(Item(str(p), str(r), int(a)) for p, r, a in orjson.loads(text))
-
-
-@dataclass(frozen=True, slots=True)
-class DecisionRow:
-    """The latest decision recorded about an admission ID."""
-
-    admission_id: str
-    digest: str
-    outcome: str
-    decided_at: float
-    record: str  # JSON, written and read by the admitter
 
 
 class LedgerStore(Protocol):
@@ -202,6 +201,20 @@ class LedgerStore(Protocol):
         """Run ``work``, and every ledger call it makes on this thread, in one transaction.
         ``plan``: the admission IDs ``work`` is about to ``prepare`` (a planned batch, see
         the module docstring); the outcome of every call is the same either way."""
+        ...
+
+    def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
+        """What a batch about ``admission_ids`` is decided from (:class:`LedgerView`), with
+        ``fences`` fresh fences drawn for it. Call it inside :meth:`batch`, then
+        :meth:`apply` the decided operations in the same transaction."""
+        ...
+
+    def apply(self, ops: Sequence[LedgerOp]) -> None:
+        """Write a decided batch's operations in their order, as one transaction (or as part
+        of the open batch). Counters are still taken by conditional increments: if one moved
+        under the batch, or a decision was recorded meanwhile for another digest, this raises
+        :class:`StoreError`; if a reservation to release or activate is no longer as the batch
+        saw it, :class:`~mesh.errors.StaleView` — nothing is kept either way."""
         ...
 
     def record_decision(
@@ -482,6 +495,85 @@ class SqlLedger(abc.ABC):
         rows = self._read(lambda db: db.execute(sql))
         return [(str(p), int(e), str(b)) for p, e, b in rows]
 
+    def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
+        ids = list(dict.fromkeys(admission_ids))
+
+        def read(db: Db) -> LedgerView:
+            reservations: dict[str, Reservation] = {}
+            for chunk in _chunks(ids, 500):
+                rows = db.execute(
+                    f"SELECT {_RES_COLUMNS} FROM {self._t.reservation}"
+                    f" WHERE admission_id IN ({', '.join('?' * len(chunk))})",
+                    chunk,
+                )
+                reservations.update((r.admission_id, r) for r in self._with_items(db, rows))
+            counters = {
+                (str(p), str(r)): (int(u), int(c))
+                for p, r, u, c in db.execute(
+                    f"SELECT pool_id, resource, used, capacity FROM {self._t.capacity}"
+                )
+            }
+            return LedgerView(
+                counters=counters,
+                reservations=reservations,
+                decisions=self._select_decisions(db, ids) if ids else {},
+                fences=tuple(self._next_fences(db, fences)) if fences else (),
+            )
+
+        return self._write(read) if fences else self._read(read)
+
+    def apply(self, ops: Sequence[LedgerOp]) -> None:
+        if ops:
+            self._write(lambda db: self._apply(db, ops))
+
+    def _apply(self, db: Db, ops: Sequence[LedgerOp]) -> None:
+        """Fresh reservations, decisions and snapshots are gathered and written as a few
+        multi-row statements (as a planned batch's are); a release or activation first writes
+        what is gathered, so every operation sees the ones before it."""
+        rows = _Plan(planned=0, known={}, decisions={})
+        capacity_sql = (
+            f"INSERT INTO {self._t.capacity} (pool_id, resource, capacity, used)"
+            " VALUES (?, ?, ?, 0) ON CONFLICT (pool_id, resource)"
+            " DO UPDATE SET capacity = excluded.capacity"
+        )
+        for op in ops:
+            if isinstance(op, Reserve):
+                r = op.reservation
+                for pool, resource, amount in r.items:
+                    rows.taken[(pool, resource)] = rows.taken.get((pool, resource), 0) + amount
+                rows.reservations.append(
+                    (r.admission_id, r.digest, r.pool_id, r.state.value, r.fence, r.expires_at,
+                     r.created_at, r.updated_at or r.created_at, items_json(r.items))
+                )  # fmt: skip
+                active = r.state is ReservationState.ACTIVE
+                for event, target in _PREPARED_ACTIVATED if active else _PREPARED:
+                    rows.log.append((r.created_at, r.admission_id, event, target, r.fence))
+            elif isinstance(op, RecordDecision):
+                rows.recorded[op.row.admission_id] = (
+                    op.row.admission_id, op.row.digest, op.row.outcome, op.row.decided_at,
+                    op.row.record,
+                )  # fmt: skip
+            elif isinstance(op, SaveEligibility):
+                rows.snapshots[op.ref] = op.body
+            elif isinstance(op, SetCapacity):
+                db.execute(capacity_sql, (op.pool_id, op.resource, op.capacity))
+            elif isinstance(op, Release | Activate):
+                if rows.pending:
+                    self._flush_plan(db, rows)
+                outcome = (
+                    self._release(db, op.admission_id, op.fence, op.at)
+                    if isinstance(op, Release)
+                    else self._activate(db, op.admission_id, op.fence, op.expires_at, op.at)
+                )
+                if isinstance(outcome, Refused):
+                    raise StaleView(
+                        f"reservation {op.admission_id!r} changed under the batch: "
+                        f"{outcome.detail}",
+                        op.admission_id,
+                    )
+        if rows.pending:
+            self._flush_plan(db, rows)
+
     def record_decision(
         self, admission_id: str, digest: str, outcome: str, at: float, record: str
     ) -> bool:
@@ -648,9 +740,7 @@ class SqlLedger(abc.ABC):
         for pool_id, resource, amount in items:
             if not self._increment(db, pool_id, resource, amount):
                 key = (pool_id, resource)
-                raise _Rollback(
-                    self._shortage(pool_id, resource, amount, self._counters(db, [key])[key])
-                )
+                raise _Rollback(shortage(pool_id, resource, amount, self._counters(db, [key])[key]))
 
     def _increment(self, db: Db, pool_id: str, resource: str, amount: int) -> bool:
         """The conditional increment (module docstring); False if it would pass capacity."""
@@ -725,7 +815,7 @@ class SqlLedger(abc.ABC):
             key = (pool, resource)
             counter = plan.counters[key]
             if counter is None or counter[0] + amount > counter[1]:
-                return self._shortage(pool, resource, amount, counter)
+                return shortage(pool, resource, amount, counter)
             counters.append((key, amount, counter))
         for key, amount, (used, capacity) in counters:
             plan.counters[key] = (used + amount, capacity)
@@ -766,7 +856,7 @@ class SqlLedger(abc.ABC):
         # Counters first, in the one global order, each by the batch's total: the same
         # conditional increment as ``_take``, so a counter moved under the batch fails it.
         if plan.taken and not self._increment_all(db, sorted(plan.taken.items())):
-            raise StoreError(
+            raise StaleView(
                 "a counter changed under a batch (another writer); decide its calls again"
                 " one by one"
             )
@@ -780,7 +870,7 @@ class SqlLedger(abc.ABC):
         plan.snapshots.clear()
         rows = list(plan.recorded.values())
         if self._upsert_decisions(db, rows) != len(rows):
-            raise StoreError(
+            raise StaleView(
                 "a decision of this batch was recorded meanwhile for another digest"
                 " (another manager); decide its calls again one by one"
             )
@@ -797,19 +887,6 @@ class SqlLedger(abc.ABC):
                 f"INSERT INTO {table} ({columns}) VALUES " + ", ".join([marks] * len(chunk)),
                 [value for row in chunk for value in row],
             )
-
-    @staticmethod
-    def _shortage(
-        pool_id: str, resource: str, amount: int, counter: tuple[int, int] | None
-    ) -> Refused:
-        if counter is not None:
-            used, capacity = counter
-            left = f"{max(capacity - used, 0)} of {capacity} left"
-        else:
-            left = "no capacity is configured"
-        return Refused(
-            shortage_reason(resource), f"{pool_id}/{resource}: needs {amount}, {left}", resource
-        )
 
     def _give_back(self, db: Db, reservations: Iterable[Reservation]) -> None:
         totals: dict[tuple[str, str], int] = {}

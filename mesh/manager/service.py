@@ -64,6 +64,7 @@ from mesh.core.events import (
 )
 from mesh.core.lifecycle import AgentState
 from mesh.core.pool import PoolCore
+from mesh.core.pressure import StageChange
 from mesh.errors import (
     LocalProtocolError,
     MessageRejected,
@@ -708,14 +709,16 @@ class ManagerService:
             raise LocalProtocolError("the manager is not started")
         at = self.clock.now()
         now = at.wall
-        decisions = await self._on_ledger(admitter.admit_many, requests, now, self._live(at))
+        batch = await self._on_ledger(admitter.admit_batch, requests, now, self._live(at))
+        decisions = batch.decisions
         self.counters["admission_batches"] += 1
-        for pool_id, reason in admitter.drain_misses():  # capacity misses for the scaler
+        for pool_id, reason in batch.misses:  # capacity misses for the scaler
             self.core.handle(CapacityMissed(pool_id, reason), at)
         entries = []
-        for (request, tenant), decision in zip(requests, decisions, strict=True):
+        for (request, tenant), decision, record in zip(
+            requests, decisions, batch.records, strict=True
+        ):
             self.counters[f"admission.{decision.outcome}"] += 1
-            record = admitter.recorded(decision.admission_id)  # in memory: just decided
             self.observer.admitted(
                 now, request.requirements, decision, record.eligibility if record else None
             )
@@ -734,7 +737,7 @@ class ManagerService:
                     },
                 )
             )
-        evictions = admitter.drain_evictions()
+        evictions = batch.evictions
         entries += [_eviction_entry(e) for e in evictions]
         # Every decision is journaled (``mesh log``) and recorded in the ledger (``mesh
         # explain``); the live feed carries only the refusals — what someone following it can
@@ -819,7 +822,7 @@ class ManagerService:
             )
         descriptor, pool_id = message.descriptor, message.pool_id
         if descriptor is None:
-            await self._on_ledger(admitter.shadows.pop, pool_id, None)
+            await self._on_ledger(admitter.drop_shadow, pool_id)
             log.info("shadow removed", extra={"pool_id": pool_id})
             active = admitter.active_epochs.get(pool_id, 1)
             return DescriptorAccepted(pool_id=pool_id, descriptor_epoch=active)
@@ -886,18 +889,25 @@ class ManagerService:
         """Feed the pressure board what the tick saw — the ledger's counters (other managers'
         grants too), the broker's alarm, and every ``queue_poll_interval_s`` each pool queue's
         depth (passive declare: ready tasks) and head age (the management API, when
-        configured) — and journal every stage change with the time it happened."""
-        board = admitter.pressure
+        configured) — and journal every stage change with the time it happened. The board is
+        the admitter's: fed where the admitter runs."""
         now = self.clock.now()
-        admitter.observe_usage(now.wall, usage)
+        queues = None
         if now.mono - self._pool_queues_polled_at >= self.settings.queue_poll_interval_s:
             self._pool_queues_polled_at = now.mono
-            await self._observe_pool_queues(admitter, now.wall)
-        board.observe_broker(self.transport.blocked, now.wall)
-        await self._journal_stage_changes(admitter)
+            queues = await self._pool_queue_depths(admitter)
+        changes = await self._on_ledger(
+            partial(
+                admitter.observe, now.wall, usage,
+                queues=queues, broker_blocked=self.transport.blocked,
+            )
+        )  # fmt: skip
+        await self._journal_stage_changes(changes)
 
-    async def _observe_pool_queues(self, admitter: Admitter, now: float) -> None:
+    async def _pool_queue_depths(self, admitter: Admitter) -> dict[str, tuple[int, float | None]]:
+        """``pool -> (ready tasks, head age)`` of every described pool's queue that answers."""
         ages = {q.name: q.oldest_age_s for q in self.observer.view.queues}
+        found = {}
         for pool_id in list(admitter.descriptors):
             queue = self.topology.pool_task_queue(pool_id)
             try:
@@ -905,11 +915,12 @@ class ManagerService:
             except Exception as exc:  # not declared yet, or the broker is away: next poll
                 log.debug("pool queue depth unavailable", extra={"queue": queue, "error": str(exc)})
                 continue
-            admitter.pressure.observe_queue(pool_id, depth, ages.get(queue), now)
+            found[pool_id] = (depth, ages.get(queue))
+        return found
 
-    async def _journal_stage_changes(self, admitter: Admitter) -> None:
+    async def _journal_stage_changes(self, changes: list[StageChange]) -> None:
         entries = []
-        for change in admitter.pressure.drain_changes():
+        for change in changes:
             self.observer.metrics.stage_changed(change)
             log.info(
                 "pressure stage",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mesh.core import LiveCapacity, LiveOffer, ranking
+from mesh.core.admission import by_preference
 from mesh.core.ranking import rank
 from mesh.ledger.model import Prepared
 from mesh.ledger.sqlite import SqliteLedger
@@ -52,13 +53,13 @@ def pool_order(ledger: SqliteLedger) -> list[str]:
         assert admitter.publish_descriptor(descriptor, T0) is None
         ledger.set_capacity(pool_id, "model_slots", 2)
     assert isinstance(ledger.prepare("held", "d", [("rag-a", "model_slots", 1)], 60, T0), Prepared)
-    admitter._live = LiveCapacity(  # as admit_many sets it for a batch
+    live = LiveCapacity(
         {
             ("rag-a", "rag.search"): (LiveOffer("2.1.0", 1, 4, "A"),),
             ("rag-c", "rag.search"): (LiveOffer("2.1.0", 1, 4, "C"),),
         }
     )
-    return admitter._by_preference(["rag-c", "rag-a"], REQUIREMENTS)
+    return by_preference(["rag-c", "rag-a"], REQUIREMENTS, ledger.usage(), live)
 
 
 def test_find_and_pool_choice_both_follow_the_one_ranking(ledger: SqliteLedger) -> None:
