@@ -515,7 +515,7 @@ async def _report(client: MeshClient, tally: Tally) -> None:
     for agent, n in sorted(tally.by_agent.items()):
         print(f"  {agent:<17} {n} task(s)")
     with contextlib.suppress(RequestTimeout):
-        from mesh.cli import render_status
+        from mesh.render import render_status
 
         print()
         print(render_status(await client.status()))

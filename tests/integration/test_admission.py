@@ -192,7 +192,7 @@ async def test_a_restarted_manager_recovers_every_active_reservation_and_never_d
 async def test_explain_shows_the_decision_the_rules_and_the_reservation(
     admission_manager: ManagerService, producer: MeshClient
 ) -> None:
-    from mesh.cli import render_explain
+    from mesh.render import render_explain
 
     await producer.publish_descriptor(fresh())
     await producer.publish_descriptor(fresh(pool_id="rag-us", regions=["us-east-1"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from mesh.cli import render_explain
+from mesh.render import render_explain
 from mesh.core.eligibility import check_eligibility
 from mesh.wire import AdmissionDecision, AdmissionReason, ExplainReply
 

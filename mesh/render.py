@@ -1,0 +1,199 @@
+"""What the ``mesh`` commands print: plain-text renderings of the manager's replies and the
+orchestration log, apart from the argument parsing in :mod:`mesh.cli`. Pure functions of a
+reply (and, where ages are shown, ``now``), so tests render without a broker."""
+
+from __future__ import annotations
+
+import textwrap
+from datetime import datetime
+from typing import Any
+
+from mesh.wire.admission import AdmissionDecision, ExplainReply
+from mesh.wire.models import OrchestrationEvent, StatusReply
+
+
+def render_status(reply: StatusReply) -> str:
+    lines = [
+        f"manager {reply.manager_id} · up {reply.uptime_s:.0f} s · {len(reply.agents)} agent(s)",
+        "",
+        f"{'AGENT':<24} {'DEPLOYMENT':<12} {'STATE':<11} {'IN-FLIGHT':>9}  "
+        f"{'HEARTBEAT':<10} CAPABILITIES",
+    ]
+    for agent in reply.agents:
+        hb = "-" if agent.last_heartbeat_age_s is None else f"{agent.last_heartbeat_age_s:.1f}s ago"
+        caps = ", ".join(
+            f"{cap.name}@{cap.version} ({cap.cost_class}, {cap.in_flight}/{cap.max_concurrency})"
+            for cap in agent.capabilities
+        )
+        lines.append(
+            f"{agent.agent_id:<24} {agent.deployment:<12} {agent.state:<11} "
+            f"{agent.in_flight:>9}  {hb:<10} {caps}"
+        )
+    if not reply.agents:
+        lines.append("(no agents registered)")
+    if reply.pools:
+        lines += [
+            "",
+            f"{'POOL':<16} {'CAPABILITY':<20} {'LIVE AGENTS':>11} {'LIVE SLOTS':>10} "
+            f"{'GRANTED':>8} {'MODEL SLOTS':>12}",
+        ]
+        for pool in reply.pools:
+            granted = "-" if pool.granted is None else str(pool.granted)
+            model = (
+                "-"
+                if pool.model_slots is None
+                else f"{pool.model_slots_granted or 0}/{pool.model_slots}"
+            )
+            lines.append(
+                f"{pool.pool_id:<16} {pool.capability:<20} {pool.live_agents:>11} "
+                f"{pool.live_slots:>10} {granted:>8} {model:>12}"
+            )
+    counters = " ".join(f"{k}={v}" for k, v in reply.counters.items())
+    lines += ["", f"counters: {counters or '-'}"]
+    return "\n".join(lines)
+
+
+def format_event(ev: OrchestrationEvent) -> str:
+    when = datetime.fromtimestamp(ev.at).strftime("%H:%M:%S.%f")[:-3]
+    seq = "" if ev.seq is None else f"#{ev.seq:<6}"
+    move = f"{ev.from_state}→{ev.to_state}" if ev.to_state else ""
+    parts = [seq, when, f"{ev.kind:<20}", f"{ev.agent_id or '-':<22}", f"{move:<22}"]
+    if ev.capability:
+        parts.append(ev.capability)
+    if ev.reason:
+        parts.append(f"({ev.reason})")
+    admission = ev.detail.get("admission_id")
+    if admission:  # the handle for `mesh explain`
+        parts.append(f"admission {admission}")
+    return " ".join(p for p in parts if p)
+
+
+def _wrapped(label: str, text: str, width: int = 100) -> str:
+    """``label`` then ``text``, wrapped at ``width`` under the text's first column."""
+    indent = " " * len(label)
+    return textwrap.fill(
+        text, width, initial_indent=label, subsequent_indent=indent, break_on_hyphens=False
+    )
+
+
+def _when(at: Any) -> str:
+    if not isinstance(at, int | float):
+        return "-"
+    return datetime.fromtimestamp(at).isoformat(sep=" ", timespec="milliseconds")
+
+
+def _relative(at: Any, now: float | None) -> str:
+    if now is None or not isinstance(at, int | float):
+        return ""
+    delta = at - now
+    return f" (in {delta:.1f} s)" if delta >= 0 else f" ({-delta:.1f} s ago)"
+
+
+def render_explain(reply: ExplainReply, *, now: float | None = None) -> str:
+    """``mesh explain``: the decision, every pool considered with the rule that filtered it,
+    and the reservation. ``now`` adds "in 12.0 s" / "3.0 s ago" to the reservation's times."""
+    if not reply.found:
+        return f"no admission {reply.admission_id!r} is known to this manager or its ledger"
+    lines = [f"admission {reply.admission_id}"]
+    lines += _explain_decision(reply.decision)
+    if reply.eligibility is not None:
+        lines += _explain_eligibility(reply.eligibility)
+    elif reply.decision is None:
+        lines.append("  no decision is recorded (its manager stopped before recording it)")
+    lines += _explain_reservation(reply.reservation, now)
+    return "\n".join(lines)
+
+
+def _explain_decision(decision: AdmissionDecision | None) -> list[str]:
+    if decision is None:
+        return []
+    reason = f" {decision.reason.value}" if decision.reason else ""
+    lines = [f"  outcome      {decision.outcome}{reason}"]
+    if decision.detail:
+        lines.append(_wrapped("  detail       ", decision.detail))
+    if decision.retry_after_ms is not None:
+        lines.append(f"  retry after  {decision.retry_after_ms} ms")
+    if decision.allowed_degradations:
+        lines.append(f"  degradations {', '.join(decision.allowed_degradations)}")
+    if decision.grant is not None:
+        g = decision.grant
+        lines.append(
+            f"  grant        pool {g.pool_id} · descriptor epoch {g.descriptor_epoch} · "
+            f"policy generation {g.policy_generation} · fence {g.fence}"
+        )
+        if g.grant_ids:
+            lines.append(f"  grant ids    {', '.join(g.grant_ids)}")
+    return lines
+
+
+def _explain_eligibility(record: dict[str, Any]) -> list[str]:
+    pools: list[dict[str, Any]] = list(record.get("pools") or [])
+    generation = record.get("active_generation")
+    eligible = [str(p.get("pool_id")) for p in pools if p.get("rule") is None]
+    lines = [
+        f"  decided at   {_when(record.get('now'))} (now = {record.get('now')!r})",
+        f"  generation   {generation} (the active policy generation)",
+        _wrapped(
+            "  rules        ",
+            f"{' → '.join(record.get('rules') or ['?'])} (the first that fails filters the pool)",
+        ),
+        f"  pools        {len(pools)} considered, {len(eligible)} eligible"
+        + (f": {', '.join(eligible)}" if eligible else ""),
+    ]
+    if not pools:
+        return [*lines, "  (no pool had a descriptor)"]
+    width = max(len("POOL"), *(len(str(p.get("pool_id"))) for p in pools))
+    lines += ["", f"  {'POOL':<{width}}  {'EPOCH':>5}  {'ACTIVE':>6}  {'GENERATION':>10}  VERDICT"]
+    for pool in pools:
+        epoch, active = pool.get("descriptor_epoch"), pool.get("active_epoch")
+        own = pool.get("policy_generation")
+        gen = f"{own}" if own == generation else f"{own}≠{generation}"
+        verdict = pool.get("rule") or "eligible"
+        if pool.get("detail"):
+            verdict += f" — {pool['detail']}"
+        shown_active = "-" if active is None else str(active)
+        lines.append(
+            f"  {pool.get('pool_id')!s:<{width}}  {epoch!s:>5}  {shown_active:>6}"
+            f"  {gen:>10}  {verdict}"
+        )
+    return lines + _explain_shadow(record.get("shadow"))
+
+
+def _explain_shadow(shadow: object) -> list[str]:
+    """What a shadow descriptor would have changed (recorded, never enforced)."""
+    if not isinstance(shadow, dict):
+        return []
+    agree = "the same" if shadow.get("agree") else "DIFFERENT"
+    lines = ["", f"  shadow       with the shadow descriptors eligibility would be {agree}:"]
+    for pool in shadow.get("pools") or []:
+        live = pool.get("live") or "eligible"
+        under = pool.get("shadow") or "eligible"
+        lines.append(
+            f"    {pool.get('pool_id')} epoch {pool.get('descriptor_epoch')}: "
+            f"live {live} → shadow {under}"
+        )
+    return lines
+
+
+def _explain_reservation(held: dict[str, Any] | None, now: float | None) -> list[str]:
+    if held is None:
+        return ["", "  reservation  none (nothing was reserved, or it is no longer stored)"]
+    state = held.get("state")
+    lines = [
+        "",
+        f"  reservation  {state} · fence {held.get('fence')} · pool {held.get('pool_id')}",
+        f"    created    {_when(held.get('created_at'))}{_relative(held.get('created_at'), now)}",
+        f"    expires    {_when(held.get('expires_at'))}{_relative(held.get('expires_at'), now)}",
+    ]
+    released_at = held.get("released_at", held.get("updated_at"))
+    if state == "RELEASED":
+        when = _when(released_at) if released_at is not None else "(time not in the reply)"
+        lines.append(f"    released   {when}")
+    elif state == "EXPIRED":
+        expired_at = held.get("expires_at") if released_at is None else released_at
+        lines.append(f"    expired    {_when(expired_at)}")
+    items = held.get("items") or []
+    if items:
+        listed = " · ".join(f"{pool}/{resource} {amount}" for pool, resource, amount in items)
+        lines.append(f"    items      {listed}")
+    return lines
