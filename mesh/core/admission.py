@@ -334,6 +334,9 @@ class AdmissionCore:
     # admissions ACTIVE when this manager advanced the pool's epoch), until released or expired
     draining: dict[str, dict[str, float]] = field(default_factory=dict)
     held: dict[str, Held] = field(default_factory=dict)  # grants made or adopted, by ID
+    # Grants this core took back (evicted), recent ones: their holder's release is refused
+    # as such, not answered as a retried release (bounded; not kept across a restart).
+    evicted: OrderedDict[str, float] = field(default_factory=OrderedDict)
     descriptors_version: int = 0  # bumped whenever a descriptor is activated
     budgets_set: set[str] = field(default_factory=set)
     # Eligibility snapshots by ref: stored in the ledger, or read back from it (bounded).
@@ -515,6 +518,9 @@ class AdmissionCore:
             self.known_snapshot(ref, snapshot)
         for eviction in batch.evicted:
             self.held.pop(eviction.victim.admission_id, None)
+            self.evicted[eviction.victim.admission_id] = eviction.at
+            while len(self.evicted) > DECISION_CACHE_SIZE:
+                self.evicted.popitem(last=False)
         self.held.update(batch.held)
         self.evictions += batch.evicted
         self.live_written.update(batch.live_written)

@@ -54,7 +54,15 @@ from mesh.core.eligibility import EligibilityCache, EligibilitySnapshot, capacit
 from mesh.core.eligibility import tenant_tokens_resource as _tenant_tokens_resource
 from mesh.core.pressure import PressureBoard, StageChange
 from mesh.errors import StaleView, StoreError
-from mesh.ledger.model import TENANT_POOL, DecisionRow, Refused, Reservation, Usage
+from mesh.ledger.model import (
+    TENANT_POOL,
+    DecisionRow,
+    LedgerReason,
+    Refused,
+    Reservation,
+    ReservationState,
+    Usage,
+)
 from mesh.ledger.store import LedgerStore
 from mesh.wire.admission import (
     AdmissionDecision,
@@ -473,17 +481,45 @@ class Admitter:
 
     # ---- release and expiry ---------------------------------------------------------------
     def release(self, admission_id: str, fence: int, now: float) -> AdmissionReleaseReply:
-        """Settle a phase: the grant's holder gives it back. A stale fence changes nothing."""
+        """Settle a phase: the grant's holder gives it back. A stale fence changes nothing;
+        the same release again (same admission, same fence) answers as the first did."""
+        reply, _ = self.settle(admission_id, fence, now)
+        return reply
+
+    def settle(
+        self, admission_id: str, fence: int, now: float
+    ) -> tuple[AdmissionReleaseReply, bool]:
+        """:meth:`release`, and whether this call released it (``False``: refused, or
+        released before at this very fence — a retry, say after the manager that applied it
+        died before answering — which is answered ``released`` again and changes nothing). A
+        grant this manager evicted is refused as evicted; after a restart it is not known as
+        such, and its holder's release is answered as a retry."""
         outcome = self.ledger.release(admission_id, fence, now)
-        if isinstance(outcome, Refused):
-            return AdmissionReleaseReply(
-                admission_id=admission_id,
-                released=False,
-                reason=AdmissionReason(outcome.reason.value),
-                detail=outcome.detail,
+        if not isinstance(outcome, Refused):
+            self.core.ended(admission_id, now, completed=True)
+            return AdmissionReleaseReply(admission_id=admission_id, released=True), True
+        if outcome.reason is LedgerReason.STALE_FENCE and admission_id in self.core.evicted:
+            outcome = Refused(
+                outcome.reason,
+                f"{outcome.detail}: the grant was evicted for more urgent work (resubmit it)",
             )
-        self.core.ended(admission_id, now, completed=True)
-        return AdmissionReleaseReply(admission_id=admission_id, released=True)
+        elif outcome.reason is LedgerReason.STALE_FENCE:
+            held = self.ledger.get(admission_id)
+            if held is not None and held.state is ReservationState.RELEASED and held.fence == fence:
+                self.core.ended(admission_id, now, completed=False)  # if this core still counts it
+                reply = AdmissionReleaseReply(
+                    admission_id=admission_id,
+                    released=True,
+                    detail=f"already released at fence {fence}: nothing changed",
+                )
+                return reply, False
+        reply = AdmissionReleaseReply(
+            admission_id=admission_id,
+            released=False,
+            reason=AdmissionReason(outcome.reason.value),
+            detail=outcome.detail,
+        )
+        return reply, False
 
     def expire(self, now: float) -> list[Reservation]:
         """Overdue reservations → EXPIRED under a higher fence."""

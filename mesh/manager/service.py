@@ -665,10 +665,10 @@ class ManagerService:
                     detail="an admission is released by the tenant it was granted to (or the "
                     f"operator); this came from {request.user_id!r}",
                 )
-            reply = await self._on_ledger(
-                admitter.release, message.admission_id, message.fence, now
+            reply, released_now = await self._on_ledger(
+                admitter.settle, message.admission_id, message.fence, now
             )
-            if reply.released:
+            if released_now:  # a retried release is answered the same, and counted once
                 self.observer.metrics.release_latency.observe(self.clock.now().mono - started)
                 self.observer.metrics.settled(
                     record.estimate if record else None,
@@ -783,8 +783,10 @@ class ManagerService:
                 reason=AdmissionReason.NOT_FOUND,
                 detail=f"nothing to revoke: the admission is {state}",
             )
-        reply = await self._on_ledger(admitter.release, held.admission_id, held.fence, now)
-        if reply.released:
+        reply, released_now = await self._on_ledger(
+            admitter.settle, held.admission_id, held.fence, now
+        )
+        if released_now:
             self.counters["admissions_revoked"] += 1
             self._append(
                 [

@@ -88,9 +88,48 @@ async def test_an_operator_descriptor_then_an_admission_then_a_release(
 
     released = await producer.release_admission(decision.grant)
     assert released.released
-    stale = await producer.release_admission(decision.grant)  # a second time: nothing changes
+    again = await producer.release_admission(decision.grant)  # a retry: the same answer
+    assert (again.released, again.reason) == (True, None)
+    assert "already released" in again.detail
+    stale_fence = decision.grant.fence + 1000  # never issued
+    stale = await producer.release_admission(
+        decision.grant.model_copy(update={"fence": stale_fence})
+    )
     assert (stale.released, stale.reason) == (False, AdmissionReason.STALE_FENCE)
     assert admission_manager.counters["admission.admitted"] == 1
+
+
+async def test_a_release_retried_after_its_manager_died_answers_as_the_first_did(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """The manager applied the release and died before its answer reached the producer; the
+    producer retries with the same admission and fence, and a new manager on the same ledger
+    says ``released`` — not ``STALE_FENCE`` — and settles nothing twice."""
+    settings = settings_for(amqp_url, namespace, tmp_path)
+    first = await start_manager(settings)
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    transport = await AmqpTransport.connect(amqp_url, name="rag-eu-agent")
+    try:
+        await live_member(first, transport, "rag-eu-1", "rag-eu", RAG_AGENT)
+        await client.publish_descriptor(fresh())
+        decision = await client.admit(REQUIREMENTS, admission_id="adm-retried")
+        assert decision.grant is not None
+        assert (await client.release_admission(decision.grant)).released  # applied ...
+        await first.stop()  # ... and the manager is gone before the producer heard of it
+
+        second = await start_manager(settings)
+        try:
+            retried = await client.release_admission(decision.grant)
+            assert (retried.released, retried.reason) == (True, None)
+            held = second.admitter.ledger.get("adm-retried")  # type: ignore[union-attr]
+            assert held is not None and held.state == "RELEASED"
+            log = second.admitter.ledger.log()  # type: ignore[union-attr]
+            assert [e.event for e in log if e.admission_id == "adm-retried"].count("released") == 1
+        finally:
+            await second.stop()
+    finally:
+        await transport.close()
+        await client.close()
 
 
 async def test_a_descriptor_not_published_by_the_operator_is_refused(

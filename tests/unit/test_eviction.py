@@ -171,8 +171,10 @@ def test_an_interactive_request_evicts_the_youngest_rebuildable_grant_in_the_sam
     holding = [r for r in ledger.active() if r.pool_id == DESCRIPTOR.pool_id]
     assert len(holding) == SLOTS
     assert a.pressure.pools[DESCRIPTOR.pool_id].used == SLOTS
-    # The victim's holder cannot release it again (its reservation is final).
-    assert a.release(victim.admission_id, victim.fence, T0 + 51).released is False
+    # The victim's holder cannot release it again (its reservation is final), and is told why.
+    refused = a.release(victim.admission_id, victim.fence, T0 + 51)
+    assert (refused.released, refused.reason) == (False, AdmissionReason.STALE_FENCE)
+    assert "evicted" in refused.detail
 
 
 def test_work_with_side_effects_is_never_evicted(ledger: SqliteLedger) -> None:

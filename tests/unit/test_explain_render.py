@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from mesh.render import render_explain
 from mesh.core.eligibility import check_eligibility
+from mesh.render import render_explain
 from mesh.wire import AdmissionDecision, AdmissionReason, ExplainReply
 
 from .samples import DESCRIPTOR, GRANT, REQUIREMENTS, T0
