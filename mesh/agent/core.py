@@ -34,14 +34,14 @@ from typing import Final, Literal
 
 from mesh import constants as c
 from mesh.agent.grants import (
+    DESCRIPTOR_ACTIVE,
+    GRANT_REVOKED,
     RevokedGrants,
     check_grant,
     parse_draining,
     parse_epoch,
     parse_revocation,
 )
-from mesh.constants import EVENT_DESCRIPTOR_ACTIVE as DESCRIPTOR_ACTIVE
-from mesh.constants import EVENT_GRANT_REVOKED as GRANT_REVOKED
 from mesh.errors import LocalProtocolError
 from mesh.leases import ConsumptionPoint, LeaseVerifier
 from mesh.wire.models import ErrorInfo, Heartbeat, OrchestrationEvent, Task, TaskResult
@@ -52,7 +52,7 @@ Phase = Literal["new", "starting", "running", "stopping", "stopped"]
 PHASES: Final[dict[Phase, frozenset[Phase]]] = {
     "new": frozenset({"starting"}),
     "starting": frozenset({"running", "stopping", "stopped"}),
-    "running": frozenset({"stopping"}),
+    "running": frozenset({"stopping", "stopped"}),  # stopped: torn down after a fatal error
     "stopping": frozenset({"stopped"}),
     "stopped": frozenset(),
 }

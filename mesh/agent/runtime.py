@@ -1,5 +1,8 @@
 """The asyncio shell around an :class:`~mesh.agent.Agent`: register, heartbeat, work, drain.
 
+What it decides — the phase, the next heartbeat, the self-fence, the grant checks — is
+:class:`~mesh.agent.core.AgentCore` (sans I/O); this module does the I/O around it.
+
 Theory of operation
 -------------------
 ``start()`` connects (unless given a transport), declares the agent's queues
@@ -92,7 +95,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
 import uuid
@@ -105,16 +107,8 @@ from urllib.parse import urlsplit
 
 from mesh import constants as c
 from mesh.agent.base import Agent
+from mesh.agent.core import AgentCore, Phase
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
-from mesh.agent.grants import (
-    DESCRIPTOR_ACTIVE,
-    GRANT_REVOKED,
-    RevokedGrants,
-    check_grant,
-    parse_draining,
-    parse_epoch,
-    parse_revocation,
-)
 from mesh.agent.http import AgentHttpServer, default_drain_deadline_s
 from mesh.agent.processing import process_task
 from mesh.errors import (
@@ -125,7 +119,7 @@ from mesh.errors import (
     PublishUnroutable,
     TransportError,
 )
-from mesh.leases import ConsumptionPoint, LeaseVerifier
+from mesh.leases import LeaseVerifier
 from mesh.logs import checked
 from mesh.topology import BindingSpec, Declarations, Topology, names
 from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery
@@ -139,7 +133,6 @@ from mesh.wire.models import (
     DrainNotice,
     DrainRequest,
     ErrorInfo,
-    Heartbeat,
     LeaseNotice,
     Message,
     OrchestrationEvent,
@@ -154,7 +147,6 @@ from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
 
-Phase = Literal["new", "starting", "running", "stopping", "stopped"]
 RegistrationReply = RegistrationAccepted | RegistrationRefused
 
 _CONTROL_TYPES: tuple[type[Message], ...] = (
@@ -263,15 +255,16 @@ class AgentRuntime:
         self._rng = rng or random.Random()
         self._capabilities = agent.bind()
         keys = self.settings.lease_public_keys
-        self._leases = LeaseVerifier.from_files(keys) if keys else None
-        self._result_point = (
-            ConsumptionPoint(self._leases, f"the results of {agent.agent_id}")
-            if self._leases is not None
-            else None
+        # The decisions (phase, heartbeats, self-fence, grant checks), sans I/O.
+        self.core = AgentCore(
+            agent.agent_id,
+            agent.deployment,
+            heartbeat_interval_s=agent.heartbeat_interval_s,
+            self_fence_after_s=self.settings.self_fence_after_s,
+            leases=LeaseVerifier.from_files(keys) if keys else None,
         )
         self._task_queue = self.topology.agent_task_queue(agent.agent_id)
         self._control_queue = self.topology.agent_control_queue(agent.agent_id)
-        self._phase: Phase = "new"
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
         self._drain_complete = asyncio.Event()
@@ -285,10 +278,6 @@ class AgentRuntime:
         self._draining = False
         self._pool_closed = False  # draining, and the pool consumer is cancelled
         self._refusing = False  # past the drain deadline: answer queued tasks, do not run them
-        self._heartbeat_seq = 0
-        self._last_beat: float | None = None  # monotonic time of our last heartbeat sent
-        self._fenced_before = -math.inf  # tasks claimed before this (monotonic) are fenced
-        self._draining_allowlist: frozenset[str] = frozenset()  # older-epoch grants still good
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._control_consumer: Subscription | None = None
         self._task_consumer: Subscription | None = None
@@ -301,8 +290,6 @@ class AgentRuntime:
         self._fatal: MeshError | None = None
         self._starting: asyncio.Task[Any] | None = None
         self._http: AgentHttpServer | None = None
-        self._revoked = RevokedGrants()
-        self._active_epoch: int | None = None  # our pool's, as the manager last announced it
         self._issued: dict[str, float] = {}  # lease ID -> loop time it ends (LeaseNotice)
         self._lease_noticed = asyncio.Event()  # pulsed on every lease notice
         # admission ID -> the asyncio task running its handler (to stop it if evicted)
@@ -343,7 +330,7 @@ class AgentRuntime:
     @property
     def phase(self) -> Phase:
         """``new``, ``starting``, ``running``, ``stopping`` or ``stopped``."""
-        return self._phase
+        return self.core.phase
 
     @property
     def http_port(self) -> int | None:
@@ -361,9 +348,9 @@ class AgentRuntime:
         Raises :class:`RegistrationRefusedError`, :class:`RegistrationTimeoutError` or
         :class:`mesh.errors.BrokerUnavailable`; on any failure everything opened is closed.
         """
-        if self._phase != "new":
-            raise LocalProtocolError(f"start() called on a runtime that is {self._phase}")
-        self._phase = "starting"
+        if self.core.phase != "new":
+            raise LocalProtocolError(f"start() called on a runtime that is {self.core.phase}")
+        self.core.advance("starting")
         self._starting = asyncio.current_task()
         try:
             await self._start_http()
@@ -387,7 +374,7 @@ class AgentRuntime:
         except BaseException:
             await self._abort()
             raise
-        self._phase = "running"
+        self.core.advance("running")
         if not self._draining:
             self._ready.set()
         log.info("agent ready", extra=self._extra(capabilities=sorted(self._capabilities)))
@@ -399,7 +386,7 @@ class AgentRuntime:
         of a newer epoch (:meth:`_on_event`) tries again — subscribing afresh, since a
         changed capacity may have replaced the queue."""
         async with self._pool_lock:
-            if self._draining or self._phase not in ("starting", "running"):
+            if self._draining or self.core.phase not in ("starting", "running"):
                 return
             old, self._pool_consumer = self._pool_consumer, None
             await _cancel_quietly(old)
@@ -577,7 +564,7 @@ class AgentRuntime:
             # The manager holds no leases on an agent it does not know: the drain is complete.
             log.info("manager forgot us while draining", extra=self._extra(reason=request.reason))
             self._drain_complete.set()
-        elif self._phase != "running" or self._registering():
+        elif self.core.phase != "running" or self._registering():
             log.debug("re-register request ignored: registration in progress", extra=self._extra())
         else:
             log.warning("manager asked us to re-register", extra=self._extra(reason=request.reason))
@@ -600,11 +587,11 @@ class AgentRuntime:
             self._ready.set()
 
     async def _on_reconnect(self) -> None:
-        if self._phase in ("new", "stopped"):
+        if self.core.phase in ("new", "stopped"):
             return
         log.warning("agent transport reconnected", extra=self._extra())
         self.counters["reconnects"] += 1
-        if self._phase == "running":
+        if self.core.phase == "running":
             self._spawn(self._send_heartbeat(), "heartbeat")  # a forgetful manager asks sooner
 
     # ---- heartbeats -----------------------------------------------------------------------
@@ -619,38 +606,30 @@ class AgentRuntime:
 
     @property
     def self_fence_after_s(self) -> float:
-        configured = self.settings.self_fence_after_s
-        if configured is not None:
-            return configured
-        interval = self.agent.heartbeat_interval_s
-        return c.MISSED_HEARTBEATS_BEFORE_LOST * interval - interval / 2
+        return self.core.self_fence_after_s
 
     def _note_silence(self, now: float) -> None:
         """If we have been silent longer than the manager tolerates, fence out every task
         claimed until ``now`` (called before each heartbeat and before each result)."""
-        last = self._last_beat
-        if last is None or now - last <= self.self_fence_after_s or self._fenced_before >= last:
+        silent_s = self.core.note_silence(now)
+        if silent_s is None:
             return
-        self._fenced_before = now
         self.counters["silences"] += 1
         log.warning(
             "this agent was silent long enough to be declared lost; the work it held is "
             "fenced out (results withheld, tasks requeued)",
-            extra=self._extra(silent_s=round(now - last, 1), fence_after_s=self.self_fence_after_s),
+            extra=self._extra(silent_s=round(silent_s, 1), fence_after_s=self.self_fence_after_s),
         )
 
     async def _send_heartbeat(self) -> None:
         self._note_silence(time.monotonic())
-        heartbeat = Heartbeat(
-            agent_id=self.agent_id,
-            incarnation=self._incarnation,
-            seq=self._heartbeat_seq,
-            in_flight=dict(self._in_flight),
-            pool_in_flight={cap: n for cap, n in self._pool_started.items() if n > 0},
+        heartbeat = self.core.heartbeat(
+            self._incarnation,
+            in_flight=self._in_flight,
+            pool_in_flight=self._pool_started,
             draining=self._pool_closed,
-            sent_at=time.time(),
+            wall=time.time(),
         )
-        self._heartbeat_seq += 1
         try:
             async with asyncio.timeout(self.settings.publish_timeout_s):
                 await self.transport.publish_fast(
@@ -667,7 +646,7 @@ class AgentRuntime:
             )
         else:
             self.counters["heartbeats_sent"] += 1
-            self._last_beat = time.monotonic()
+            self.core.beat_sent(time.monotonic())
 
     # ---- control messages -----------------------------------------------------------------
     async def _on_control(self, delivery: Delivery) -> None:
@@ -796,96 +775,54 @@ class AgentRuntime:
             self._drain_complete.set()
 
     def _on_event(self, event: OrchestrationEvent) -> None:
-        """A ``grant_revoked`` event for our pool: remember the highest revoked fence; a
-        ``descriptor_active`` one: remember the highest epoch."""
-        if event.kind == DESCRIPTOR_ACTIVE:
-            epoch = parse_epoch(event.detail)
-            if epoch is None or epoch[0] != self.agent.deployment:
-                self.counters["events_ignored"] += 1
-                return
-            newer = self._active_epoch is None or epoch[1] > self._active_epoch
-            draining = parse_draining(event.detail)
-            if draining is not None and (newer or epoch[1] == self._active_epoch):
-                self._draining_allowlist = draining
-            if newer:
-                self._active_epoch = epoch[1]
-                log.info("descriptor epoch", extra=self._extra(descriptor_epoch=epoch[1]))
-            if newer or self._pool_consumer is None:  # a new epoch may come with a new queue
-                self._spawn(self._consume_pool(), "pool consumer")
-            return
-        parsed = parse_revocation(event.detail) if event.kind == GRANT_REVOKED else None
-        if parsed is None or parsed[1] != self.agent.deployment:
+        """A ``grant_revoked`` event for our pool: remember the highest revoked fence (and stop
+        the handler of an evicted or security-revoked grant); a ``descriptor_active`` one:
+        remember the highest epoch, and consume the pool queue (again)."""
+        seen = self.core.on_event(event, pool_consumed=self._pool_consumer is not None)
+        if seen.kind == "ignored":
             self.counters["events_ignored"] += 1
             log.debug("event ignored", extra=self._extra(kind=event.kind))
             return
-        admission_id, _, fence = parsed
-        evicted = event.detail.get("evicted") is True
-        security = event.detail.get("security")
-        security = security[:500] if isinstance(security, str) and security else None
-        self._revoked.revoke(admission_id, fence, evicted=evicted, security=security)
+        if seen.kind == "epoch":
+            if seen.newer:
+                log.info("descriptor epoch", extra=self._extra(descriptor_epoch=seen.epoch))
+            if seen.resubscribe:  # a new epoch may come with a new queue
+                self._spawn(self._consume_pool(), "pool consumer")
+            return
         self.counters["grants_revoked_seen"] += 1
         log.info(
             "grant revoked",
-            extra=self._extra(admission_id=admission_id, fence=fence, evicted=evicted),
+            extra=self._extra(
+                admission_id=seen.admission_id, fence=seen.fence, evicted=seen.evicted
+            ),
         )
-        running = self._running.get(admission_id)
-        if (evicted or security) and running is not None:
-            # Evicted work declared itself rebuildable or retryable: stop it, free the slot.
-            # A security revocation stops it whatever it declared.
-            self._evicting.add(admission_id)
+        running = self._running.get(seen.admission_id or "")
+        if seen.stop_running and running is not None and seen.admission_id is not None:
+            self._evicting.add(seen.admission_id)
             running.cancel()
 
     @property
     def draining_allowlist(self) -> frozenset[str]:
         """Admissions whose grants of an older epoch this agent still honours."""
-        return self._draining_allowlist
+        return self.core.draining_allowlist
 
     @property
     def active_epoch(self) -> int | None:
         """Our pool's descriptor epoch as last announced by the manager (``None``: not yet)."""
-        return self._active_epoch
+        return self.core.active_epoch
 
     def revoked_fence(self, admission_id: str) -> int | None:
         """The highest fence of ``admission_id`` this agent has seen revoked, or ``None``."""
-        return self._revoked.fence(admission_id)
+        return self.core.revoked.fence(admission_id)
 
     def _grant_problem(self, task: Task) -> str | None:
-        grant = task.grant
-        if grant is None:
-            return None  # the lease path (its lease was checked: _credentials_problem)
-        now = time.time()
-        problem = check_grant(
-            grant,
-            pool_id=self.agent.deployment,
-            now=now,
-            revoked_fence=self._revoked.fence(grant.admission_id),
-            active_epoch=self._active_epoch,
-            draining=self._draining_allowlist,
-        )
-        if problem is not None:
-            why = self._revoked.security_reason(grant.admission_id)
-            return f"{problem}, for security: {why}" if why and "revoked" in problem else problem
-        if self._leases is None:
-            return None
-        lease = grant.lease
-        if lease is None:
-            return "no invocation lease (this agent requires one: mesh manager --lease-key)"
-        assert self._result_point is not None
-        if self._result_point.consumed(lease):
-            return "lease replayed: a result was already published under it here"
-        return self._leases.check(
-            lease,
-            now=now,
-            admission_id=grant.admission_id,
-            fence=grant.fence,
-            pool_id=self.agent.deployment,
-        )
+        return self.core.grant_problem(task, time.time())
 
     def _grant_refused(
         self, task: Task, problem: str, where: str, started_at: float, extra: dict[str, Any]
     ) -> TaskResult:
         grant = task.grant
-        evicted = grant is not None and self._revoked.evicted(grant)
+        evicted = self.core.evicted(task)
         self.counters["tasks_evicted" if evicted else "grants_refused"] += 1
         log.warning(
             "task evicted" if evicted else "task refused: grant invalid",
@@ -897,19 +834,7 @@ class AgentRuntime:
                 "problem": problem,
             },
         )
-        return TaskResult(
-            task_id=task.task_id,
-            agent_id=self.agent_id,
-            capability=task.capability,
-            status="error",
-            error=ErrorInfo(
-                code=Reason.EVICTED if evicted else Reason.GRANT_INVALID,
-                message=f"{where}: {problem}"
-                + (" (evicted for more urgent work; resubmit it)" if evicted else ""),
-            ),
-            started_at=started_at,
-            finished_at=max(time.time(), started_at),
-        )
+        return self.core.refusal(task, problem, where, started_at, time.time())
 
     async def _refuse_at_claim(
         self, delivery: Delivery, task: Task, problem: str, extra: dict[str, Any]
@@ -925,9 +850,8 @@ class AgentRuntime:
         if result.error is not None and result.error.code in (Reason.EVICTED, Reason.GRANT_INVALID):
             return result  # already refused on the way
         problem = self._grant_problem(task)
-        lease = task.grant.lease if task.grant is not None else None
-        if problem is None and self._result_point is not None and lease is not None:
-            problem = self._result_point.consume(lease, now=time.time())  # once per lease
+        if problem is None:
+            problem = self.core.consume_lease(task, time.time())  # once per lease
         if problem is None:
             return result
         return self._grant_refused(task, problem, "before the result", result.started_at, extra)
@@ -990,7 +914,7 @@ class AgentRuntime:
         claimed = time.monotonic()
         result = await self._run_handler(delivery, task, extra)
         self._note_silence(time.monotonic())
-        if claimed <= self._fenced_before:
+        if self.core.fenced(claimed):
             self.counters["results_fenced"] += 1
             log.warning("result withheld: claimed before a silence; requeued", extra=extra)
             await _requeue(delivery, extra)
@@ -1002,8 +926,8 @@ class AgentRuntime:
         if await self._send_result(delivery, result, extra):
             await _ack(delivery, extra)
         else:
-            if self._result_point is not None and task.grant and task.grant.lease:
-                self._result_point.give_back(task.grant.lease)  # not published after all
+            if self.core.result_point is not None and task.grant and task.grant.lease:
+                self.core.result_point.give_back(task.grant.lease)  # not published after all
             await _requeue(delivery, extra)
 
     async def _start_pool_task(self, delivery: Delivery, task: Task, extra: dict[str, Any]) -> bool:
@@ -1032,12 +956,12 @@ class AgentRuntime:
         except asyncio.CancelledError:
             if admission_id in self._evicting and current is not None:
                 current.uncancel()  # stopped for a revocation: answer it, do not requeue
-                why = self._revoked.security_reason(admission_id)
+                why = self.core.revoked.security_reason(admission_id)
                 stopped = "the handler was stopped" + (
                     f": revoked for security ({why})" if why else ""
                 )
                 return self._grant_refused(task, stopped, "while running", time.time(), extra)
-            if self._phase == "stopping":
+            if self.core.phase == "stopping":
                 # Cancelled at the end of the shutdown grace: answer and keep the task.
                 await self._give_up_task(delivery, task, "cancelled at the shutdown deadline")
             raise
@@ -1121,10 +1045,10 @@ class AgentRuntime:
         Returns once the runtime has stopped. ``timeout_s`` defaults to ``drain_timeout_s``.
         Called while ``start()`` is still registering, it cancels ``start()`` instead.
         """
-        if self._phase == "new":
+        if self.core.phase == "new":
             await self._close()
             return
-        if self._phase == "starting":
+        if self.core.phase == "starting":
             if self._starting is not None and self._starting is not asyncio.current_task():
                 self._starting.cancel()  # start() raises CancelledError and cleans up
             await self._stopped.wait()
@@ -1137,7 +1061,7 @@ class AgentRuntime:
 
     async def stop(self) -> None:
         """A drain in a hurry: wait at most ``stop_timeout_s`` for the manager's leases."""
-        if self._phase == "stopped":
+        if self.core.phase == "stopped":
             return
         await self.drain("stopping", timeout_s=self.settings.stop_timeout_s)
 
@@ -1161,7 +1085,7 @@ class AgentRuntime:
     def _begin_drain(
         self, reason: str, *, timeout_s: float | None = None, request: bool = False
     ) -> None:
-        if self._shutdown_task is not None or self._phase in ("stopping", "stopped"):
+        if self._shutdown_task is not None or self.core.phase in ("stopping", "stopped"):
             return
         self._draining = True
         self._ready.clear()
@@ -1236,9 +1160,9 @@ class AgentRuntime:
             await asyncio.sleep(_SETTLE_POLL_S)
 
     async def _shutdown(self, reason: str, *, deregister: bool) -> None:
-        if self._phase in ("stopping", "stopped"):
+        if self.core.phase in ("stopping", "stopped"):
             return
-        self._phase = "stopping"
+        self.core.advance("stopping")
         self._ready.clear()
         try:
             await self._stop_pool_consumer()
@@ -1304,7 +1228,7 @@ class AgentRuntime:
 
     async def _abort(self) -> None:
         """Tear down whatever ``start()`` opened, without the drain protocol."""
-        if self._phase == "stopped":
+        if self.core.phase == "stopped":
             return
         self._stop_heartbeats()
         for consumer in (self._pool_consumer, self._task_consumer, self._control_consumer):
@@ -1326,7 +1250,7 @@ class AgentRuntime:
                 log.warning("closing the transport failed", extra=self._extra(error=str(exc)))
         if self._http is not None:
             await self._http.close()  # answers a pending /drain before we report "stopped"
-        self._phase = "stopped"
+        self.core.advance("stopped")
         self._ready.clear()
         self._stopped.set()
 

@@ -1143,7 +1143,7 @@ async def test_a_result_claimed_before_a_long_silence_is_withheld_and_the_task_r
         first = make_delivery(make_task("f.wait", {}, task_id="held"), reply_to="reply.q")
         handling = transport.deliver("t.agent.frozen-1.tasks", first)
         await started.wait()
-        runtime._last_beat = time.monotonic() - 100.0  # the freeze
+        runtime.core.last_beat = time.monotonic() - 100.0  # the freeze
         gate.set()
         await handling
         assert settled(first) == "requeue"

@@ -117,3 +117,21 @@ def test_the_public_test_harness_does_not_load_the_broker_client() -> None:
         "import mesh.testing\nfrom mesh.transport import AmqpTransport"
     )
     assert "aio_pika" in with_client  # the check sees the client when it is loaded
+
+
+def test_the_agents_core_imports_no_io_clocks_or_randomness_itself() -> None:
+    """The agent's decisions (mesh/agent/core.py, and the grant rules it applies) take time
+    as an argument and do no I/O; the asyncio shell around them is mesh/agent/runtime.py."""
+    agent_dir = CORE_DIR.parent / "agent"
+    sources = [agent_dir / "core.py", agent_dir / "grants.py"]
+    forbidden = [m for m in FORBIDDEN_IN_SOURCE if m != "mesh.agent"]
+    forbidden += ["mesh.agent.runtime", "mesh.agent.http", "mesh.agent.processing"]
+
+    offenders = {
+        f"{path.name}: {module}"
+        for path in sources
+        for module in _imports_of(path)
+        if any(_is_or_under(module, bad) for bad in forbidden)
+    }
+    assert offenders == set()
+    assert "mesh.agent.grants" in _imports_of(agent_dir / "core.py")  # the check reads imports
