@@ -117,6 +117,8 @@ def _admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
             enabled=args.shedding,
             thresholds=args.shed_thresholds,
             queue_age_s=args.shed_queue_age,
+            hysteresis=args.shed_hysteresis,
+            min_dwell_s=args.shed_min_dwell,
             low_priority=args.low_priority,
             evict=args.eviction,
         ),
@@ -774,6 +776,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a pool whose oldest queued task waited longer goes one stage up "
         "(env MESH_SHED_QUEUE_AGE_S, default 5)",
+    )
+    shed.add_argument(
+        "--shed-hysteresis",
+        type=float,
+        default=_env("MESH_SHED_HYSTERESIS", "0.1"),
+        metavar="FRACTION",
+        help="a stage steps down only below its threshold less this share of the pool's "
+        "slots (env MESH_SHED_HYSTERESIS, default 0.1)",
+    )
+    shed.add_argument(
+        "--shed-min-dwell",
+        type=float,
+        default=_env("MESH_SHED_MIN_DWELL_S", "2"),
+        metavar="SECONDS",
+        help="a pool stays in a stage at least this long, and steps down only after this "
+        "long below the lowered threshold (a broker alarm acts at once; env "
+        "MESH_SHED_MIN_DWELL_S, default 2)",
     )
     shed.add_argument(
         "--low-priority",

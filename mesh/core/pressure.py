@@ -20,11 +20,18 @@ The stage comes from two sources, and the higher one wins:
   by its own grants and releases in between). Each stage has an integer slot limit,
   ``floor(threshold * capacity)``, at least 1 (an idle small pool admits anything): a
   request of a shed class is admitted only while its grant keeps the pool at or below its
-  class's limit. So the stage is reached exactly when the next request of that
-  class would be refused — admission and the reported stage never disagree.
+  class's limit — exactly, on every admission, whatever the stage says.
 * **Signals** read on each tick: the oldest task in the pool's queue has waited longer than
   ``queue_age_s`` (agents are not keeping up with what was granted: one stage up), or the broker
   has raised a memory or disk alarm (publishers are blocked: ``REJECT_INTERACTIVE``).
+
+**The stage holds still.** A pool at a steady but jittery load must not flap between stages
+(each change is journaled and counted). The stage rises to what the state calls for, straight
+there; it steps down only once the *lowered* thresholds (``threshold - hysteresis``) have
+called for a lower stage for ``min_dwell_s`` without a break; and it changes at most once per
+``min_dwell_s`` — except into ``REJECT_INTERACTIVE`` for a broker alarm, at once. While held
+high, the stage keeps refusing the classes it sheds; the per-class limits above refuse on
+the way up before the stage has caught up, so holding still never admits more.
 
 Which work is which (``shed_rank``): speculative tasks and low-priority batch fan-out go first
 (rank 0), then batch (rank 1), then interactive (rank 2).
@@ -106,6 +113,11 @@ class PressurePolicy:
     service_window: int = 256  # releases whose hold times make the service-time estimate
     demand_window_s: float = 5.0  # a tenant or a refusal this recent still counts
     evict: bool = True  # a full pool's interactive requests may evict recoverable work
+    # A stage steps down only once utilisation has stayed below its threshold less this
+    # (a fraction of capacity) for min_dwell_s; and no stage is left sooner than min_dwell_s
+    # after it was entered (a broker alarm excepted): a pool at steady load holds still.
+    hysteresis: float = 0.1
+    min_dwell_s: float = 2.0
 
 
 def shed_rank(service_class: str, priority: int, policy: PressurePolicy) -> int:
@@ -172,7 +184,8 @@ class PoolPressure:
     oldest_age_s: float = 0.0
     blocked: bool = False
     stage: Stage = Stage.NORMAL
-    since: float = 0.0  # when ``stage`` was entered
+    since: float = -math.inf  # when ``stage`` was entered
+    lower_since: float | None = None  # since when a lower stage has been called for
     service_s: deque[float] = field(default_factory=deque)
     service_sum: float = 0.0
     holders: dict[str, int] = field(default_factory=dict)  # tenant -> grants held
@@ -342,7 +355,7 @@ class PressureBoard:
             p.run_demand[run] = now
         rank = shed_rank(service_class, priority, self.policy)
         stops_at = _RANK_STOPS_AT[rank]
-        stage = self._stage_of(p)[0]
+        stage = p.stage
         limit = p.limit(stops_at, self.policy)
         if stage >= stops_at or (rank < 2 and p.used + 1 > limit):
             what = ("speculative and low-priority work", "batch work", "new interactive work")
@@ -478,14 +491,20 @@ class PressureBoard:
         service = p.mean_service_s()
         return p.queue_depth * service / p.capacity if service else 0.0
 
-    def _stage_of(self, p: PoolPressure) -> tuple[Stage, str]:
-        """The pool's stage, and which source put it there (the cause is worded only when
-        the stage changes: this runs on every admission)."""
+    def _stage_of(
+        self, p: PoolPressure, thresholds: tuple[float, float, float] | None = None
+    ) -> tuple[Stage, str]:
+        """The stage the pool's state calls for now, and which source calls for it;
+        ``thresholds``: other utilisation thresholds than the policy's (the lowered ones a
+        stage steps down at)."""
         if not self.policy.enabled:
             return Stage.NORMAL, "off"
         by_use = Stage.NORMAL
         if p.capacity > 0:  # the highest stage whose limit is reached
-            shed, pause, tighten = p.limits(self.policy)
+            if thresholds is None:
+                shed, pause, tighten = p.limits(self.policy)
+            else:
+                shed, pause, tighten = (max(1, math.floor(t * p.capacity)) for t in thresholds)
             used = p.used
             if used >= tighten:
                 by_use = Stage.TIGHTEN
@@ -503,22 +522,44 @@ class PressureBoard:
                 return by_signal, "queue age"
         return by_use, "utilisation"
 
-    def _stage_and_cause(self, p: PoolPressure) -> tuple[Stage, str]:
-        """The pool's stage, and what put it there (for the journal)."""
-        stage, source = self._stage_of(p)
-        cause = {
+    def _cause(self, p: PoolPressure, source: str) -> str:
+        """What put the pool in its stage, worded for the journal."""
+        return {
             "off": "shedding is off",
             "blocked": "broker alarm: publishers blocked",
             "queue age": f"oldest queued task waited {p.oldest_age_s:.1f} s",
         }.get(source, f"utilisation {p.used}/{p.capacity}")
-        return stage, cause
 
     def _restage(self, pool_id: str, p: PoolPressure, now: float) -> None:
-        if self._stage_of(p)[0] == p.stage:
+        """Move the pool's stage as its state calls for, holding still in between: up to the
+        stage called for (straight there, however many stages that is), down only to the
+        stage the lowered thresholds (``threshold - hysteresis``) call for once they have
+        called for it for ``min_dwell_s``; and neither sooner than ``min_dwell_s`` after the
+        last change — except into ``REJECT_INTERACTIVE`` for a broker alarm (publishers
+        are blocked: at once). Admission still refuses each class at its exact utilisation
+        limit (:meth:`check`), so holding a stage never admits more than the limits allow."""
+        policy = self.policy
+        up, source = self._stage_of(p)
+        if up > p.stage:
+            p.lower_since = None
+            if source != "blocked" and now - p.since < policy.min_dwell_s:
+                return  # rose just now: the per-class limits already refuse what they must
+            self._change(pool_id, p, up, now, self._cause(p, source))
             return
-        stage, cause = self._stage_and_cause(p)
+        lowered = tuple(max(0.0, t - policy.hysteresis) for t in policy.thresholds)
+        down, source = self._stage_of(p, lowered)  # type: ignore[arg-type]
+        if down >= p.stage:
+            p.lower_since = None
+            return
+        if p.lower_since is None:
+            p.lower_since = now
+        if now - p.lower_since < policy.min_dwell_s or now - p.since < policy.min_dwell_s:
+            return
+        self._change(pool_id, p, down, now, self._cause(p, source))
+
+    def _change(self, pool_id: str, p: PoolPressure, stage: Stage, now: float, cause: str) -> None:
         self.changes.append(StageChange(pool_id, p.stage, stage, now, cause))
-        p.stage, p.since = stage, now
+        p.stage, p.since, p.lower_since = stage, now, None
 
     def drain_changes(self) -> list[StageChange]:
         changes, self.changes = self.changes, []

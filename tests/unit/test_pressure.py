@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -39,8 +40,9 @@ def fill(b: PressureBoard, n: int, tenant: str = "t1", start: int = 0) -> None:
 
 
 def test_work_is_shed_in_the_documented_order_as_utilisation_rises() -> None:
-    """Fill one slot at a time; note the utilisation at which each class is first refused."""
-    b = board()
+    """Fill one slot at a time; note the utilisation at which each class is first refused.
+    (No dwell: each stage as the state calls for it; holding still is tested below.)"""
+    b = board(min_dwell_s=0.0)
     first_refused: dict[str, int] = {}
     tenants = [f"t{i}" for i in range(CAPACITY)]  # one grant each: fair shares never bind
     for used in range(CAPACITY):
@@ -61,7 +63,7 @@ def test_work_is_shed_in_the_documented_order_as_utilisation_rises() -> None:
 
 
 def test_interactive_is_refused_only_at_the_last_stage_from_signals() -> None:
-    b = board()
+    b = board(min_dwell_s=0.0)
     fill(b, CAPACITY - 1, "t1")
     assert ask(b, "interactive", "t2") is None  # 19/20: still flowing
 
@@ -81,7 +83,7 @@ def test_interactive_is_refused_only_at_the_last_stage_from_signals() -> None:
 
 
 def test_a_queue_that_does_not_drain_raises_the_stage_by_one() -> None:
-    b = board(queue_age_s=5.0)
+    b = board(queue_age_s=5.0, min_dwell_s=0.0)
     fill(b, 10)  # 10/20: NORMAL
     b.observe_queue("p", depth=3, oldest_age_s=2.0, now=T0 + 1)
     assert b.pools["p"].stage is Stage.NORMAL
@@ -260,7 +262,7 @@ def test_an_unknown_capacity_sheds_nothing() -> None:
 def test_from_tighten_on_each_run_is_held_to_its_share_of_the_pool() -> None:
     """One tenant (its share is the whole pool), two runs: the fan-out of run ``a`` is capped
     once the pool is tight; the other run, a new run and run-less work still get slots."""
-    b = board()
+    b = board(min_dwell_s=0.0)
 
     def take(run: str, n: int, start: int) -> None:
         for i in range(start, start + n):
@@ -287,3 +289,71 @@ def test_from_tighten_on_each_run_is_held_to_its_share_of_the_pool() -> None:
     for i in range(13):  # run a finishes: its count goes with it
         b.ended(f"a-{i}", T0 + 1, completed=True)
     assert b.pools["p"].runs == {"t1/b": 6}
+
+
+# ---- the stage holds still ------------------------------------------------------------------
+def steady_jittery_load(b: PressureBoard, seconds: float, *, capacity: int = 12) -> list[float]:
+    """A pool of ``capacity`` slots at a steady 8-11 slots in use, observed every 50 ms (as
+    grants and releases move it); returns when the stage changed."""
+    rng = random.Random(7)
+    for step in range(int(seconds / 0.05)):
+        b.observe_usage({"p": (rng.randint(8, 11), capacity)}, T0 + step * 0.05)
+    return [c.at for c in b.drain_changes()]
+
+
+def test_a_pool_at_steady_jittery_load_sits_in_one_stage() -> None:
+    policy = PressurePolicy()
+    changes = steady_jittery_load(PressureBoard(policy), 60.0)
+
+    gaps = [later - earlier for earlier, later in itertools.pairwise(changes)]
+    assert all(gap >= policy.min_dwell_s for gap in gaps), gaps  # at most one per dwell
+    assert len(changes) <= 3, changes  # up to where the load sits, and there it stays
+    assert not [at for at in changes if at > T0 + 10]  # nothing once it has settled
+
+
+def test_without_hysteresis_and_dwell_the_same_load_flaps() -> None:
+    """The test above can fail: the stage as the instant calls for it changes all the time."""
+    changes = steady_jittery_load(
+        PressureBoard(PressurePolicy(hysteresis=0.0, min_dwell_s=0)), 60.0
+    )
+    assert len(changes) > 100
+
+
+def test_a_stage_steps_down_only_after_a_dwell_below_the_lowered_threshold() -> None:
+    b = board(hysteresis=0.1, min_dwell_s=2.0)  # 20 slots: SHED at 14, down below 12
+    b.observe_usage({"p": (15, CAPACITY)}, T0)
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    b.observe_usage({"p": (13, CAPACITY)}, T0 + 5)  # below 14, not below 12: held
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    b.observe_usage({"p": (11, CAPACITY)}, T0 + 6)  # below 12: the dwell starts
+    b.observe_usage({"p": (11, CAPACITY)}, T0 + 7.5)
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    b.observe_usage({"p": (12, CAPACITY)}, T0 + 7.9)  # back up to 12: the dwell starts over
+    b.observe_usage({"p": (11, CAPACITY)}, T0 + 8)
+    b.observe_usage({"p": (11, CAPACITY)}, T0 + 9.9)
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    b.observe_usage({"p": (11, CAPACITY)}, T0 + 10)
+    assert b.pools["p"].stage is Stage.NORMAL
+    assert [(c.new, c.at) for c in b.drain_changes()] == [
+        (Stage.SHED_SPECULATIVE, T0),
+        (Stage.NORMAL, T0 + 10),
+    ]
+
+
+def test_held_high_the_stage_still_sheds_and_rising_the_limits_shed_before_it() -> None:
+    b = board(min_dwell_s=2.0)
+    b.observe_usage({"p": (14, CAPACITY)}, T0)  # SHED_SPECULATIVE
+    b.observe_usage({"p": (13, CAPACITY)}, T0 + 1)  # held (not below 12)
+    assert ask(b, "speculative", now=T0 + 1) is not None  # the held stage sheds it
+    b.observe_usage({"p": (17, CAPACITY)}, T0 + 1.5)  # PAUSE_BATCH called for, within the dwell
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    assert ask(b, "batch", now=T0 + 1.5) is not None  # its exact limit refuses it regardless
+    b.observe_usage({"p": (17, CAPACITY)}, T0 + 2)
+    assert b.pools["p"].stage is Stage.PAUSE_BATCH
+
+
+def test_a_broker_alarm_rejects_interactive_work_at_once_despite_the_dwell() -> None:
+    b = board(min_dwell_s=60.0)
+    b.observe_usage({"p": (14, CAPACITY)}, T0)
+    b.observe_broker(True, T0 + 0.1)
+    assert b.pools["p"].stage is Stage.REJECT_INTERACTIVE
