@@ -666,29 +666,49 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mesh", description="agent-mesh: a control plane for AI agents over RabbitMQ"
     )
-    parser.add_argument(
-        "--amqp-url",
-        default=_env("MESH_AMQP_URL", c.DEFAULT_AMQP_URL),
-        help="broker URL (env MESH_AMQP_URL; default %(default)s)",
-    )
-    parser.add_argument(
-        "--namespace",
-        default=_env("MESH_NAMESPACE", c.DEFAULT_NAMESPACE),
-        help="prefix of every exchange and queue name (env MESH_NAMESPACE)",
-    )
-    parser.add_argument("--log-level", default=_env("MESH_LOG_LEVEL", "INFO"))
-    parser.add_argument(
-        "--log-format",
-        choices=("json", "text"),
-        default=_env("MESH_LOG_FORMAT", "json"),
-        help="services log JSON lines by default",
-    )
+    # The connection and logging options are accepted before the command and after it
+    # (``mesh --amqp-url U status`` and ``mesh status --amqp-url U``): each command's parser
+    # has them too, defaulting to nothing so the one before the command stands.
+    shared = argparse.ArgumentParser(add_help=False)
+    for target, default_of in ((parser, lambda d: d), (shared, lambda d: argparse.SUPPRESS)):
+        target.add_argument(
+            "--amqp-url",
+            default=default_of(_env("MESH_AMQP_URL", c.DEFAULT_AMQP_URL)),
+            help=f"broker URL (env MESH_AMQP_URL; default {c.DEFAULT_AMQP_URL})",
+        )
+        target.add_argument(
+            "--namespace",
+            default=default_of(_env("MESH_NAMESPACE", c.DEFAULT_NAMESPACE)),
+            help="prefix of every exchange and queue name (env MESH_NAMESPACE)",
+        )
+        target.add_argument(
+            "--log-level",
+            default=default_of(_env("MESH_LOG_LEVEL", "INFO")),
+            choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+            type=str.upper,
+            help="what the logs say, from DEBUG to ERROR (env MESH_LOG_LEVEL, default INFO)",
+        )
+        target.add_argument(
+            "--log-format",
+            choices=("json", "text"),
+            default=default_of(_env("MESH_LOG_FORMAT", "json")),
+            help="services log JSON lines by default",
+        )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_parser = sub.add_parser
+
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return add_parser(name, parents=[shared], **kwargs)
+
     journal_default = _env("MESH_JOURNAL", ".mesh/orchestration.sqlite3")
 
-    p = sub.add_parser("manager", help="run the pool manager")
+    p = command("manager", help="run the pool manager")
     p.add_argument("--journal", default=journal_default, help="SQLite orchestration log path")
-    p.add_argument("--manager-id", default=_env("MESH_MANAGER_ID", "manager"))
+    p.add_argument(
+        "--manager-id",
+        default=_env("MESH_MANAGER_ID", "manager"),
+        help="this manager's name in the journal, status and metrics (env MESH_MANAGER_ID)",
+    )
     p.add_argument(
         "--ledger",
         default=_env("MESH_LEDGER_URL", "sqlite:.mesh/ledger.sqlite3"),
@@ -840,16 +860,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_manager)
 
-    p = sub.add_parser("agent", help="run a sample agent")
-    p.add_argument("sample", choices=("calc", "textstats", "echo"))
-    p.add_argument("--id", dest="agent_id", default=os.environ.get("AGENT_ID"))
+    p = command("agent", help="run a sample agent")
+    p.add_argument("sample", choices=("calc", "textstats", "echo"), help="which sample agent")
+    p.add_argument(
+        "--id",
+        dest="agent_id",
+        default=os.environ.get("AGENT_ID"),
+        help="the agent's ID, unique in the namespace (env AGENT_ID; default: its "
+        "deployment and a random suffix)",
+    )
     p.add_argument(
         "--heartbeat-interval",
         type=float,
         default=_env("HEARTBEAT_INTERVAL_S", str(c.DEFAULT_HEARTBEAT_INTERVAL_S)),
         help="seconds between heartbeats, at least 5 (env HEARTBEAT_INTERVAL_S)",
     )
-    p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="on SIGTERM or a drain, how long queued work may still run before what is left "
+        "is answered AGENT_SHUTDOWN (default 60)",
+    )
     p.add_argument(
         "--shared-topology",
         choices=("declare", "check"),
@@ -889,7 +922,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_agent)
 
-    p = sub.add_parser("demo", help="run manager, sample agents and a producer on this machine")
+    p = command("demo", help="run manager, sample agents and a producer on this machine")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of traffic (0: forever)")
     p.add_argument("--concurrency", type=int, default=4, help="tasks in flight at once")
     p.add_argument(
@@ -900,12 +933,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default=".mesh/demo", help="journal and process logs")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("status", help="agents, states, capabilities, in-flight")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p = command("status", help="agents, states, capabilities, in-flight")
+    p.add_argument("--json", action="store_true", help="the manager's status reply as JSON")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for the manager's answer (default 5)",
+    )
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("log", help="the orchestration log, filtered")
+    p = command("log", help="the orchestration log, filtered")
     p.add_argument(
         "-n",
         "--limit",
@@ -931,10 +970,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--until", help="before this time (same forms as --since)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.add_argument("--journal", default=journal_default)
+    p.add_argument(
+        "--journal", default=journal_default, help="the manager's SQLite orchestration log"
+    )
     p.set_defaults(func=cmd_log)
 
-    p = sub.add_parser("top", help="a live view: pools, agents, capacity, queues, refusals")
+    p = command("top", help="a live view: pools, agents, capacity, queues, refusals")
     p.add_argument(
         "--url",
         default=_env("MESH_MANAGER_URL", "http://127.0.0.1:8090/"),
@@ -945,18 +986,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.set_defaults(func=cmd_top)
 
-    p = sub.add_parser("drain", help="drain an agent: no new work, in-flight finishes, then exit")
-    p.add_argument("agent_id")
-    p.add_argument("--reason", default="operator request")
+    p = command("drain", help="drain an agent: no new work, in-flight finishes, then exit")
+    p.add_argument("agent_id", help="the agent to drain")
+    p.add_argument(
+        "--reason",
+        default="operator request",
+        help="why, for the journal and the agent's log (default: operator request)",
+    )
     p.set_defaults(func=cmd_drain)
 
-    p = sub.add_parser("explain", help="why an admission was decided as it was")
-    p.add_argument("admission_id")
-    p.add_argument("--json", action="store_true")
+    p = command("explain", help="why an admission was decided as it was")
+    p.add_argument("admission_id", help="the admission ID a decision or log entry names")
+    p.add_argument("--json", action="store_true", help="the explain reply as JSON")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("descriptor", help="operators: publish or shadow a pool's descriptor")
-    p.add_argument("action", choices=("publish", "shadow", "unshadow"))
+    p = command("descriptor", help="operators: publish or shadow a pool's descriptor")
+    p.add_argument(
+        "action",
+        choices=("publish", "shadow", "unshadow"),
+        help="make it the pool's active descriptor, evaluate it beside the active one, or "
+        "stop evaluating it",
+    )
     p.add_argument(
         "file",
         help="publish, shadow: a JSON file holding one mesh.capability-descriptor.v1; "
@@ -964,14 +1014,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_descriptor)
 
-    p = sub.add_parser("admission", help="operators: revoke an admission for security")
-    p.add_argument("action", choices=("revoke",))
-    p.add_argument("admission_id")
+    p = command("admission", help="operators: revoke an admission for security")
+    p.add_argument("action", choices=("revoke",), help="take the grant back")
+    p.add_argument("admission_id", help="the admission whose grant to revoke")
     p.add_argument("--reason", required=True, help="why (journaled, and shown to the agent)")
     p.set_defaults(func=cmd_admission)
 
-    p = sub.add_parser("broker", help="operators: broker users of agents (management API)")
-    p.add_argument("action", choices=("add-agent", "remove-agent"))
+    p = command("broker", help="operators: broker users of agents (management API)")
+    p.add_argument(
+        "action",
+        choices=("add-agent", "remove-agent"),
+        help="create an agent's broker user with its permissions, or delete it",
+    )
     p.add_argument("agent_id", help="the agent's ID, which is also its broker user's name")
     p.add_argument("--pool", help="add-agent: the pool (Deployment) whose task queue it reads")
     p.add_argument(
@@ -988,9 +1042,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_broker)
 
-    p = sub.add_parser("schemas", help="export or check the JSON Schemas of the wire contract")
-    p.add_argument("action", choices=("export", "check"))
-    p.add_argument("--dir", default=str(SCHEMAS_DIR))
+    p = command("schemas", help="export or check the JSON Schemas of the wire contract")
+    p.add_argument(
+        "action",
+        choices=("export", "check"),
+        help="write the schemas, or check the ones in --dir match the code",
+    )
+    p.add_argument(
+        "--dir", default=str(SCHEMAS_DIR), help=f"where they are (default {SCHEMAS_DIR})"
+    )
     p.set_defaults(func=cmd_schemas)
     return parser
 

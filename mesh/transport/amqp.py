@@ -59,6 +59,46 @@ _FAST_PROPERTIES = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
 _CONTROL_TIMEOUT_S = 5.0  # bound on channel operations that are not publishes
 
 
+def _not_an_amqp_url(url: str) -> str | None:
+    """Why ``url`` cannot be a broker's AMQP URL, or ``None``."""
+    scheme = urlsplit(url).scheme
+    if scheme in ("amqp", "amqps"):
+        return None
+    hint = (
+        " (an http:// URL is the management API's: give it as --management-url)"
+        if scheme in ("http", "https")
+        else ""
+    )
+    return (
+        f"{redact(url)} is not an AMQP URL{hint}; the broker's is "
+        "amqp://USER:PASSWORD@HOST:5672/VHOST (MESH_AMQP_URL or --amqp-url)"
+    )
+
+
+def _why_not_connected(url: str, exc: BaseException) -> str:
+    """One sentence that points at the real cause of a failed connection."""
+    parts = urlsplit(url)
+    where = f"RabbitMQ at {parts.hostname}:{parts.port or 5672}"
+    if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):
+        return (
+            f"{where} refused the login of user {parts.username or 'guest'!r} "
+            "(ACCESS_REFUSED): check the user name and password in MESH_AMQP_URL or "
+            "--amqp-url (`rabbitmqctl list_users`)"
+        )
+    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in str(exc):
+        vhost = parts.path[1:] or "/"
+        return (
+            f"{where} accepted the login but closed the connection while opening vhost "
+            f"{vhost!r}: it does not exist, or user {parts.username or 'guest'!r} has no "
+            "permissions on it (`rabbitmqctl list_vhosts`, `rabbitmqctl list_permissions`)"
+        )
+    return (
+        f"cannot reach RabbitMQ at {redact(url)} ({type(exc).__name__}: {exc}); "
+        "start it (`rabbitmq-server -detached`, or `docker compose up -d rabbitmq`) "
+        "or point MESH_AMQP_URL at a running broker"
+    )
+
+
 def redact(url: str) -> str:
     """The URL with its password replaced, for messages and logs."""
     parts = urlsplit(url)
@@ -265,16 +305,15 @@ class AmqpTransport:
         silent broker (a blackholed path) is noticed within one and a half intervals — two at
         the most — where the AMQP heartbeat alone takes ``(heartbeat + 1) * 3`` s or more
         (aiormq's rule)."""
+        not_amqp = _not_an_amqp_url(url)
+        if not_amqp is not None:
+            raise BrokerUnavailable(not_amqp)
         try:
             connection = await aio_pika.connect_robust(
                 url, client_properties={"connection_name": name}, timeout=connect_timeout_s
             )
         except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as exc:
-            raise BrokerUnavailable(
-                f"cannot reach RabbitMQ at {redact(url)} ({type(exc).__name__}: {exc}); "
-                "start it (`rabbitmq-server -detached`, or `docker compose up -d rabbitmq`) "
-                "or point MESH_AMQP_URL at a running broker"
-            ) from None
+            raise BrokerUnavailable(_why_not_connected(url, exc)) from None
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         transport = cls(connection, channel, url=url, publish_timeout_s=publish_timeout_s)
         if liveness_probe_s is not None:
