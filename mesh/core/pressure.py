@@ -184,7 +184,7 @@ class PoolPressure:
     oldest_age_s: float = 0.0
     blocked: bool = False
     stage: Stage = Stage.NORMAL
-    since: float = -math.inf  # when ``stage`` was entered
+    since: float = 0.0  # when ``stage`` was entered (0: never changed)
     lower_since: float | None = None  # since when a lower stage has been called for
     service_s: deque[float] = field(default_factory=deque)
     service_sum: float = 0.0

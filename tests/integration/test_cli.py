@@ -208,7 +208,7 @@ async def test_top_once_draws_a_real_managers_status(
 
     code, out, err = await amesh("top", "--once", "--url", url)
 
-    assert code == 0, err
+    assert code == 0, out + err
     assert f"manager {manager_with_history.settings.manager_id}" in out
     assert "pressure NORMAL" in out and "admitted 1 · rejected 1" in out
     assert [line.split()[:3] for line in out.splitlines() if line.split()[:1] == ["rag-us"]] == [
