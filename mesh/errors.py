@@ -112,6 +112,13 @@ class AdmissionRefused(TaskRefused):
         self.decision = decision
         self.admission_id: str = decision.admission_id
 
+    @property
+    def refusal(self) -> Any:
+        """The decision in the one refusal shape (:func:`mesh.wire.refusal_of`)."""
+        from mesh.wire.refusals import refusal_of
+
+        return refusal_of(self.decision)
+
 
 class SubmitDeadlineExceeded(TaskTimeout):
     """``submit`` gave up at the deadline. ``last_reason`` is the reason code of the last

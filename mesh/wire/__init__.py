@@ -62,6 +62,7 @@ from mesh.wire.models import (
     TaskResult,
 )
 from mesh.wire.reasons import Reason
+from mesh.wire.refusals import refusal_of
 
 __all__ = [
     "ADMISSION_MESSAGE_TYPES",
@@ -124,5 +125,6 @@ __all__ = [
     "decode",
     "decode_as",
     "encode",
+    "refusal_of",
     "requirement_digest",
 ]
