@@ -457,7 +457,9 @@ class EndToEnd:
     async def ledger_cpu(self) -> float:
         """CPU seconds of the manager's ledger thread so far, read on that thread."""
         assert self.service is not None
-        ledger_thread = self.service._ledger_thread  # the one worker every ledger call runs on
+        ledger_thread = (
+            self.service.admission.ledger_thread
+        )  # the one worker every ledger call runs on
         return await asyncio.get_running_loop().run_in_executor(ledger_thread, time.thread_time)
 
     async def baseline(self, count: int, concurrency: int) -> Round:
@@ -599,12 +601,16 @@ LOOP_STAGES = (
     ),
     (
         "  a batch: ledger thread, journal, feed (per admission)",
-        "mesh/manager/service.py",
+        "mesh/manager/admission_service.py",
         "_admit_batch",
     ),
-    ("    hand to the ledger thread and back", "mesh/manager/service.py", "_in_ledger_thread"),
-    ("    journal the decisions (SQLite, on the loop)", "mesh/manager/service.py", "_append"),
-    ("    publish them on the events feed", "mesh/manager/service.py", "_publish_event"),
+    (
+        "    hand to the ledger thread and back",
+        "mesh/manager/admission_service.py",
+        "_in_ledger_thread",
+    ),
+    ("    journal the decisions (SQLite, on the loop)", "mesh/manager/service.py", "append"),
+    ("    publish them on the events feed", "mesh/manager/service.py", "publish_event"),
     ("  reply, confirmed (_reply)", "mesh/manager/service.py", "_reply"),
     ("  ack the request", "mesh/transport/amqp.py", "ack"),
     ("client: MeshClient.request", "mesh/producer/client.py", "request"),
@@ -614,14 +620,16 @@ LOOP_STAGES = (
 )
 LEDGER_STAGES = (
     ("Admitter.admit_many (a batch, one transaction)", "mesh/manager/admission.py", "admit_many"),
-    ("  eligibility (pure)", "mesh/core/eligibility.py", "check_eligibility"),
     (
-        "  the recorded decision, if any",
-        "mesh/manager/admission.py",
-        "_earlier_decision",
+        "  read the view (LedgerStore.read_for_decision)",
+        "mesh/ledger/store.py",
+        "read_for_decision",
     ),
-    ("  ledger.prepare (and activate)", "mesh/ledger/store.py", "prepare"),
-    ("  record the decision", "mesh/manager/admission.py", "_record"),
+    ("  decide (AdmissionCore.decide, pure)", "mesh/core/admission.py", "decide"),
+    ("    eligibility (pure)", "mesh/core/eligibility.py", "check_eligibility"),
+    ("    the recorded decision, if any", "mesh/core/admission.py", "_earlier_decision"),
+    ("    record the decision", "mesh/core/admission.py", "_record"),
+    ("  apply the operations (LedgerStore.apply)", "mesh/ledger/store.py", "apply"),
     (
         "  of which sqlite3 execute (incl. BEGIN/COMMIT)",
         "~",
@@ -651,7 +659,7 @@ async def profile_round(bench: EndToEnd, count: int, concurrency: int) -> None:
     and the manager's ledger thread profiled separately; printed as time per admission by
     stage. cProfile inflates every Python call, so read shares, not absolute figures."""
     assert bench.service is not None
-    ledger_thread = bench.service._ledger_thread  # the one worker all ledger calls run on
+    ledger_thread = bench.service.admission.ledger_thread  # the one worker all ledger calls run on
     loop_profile, ledger_profile = cProfile.Profile(), cProfile.Profile()
     await asyncio.wrap_future(ledger_thread.submit(ledger_profile.enable))
     loop_profile.enable()

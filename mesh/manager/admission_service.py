@@ -112,6 +112,12 @@ class AdmissionService:
         )
 
     @property
+    def ledger_thread(self) -> ThreadPoolExecutor:
+        """The one worker thread ledger calls run on (with ``ledger_inline``: housekeeping
+        only); benchmarks read its CPU time there."""
+        return self._ledger_thread
+
+    @property
     def descriptors(self) -> Mapping[str, CapabilityDescriptor]:
         """The active descriptors (replaced, never changed: safe to read from the loop)."""
         return self.admitter.descriptors if self.admitter is not None else {}
