@@ -499,14 +499,7 @@ class SqlLedger(abc.ABC):
         ids = list(dict.fromkeys(admission_ids))
 
         def read(db: Db) -> LedgerView:
-            reservations: dict[str, Reservation] = {}
-            for chunk in _chunks(ids, 500):
-                rows = db.execute(
-                    f"SELECT {_RES_COLUMNS} FROM {self._t.reservation}"
-                    f" WHERE admission_id IN ({', '.join('?' * len(chunk))})",
-                    chunk,
-                )
-                reservations.update((r.admission_id, r) for r in self._with_items(db, rows))
+            reservations = self._select_many(db, ids)
             counters = {
                 (str(p), str(r)): (int(u), int(c))
                 for p, r, u, c in db.execute(
@@ -777,13 +770,7 @@ class SqlLedger(abc.ABC):
     def _read_plan(self, db: Db, ids: Sequence[str]) -> _Plan:
         ids = list(dict.fromkeys(ids))
         known: dict[str, Reservation | None] = dict.fromkeys(ids)
-        for chunk in _chunks(ids, 500):
-            rows = db.execute(
-                f"SELECT {_RES_COLUMNS} FROM {self._t.reservation}"
-                f" WHERE admission_id IN ({', '.join('?' * len(chunk))})",
-                chunk,
-            )
-            known.update((r.admission_id, r) for r in self._with_items(db, rows))
+        known.update(self._select_many(db, ids))
         decisions: dict[str, DecisionRow | None] = dict.fromkeys(ids)
         decisions.update(self._select_decisions(db, ids))
         return _Plan(planned=len(ids), known=known, decisions=decisions)
@@ -976,6 +963,18 @@ class SqlLedger(abc.ABC):
         )
         found = self._with_items(db, rows)
         return found[0] if found else None
+
+    def _select_many(self, db: Db, ids: Sequence[str]) -> dict[str, Reservation]:
+        """The reservations of those of ``ids`` that have one, by admission ID."""
+        found: dict[str, Reservation] = {}
+        for chunk in _chunks(ids, 500):
+            rows = db.execute(
+                f"SELECT {_RES_COLUMNS} FROM {self._t.reservation}"
+                f" WHERE admission_id IN ({', '.join('?' * len(chunk))})",
+                chunk,
+            )
+            found.update((r.admission_id, r) for r in self._with_items(db, rows))
+        return found
 
     def _with_items(self, db: Db, rows: Sequence[tuple[Any, ...]]) -> list[Reservation]:
         """Reservations for ``rows`` (``_RES_COLUMNS``), by fence, with their items (from the

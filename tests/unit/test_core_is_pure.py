@@ -6,6 +6,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -93,17 +94,21 @@ def _imports_of(path: Path) -> set[str]:
     return found
 
 
+def _offenders(sources: list[Path], forbidden: Sequence[str]) -> set[str]:
+    """``file: module`` for every import of ``sources`` that is, or is under, a forbidden one."""
+    return {
+        f"{path.name}: {module}"
+        for path in sources
+        for module in _imports_of(path)
+        if any(_is_or_under(module, bad) for bad in forbidden)
+    }
+
+
 def test_no_core_module_imports_io_clocks_or_randomness_itself() -> None:
     sources = sorted(CORE_DIR.glob("*.py"))
     assert {p.name for p in sources} >= {"__init__.py", "pool.py", "lifecycle.py", "index.py"}
 
-    offenders = {
-        f"{path.name}: {module}"
-        for path in sources
-        for module in _imports_of(path)
-        if any(_is_or_under(module, bad) for bad in FORBIDDEN_IN_SOURCE)
-    }
-    assert offenders == set()
+    assert _offenders(sources, FORBIDDEN_IN_SOURCE) == set()
 
 
 def test_the_public_test_harness_does_not_load_the_broker_client() -> None:
@@ -127,11 +132,5 @@ def test_the_agents_core_imports_no_io_clocks_or_randomness_itself() -> None:
     forbidden = [m for m in FORBIDDEN_IN_SOURCE if m != "mesh.agent"]
     forbidden += ["mesh.agent.runtime", "mesh.agent.http", "mesh.agent.processing"]
 
-    offenders = {
-        f"{path.name}: {module}"
-        for path in sources
-        for module in _imports_of(path)
-        if any(_is_or_under(module, bad) for bad in forbidden)
-    }
-    assert offenders == set()
+    assert _offenders(sources, forbidden) == set()
     assert "mesh.agent.grants" in _imports_of(agent_dir / "core.py")  # the check reads imports
