@@ -95,16 +95,16 @@ def render_explain(reply: ExplainReply, *, now: float | None = None) -> str:
     if not reply.found:
         return f"no admission {reply.admission_id!r} is known to this manager or its ledger"
     lines = [f"admission {reply.admission_id}"]
-    lines += _explain_decision(reply.decision)
+    lines += _explain_decision(reply.decision, now)
     if reply.eligibility is not None:
-        lines += _explain_eligibility(reply.eligibility)
+        lines += _explain_eligibility(reply.eligibility, now)
     elif reply.decision is None:
         lines.append("  no decision is recorded (its manager stopped before recording it)")
     lines += _explain_reservation(reply.reservation, now)
     return "\n".join(lines)
 
 
-def _explain_decision(decision: AdmissionDecision | None) -> list[str]:
+def _explain_decision(decision: AdmissionDecision | None, now: float | None) -> list[str]:
     if decision is None:
         return []
     reason = f" {decision.reason.value}" if decision.reason else ""
@@ -121,17 +121,18 @@ def _explain_decision(decision: AdmissionDecision | None) -> list[str]:
             f"  grant        pool {g.pool_id} · descriptor epoch {g.descriptor_epoch} · "
             f"policy generation {g.policy_generation} · fence {g.fence}"
         )
+        lines.append(f"  grant until  {_when(g.expires_at)}{_relative(g.expires_at, now)}")
         if g.grant_ids:
             lines.append(f"  grant ids    {', '.join(g.grant_ids)}")
     return lines
 
 
-def _explain_eligibility(record: dict[str, Any]) -> list[str]:
+def _explain_eligibility(record: dict[str, Any], now: float | None) -> list[str]:
     pools: list[dict[str, Any]] = list(record.get("pools") or [])
     generation = record.get("active_generation")
     eligible = [str(p.get("pool_id")) for p in pools if p.get("rule") is None]
     lines = [
-        f"  decided at   {_when(record.get('now'))} (now = {record.get('now')!r})",
+        f"  decided at   {_when(record.get('now'))}{_relative(record.get('now'), now)}",
         f"  generation   {generation} (the active policy generation)",
         _wrapped(
             "  rules        ",

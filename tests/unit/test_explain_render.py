@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 
 from mesh.core.eligibility import check_eligibility
@@ -22,7 +23,7 @@ def record() -> dict[str, object]:
         {"rag-eu": DESCRIPTOR, "rag-old": stale, "rag-us": far},
         active_epochs={"rag-eu": 3, "rag-old": 3},
         active_generation=7,
-        now=NOW,
+        now=NOW - 4,  # decided 4 s before the explain
     ).to_record()
 
 
@@ -54,7 +55,9 @@ def test_every_pool_is_shown_with_its_epochs_generation_and_verdict() -> None:
     assert (
         "  grant        pool rag-eu · descriptor epoch 3 · policy generation 7 · fence 41" in lines
     )
-    assert f"  decided at   {local(NOW)} (now = {NOW!r})" in lines
+    assert f"  decided at   {local(NOW - 4)} (4.0 s ago)" in lines
+    assert f"  grant until  {local(GRANT.expires_at)} (in 110.0 s)" in lines
+    assert re.search(r"\b1\d{9}\b", text) is None  # times as times, never raw epoch seconds
     assert "  pools        3 considered, 1 eligible: rag-eu" in lines
     rows = {
         line.split()[0]: line for line in text.split("VERDICT\n")[1].split("\n\n")[0].splitlines()
