@@ -48,7 +48,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,8 @@ log = logging.getLogger(__name__)
 _RECENTLY_TERMINATED_MAX = 10_000
 _CAPACITY_MISSES = frozenset({Reason.NO_AGENT_AVAILABLE, Reason.UNKNOWN_CAPABILITY})
 _FINISHED_LEASES_MAX = 100_000
+NO_AGENT_RETRY_MS = 1_000
+"""The retry hint of a lease refused for want of a free agent, without a scaling policy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,6 +454,11 @@ class PoolCore:
             if request.agent_id is None and slot_or_refusal.reason in _CAPACITY_MISSES:
                 offering = self._deployments_by_capability.get(request.capability, Counter())
                 self.scaling.record_miss(request.capability, offering, now.mono)
+                if slot_or_refusal.reason is Reason.NO_AGENT_AVAILABLE:
+                    retry_ms = self._free_slot_expected_ms(offering, now)
+                    slot_or_refusal = slot_or_refusal.model_copy(
+                        update={"retry_after_ms": retry_ms}
+                    )
             return slot_or_refusal, []
         slot = slot_or_refusal
         agent = self.agents[slot.agent_id]
@@ -559,6 +566,17 @@ class PoolCore:
                 f"{req.capability} tasks in flight",
             )
         return slot
+
+    def _free_slot_expected_ms(self, offering: Iterable[str], now: Instant) -> int:
+        """When to ask again for a capability whose agents are all full: the soonest a
+        scaling policy of a deployment offering it expects a replica more, else
+        :data:`NO_AGENT_RETRY_MS` (a lease ends, or is released, about that often)."""
+        etas = [
+            eta
+            for deployment in offering
+            if (eta := self.scaling.capacity_expected_in_s(deployment, now.mono)) is not None
+        ]
+        return max(1, round(1000 * min(etas))) if etas else NO_AGENT_RETRY_MS
 
     def _no_agent(self, req: AcquireRequest) -> Refusal:
         if req.capability not in self.index:

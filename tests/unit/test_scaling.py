@@ -158,3 +158,22 @@ def test_a_policy_that_makes_no_sense_is_refused(field: str, value: float) -> No
     args = {"deployment": "pool", "min_replicas": 1, "max_replicas": 3, field: value}
     with pytest.raises(ValueError, match="pool"):
         ScalingPolicy(**args)  # type: ignore[arg-type]
+
+
+def test_a_lease_refused_for_want_of_an_agent_says_when_to_ask_again(pool: Pool) -> None:
+    assert isinstance(pool.acquire(), Lease)  # the only slot
+    refusal = pool.acquire()
+    assert isinstance(refusal, Refusal) and refusal.reason is Reason.NO_AGENT_AVAILABLE
+    # The miss opened the policy's window: a replica may come at its end plus a start.
+    expected_ms = round(1000 * (POLICY.window_s + POLICY.start_s))
+    assert refusal.retry_after_ms == expected_ms
+
+
+def test_without_a_scaling_policy_the_lease_retry_hint_is_the_default() -> None:
+    from mesh.core.pool import NO_AGENT_RETRY_MS
+
+    p = Pool()
+    p.register("calc-1", capability(max_concurrency=1))
+    assert isinstance(p.acquire(), Lease)
+    refusal = p.acquire()
+    assert isinstance(refusal, Refusal) and refusal.retry_after_ms == NO_AGENT_RETRY_MS
