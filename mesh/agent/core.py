@@ -8,9 +8,10 @@ is the asyncio shell that connects, consumes, publishes, runs handlers and logs.
 reads no clock (every ``now`` is an argument: ``mono`` for gaps, ``wall`` for grants) and does
 no I/O, so it is tested by calling it.
 
-* **Phases** (:data:`PHASES`): ``new → starting → running → stopping → stopped``; ``starting``
-  may also go straight to ``stopping`` or ``stopped`` (a start that failed), and ``stopped`` is
-  final. :meth:`AgentCore.advance` refuses anything else.
+* **Phases** (:data:`PHASES`): ``new → starting → running → stopping → stopped``; ``new``
+  may go straight to ``stopped`` (stopped before it started), ``starting`` to ``stopping`` or
+  ``stopped`` (a start that failed), ``running`` to ``stopped`` (torn down after a fatal
+  error), and ``stopped`` is final. :meth:`AgentCore.advance` refuses anything else.
 * **Heartbeats**: :meth:`AgentCore.heartbeat` builds the next one (``seq`` grows by one per
   heartbeat built) from the counts the shell gives; :meth:`AgentCore.beat_sent` notes that one
   reached the broker.
@@ -50,7 +51,7 @@ from mesh.wire.reasons import Reason
 Phase = Literal["new", "starting", "running", "stopping", "stopped"]
 
 PHASES: Final[dict[Phase, frozenset[Phase]]] = {
-    "new": frozenset({"starting"}),
+    "new": frozenset({"starting", "stopped"}),  # stopped: stop() before start()
     "starting": frozenset({"running", "stopping", "stopped"}),
     "running": frozenset({"stopping", "stopped"}),  # stopped: torn down after a fatal error
     "stopping": frozenset({"stopped"}),

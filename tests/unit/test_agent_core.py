@@ -50,6 +50,9 @@ def test_phases_move_only_as_the_table_allows() -> None:
         agent.advance("running")
     with pytest.raises(LocalProtocolError, match="new cannot be running"):
         core().advance("running")  # never without starting
+    never_started = core()
+    never_started.advance("stopped")  # stop() before start(): allowed, and final
+    assert never_started.phase == "stopped"
 
 
 def test_each_heartbeat_takes_the_next_seq_and_reports_full_counts() -> None:

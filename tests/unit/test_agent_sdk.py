@@ -1248,3 +1248,12 @@ async def test_a_lease_never_noticed_is_refused_after_the_wait() -> None:
         assert runtime.counters["tasks_ok"] == 0
     finally:
         await runtime.stop()
+
+
+async def test_a_runtime_stopped_before_it_started_just_stops() -> None:
+    """``stop()`` in a ``finally`` around a start that never ran (seen in a test's teardown)."""
+    from mesh.samples import SAMPLES
+
+    runtime = AgentRuntime(SAMPLES["calc"]("calc-never"), AgentSettings())
+    await runtime.stop()
+    assert runtime.phase == "stopped" and runtime.stopped.is_set()
