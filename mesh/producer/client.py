@@ -32,7 +32,7 @@ import random
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -49,6 +49,7 @@ from mesh.errors import (
     TaskInputInvalid,
     TaskRefused,
     TaskTimeout,
+    TransportError,
 )
 from mesh.ids import new_admission_id
 from mesh.topology import names
@@ -177,6 +178,9 @@ class MeshClient:
         self._consumer: Subscription | None = None
         self._owns_transport = False
         self._background: set[asyncio.Task[None]] = set()
+        # Admission IDs a call here still waits on (admit, or a whole submit): a grant for
+        # one of them that arrives late is its retry's, not to be released.
+        self._awaited: Counter[str] = Counter()
         self.user_id: str | None = None  # the broker user: our tenant, as RabbitMQ validates it
 
     @classmethod
@@ -251,9 +255,22 @@ class MeshClient:
             log.warning("a second result for a task", extra={"task_id": reply.task_id})
         if isinstance(reply, LeaseGranted):
             self.counters["late_grants_released"] += 1
-            task = asyncio.create_task(self._release_quietly(reply.lease.lease_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._release_quietly(reply.lease.lease_id))
+        elif (
+            isinstance(reply, AdmissionDecision)
+            and reply.grant is not None
+            and not self._awaited[reply.admission_id]
+        ):
+            # Admitted after its caller gave up (the manager was away longer than the
+            # request's timeout): nobody will use or settle it, so give it back now rather
+            # than leave its slots held until the grant's TTL.
+            self.counters["late_admissions_released"] += 1
+            self._in_background(self._settle_quietly(reply.grant))
+
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def request(self, message: Message, *, timeout_s: float = 10.0) -> Message:
         """Send one request to the manager and wait for its reply."""
@@ -342,7 +359,20 @@ class MeshClient:
         request = AdmissionRequest(
             admission_id=admission_id or new_admission_id(), requirements=requirements
         )
-        return _expect(await self.request(request, timeout_s=timeout_s), AdmissionDecision)
+        self._await(request.admission_id)
+        try:
+            return _expect(await self.request(request, timeout_s=timeout_s), AdmissionDecision)
+        finally:
+            self._stop_awaiting(request.admission_id)
+
+    def _await(self, admission_id: str) -> str:
+        self._awaited[admission_id] += 1
+        return admission_id
+
+    def _stop_awaiting(self, admission_id: str) -> None:
+        self._awaited[admission_id] -= 1
+        if self._awaited[admission_id] <= 0:
+            del self._awaited[admission_id]
 
     async def release_admission(
         self,
@@ -411,41 +441,57 @@ class MeshClient:
         beyond ``requirements.allowed_degradations``) or ``TaskRefused`` (``UNROUTABLE``: the
         pool has no queue). A full pool queue (``QUEUE_FULL``) and an eviction (``EVICTED``,
         only of work declared ``rebuildable`` or ``retryable``) are retried like deferrals,
-        under a new admission ID. ``Submitted.degradations`` says what the result gave up.
+        under a new admission ID. A request that gets no answer in time, or cannot be sent
+        (the manager or the broker away), is asked again with the **same** admission ID
+        until the deadline — the ledger decides an ID once, so a retry never takes a second
+        grant. ``Submitted.degradations`` says what the result gave up.
         """
         deadline = time.time() + timeout_s
         if requirements.deadline is not None:
             deadline = min(deadline, requirements.deadline)
-        admission_id, attempts, refusals = new_admission_id(), 0, 0
+        # Held from the first request to the last use: a late grant of this ID is this call's.
+        admission_id, attempts, refusals = self._await(new_admission_id()), 0, 0
         last: AdmissionDecision | None = None
-        while True:
-            remaining = deadline - time.time()
-            if remaining <= 0:
-                raise self._gave_up(last, attempts)
-            attempts += 1
-            try:
-                decision = await self.admit(
-                    requirements, admission_id=admission_id, timeout_s=min(10.0, remaining)
-                )
-            except RequestTimeout as exc:  # past the deadline: give up, with the last reason
-                raise (self._gave_up(last, attempts) if time.time() >= deadline else exc) from None
-            if decision.outcome == "admitted":
-                assert decision.grant is not None  # the model's invariant
-                ran = await self._run_granted(decision, requirements, payload, deadline)
-                if isinstance(ran, TaskResult):
-                    output = _output_of(ran, allowed=requirements.allowed_degradations)
-                    return Submitted(output, ran, decision, attempts)
-                decision = ran  # queue full, or evicted: a refusal like the others
-                admission_id = new_admission_id()  # that grant is settled; a new phase
-            last = decision
-            if decision.outcome == "rejected" or not await _keep_waiting(on_deferred, decision):
-                raise AdmissionRefused(decision)
-            delay = retry_delay_s(decision.retry_after_ms, refusals, backoff, rand)
-            refusals += 1
-            self.counters["submit_retries"] += 1
-            if time.time() + delay >= deadline:
-                raise self._gave_up(last, attempts)
-            await asyncio.sleep(delay)
+        try:
+            while True:
+                remaining = deadline - time.time()
+                if remaining <= 0:
+                    raise self._gave_up(last, attempts)
+                attempts += 1
+                try:
+                    decision = await self.admit(
+                        requirements, admission_id=admission_id, timeout_s=min(10.0, remaining)
+                    )
+                except (RequestTimeout, TransportError) as exc:
+                    # No answer (the manager or the broker away): again, same ID, same grant.
+                    self.counters["submit_request_retries"] += 1
+                    delay = retry_delay_s(None, refusals, backoff, rand)
+                    refusals += 1
+                    if time.time() + delay >= deadline:
+                        log.info("submit gave up: no answer", extra={"error": str(exc)})
+                        raise self._gave_up(last, attempts) from None
+                    await asyncio.sleep(delay)
+                    continue
+                if decision.outcome == "admitted":
+                    assert decision.grant is not None  # the model's invariant
+                    ran = await self._run_granted(decision, requirements, payload, deadline)
+                    if isinstance(ran, TaskResult):
+                        output = _output_of(ran, allowed=requirements.allowed_degradations)
+                        return Submitted(output, ran, decision, attempts)
+                    decision = ran  # queue full, or evicted: a refusal like the others
+                    self._stop_awaiting(admission_id)  # that grant is settled: a new phase
+                    admission_id = self._await(new_admission_id())
+                last = decision
+                if decision.outcome == "rejected" or not await _keep_waiting(on_deferred, decision):
+                    raise AdmissionRefused(decision)
+                delay = retry_delay_s(decision.retry_after_ms, refusals, backoff, rand)
+                refusals += 1
+                self.counters["submit_retries"] += 1
+                if time.time() + delay >= deadline:
+                    raise self._gave_up(last, attempts)
+                await asyncio.sleep(delay)
+        finally:
+            self._stop_awaiting(admission_id)
 
     @staticmethod
     def _gave_up(last: AdmissionDecision | None, attempts: int) -> SubmitDeadlineExceeded:

@@ -1,0 +1,96 @@
+"""The manager away longer than a producer waits: a grant decided after its caller gave up is
+given back at once, and ``submit`` asks again under the same admission ID until its deadline
+(one grant, one execution), on the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from mesh.errors import RequestTimeout
+from mesh.ledger.sqlite import SqliteLedger
+from mesh.manager.service import ManagerService
+from mesh.producer import MeshClient
+
+from .harness import eventually, start_manager
+from .test_admission import settings_for
+from .test_backpressure import echo_descriptor, echo_requirements
+from .test_one_pool import echo_runtime
+
+
+def reservations(tmp_path: Path) -> dict[str, str]:
+    """admission ID -> state, from the ledger file itself (no manager needed)."""
+    with SqliteLedger(tmp_path / "ledger.sqlite3") as ledger:
+        return {a: state.value for a, (state, _) in ledger.replay_log().items()}
+
+
+async def manager_then_away(amqp_url: str, namespace: str, tmp_path: Path) -> ManagerService:
+    """A manager that set up the echo pool's descriptor, then stopped: its request queue
+    stays and fills up; the next manager on the same ledger decides what queued meanwhile."""
+    settings = settings_for(amqp_url, namespace, tmp_path, admission_capacity="descriptor")
+    first = await start_manager(settings)
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="operator")
+    try:
+        assert (await client.publish_descriptor(echo_descriptor(4))).type.endswith("accepted.v1")
+    finally:
+        await client.close()
+    await first.stop()
+    return first
+
+
+async def test_a_grant_decided_after_its_caller_gave_up_is_given_back(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    first = await manager_then_away(amqp_url, namespace, tmp_path)
+    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    second = None
+    try:
+        with pytest.raises(RequestTimeout):
+            await producer.admit(echo_requirements(), admission_id="adm-late", timeout_s=1.0)
+
+        second = await start_manager(first.settings)  # decides the queued request: admitted
+        await eventually(
+            lambda: reservations(tmp_path).get("adm-late") == "RELEASED",
+            what="the late grant given back by the producer",
+        )
+        assert producer.counters["late_admissions_released"] == 1
+    finally:
+        await producer.close()
+        if second is not None:
+            await second.stop()
+
+
+async def test_submit_asks_again_under_the_same_admission_id_while_the_manager_is_away(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    first = await manager_then_away(amqp_url, namespace, tmp_path)
+    runtime = echo_runtime(amqp_url, namespace, "echo-1")
+    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    second = None
+    try:
+        submitting = asyncio.create_task(
+            producer.submit(echo_requirements(), {"message": "hi", "sleep_ms": 0}, timeout_s=60)
+        )
+        await asyncio.sleep(12)  # the first request's 10 s wait runs out: asked again
+        assert not submitting.done()
+        started = time.monotonic()
+        second = await start_manager(first.settings)
+        await runtime.start()
+        done = await asyncio.wait_for(submitting, 40)
+        print(f"\nsubmitted {time.monotonic() - started:.1f} s after the manager came back")
+
+        assert done.output["message"] == "hi"
+        assert producer.counters["submit_request_retries"] >= 1
+        states = reservations(tmp_path)
+        assert Counter(states.values()) == {"RELEASED": 1}  # one grant, used and settled
+        assert done.decision.admission_id in states
+        assert producer.counters["late_admissions_released"] == 0  # it was the retry's grant
+    finally:
+        await producer.close()
+        await runtime.stop()
+        if second is not None:
+            await second.stop()
