@@ -164,12 +164,13 @@ async def test_metrics_follow_agents_admissions_refusals_and_drains(
 
         async def dead_letter_queue_seen() -> bool:
             s = await scrape(url)
+            age = value(s, "mesh_queue_oldest_message_age_seconds", queue=dead_letter_queue)
             return (
                 value(s, "mesh_queue_messages", queue=dead_letter_queue) >= 1
-                and value(s, "mesh_queue_oldest_message_age_seconds", queue=dead_letter_queue) >= 0
                 and bool(
                     names_with(s, "mesh_queue_oldest_message_age_seconds", queue=dead_letter_queue)
                 )
+                and 0 < age < 600  # a real age: the dead letter has waited, and not for ages
             )
 
         await eventually(dead_letter_queue_seen, what="queue depth and age", timeout_s=30)

@@ -3,6 +3,7 @@ each test asserts the exact requests that reached it: verb, path, patch body, co
 
 from __future__ import annotations
 
+import inspect
 import re
 import socket
 from collections.abc import AsyncIterator
@@ -45,9 +46,16 @@ def cluster(fake_k8s: FakeKubernetesApi) -> FakeKubernetesApi:
 
 
 def test_it_satisfies_the_scaler_port() -> None:
-    def accepts(_: Scaler) -> None: ...
-
-    accepts(KubernetesScaler(NS, api_client=k8s.ApiClient(k8s.Configuration(host="http://x"))))
+    """Every method of the port, as a coroutine with the port's parameters (mypy checks the
+    types; this checks what a duck-typed caller relies on at run time)."""
+    scaler = KubernetesScaler(NS, api_client=k8s.ApiClient(k8s.Configuration(host="http://x")))
+    port = [n for n, _ in inspect.getmembers(Scaler, inspect.isfunction) if not n.startswith("_")]
+    assert {"current_replicas", "scale_to", "delete_pod", "close"} <= set(port)
+    for name in port:
+        ours = getattr(scaler, name)
+        assert inspect.iscoroutinefunction(ours), name
+        wanted = list(inspect.signature(getattr(Scaler, name)).parameters)[1:]  # minus self
+        assert list(inspect.signature(ours).parameters) == wanted, name
 
 
 async def test_current_replicas_reads_the_scale_subresource(
