@@ -339,15 +339,18 @@ class Admitter:
     def observe(
         self,
         now: float,
-        usage: Usage,
+        usage: Usage | None = None,
         *,
         queues: Mapping[str, tuple[int, float | None]] | None = None,
         broker_blocked: bool = False,
     ) -> list[StageChange]:
         """Feed the pressure board one tick's signals — the ledger's counters, each pool
         queue's ``(depth, head age)`` when polled, the broker's alarm — and return the stage
-        changes since the last call."""
-        self.core.observe_usage(usage, now)
+        changes since the last call. Without ``usage`` the counters are read here, on the
+        admitter's thread: a snapshot read earlier may predate a batch committed since, and
+        would set the board's utilisation below the grants it counts itself (a stale
+        ``used`` under a full pool refused one tenant's request as TENANT_FAIR_SHARE)."""
+        self.core.observe_usage(self.ledger.usage() if usage is None else usage, now)
         for pool_id, (depth, age) in (queues or {}).items():
             self.core.pressure.observe_queue(pool_id, depth, age, now)
         self.core.pressure.observe_broker(broker_blocked, now)

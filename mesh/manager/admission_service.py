@@ -438,10 +438,10 @@ class AdmissionService:
         if self.admitter is not None:
             usage = self._usage = await self._on_ledger(self.admitter.ledger.usage)
         await self.host.observer.tick(usage)
-        if self.admitter is not None and usage is not None:
-            await self._observe_pressure(self.admitter, usage)
+        if self.admitter is not None:
+            await self._observe_pressure(self.admitter)
 
-    async def _observe_pressure(self, admitter: Admitter, usage: Usage) -> None:
+    async def _observe_pressure(self, admitter: Admitter) -> None:
         """Feed the pressure board what the tick saw — the ledger's counters (other managers'
         grants too), the broker's alarm, and every ``queue_poll_interval_s`` each pool queue's
         depth (passive declare: ready tasks) and head age (the management API, when
@@ -452,9 +452,9 @@ class AdmissionService:
         if now.mono - self._pool_queues_polled_at >= self.settings.queue_poll_interval_s:
             self._pool_queues_polled_at = now.mono
             queues = await self._pool_queue_depths(admitter)
-        changes = await self._on_ledger(
+        changes = await self._on_ledger(  # the counters read afresh there: see observe
             partial(
-                admitter.observe, now.wall, usage,
+                admitter.observe, now.wall,
                 queues=queues, broker_blocked=self.host.transport.blocked,
             )
         )  # fmt: skip

@@ -566,3 +566,19 @@ def test_a_shadow_descriptor_is_evaluated_and_recorded_but_decides_nothing(
     a.shadows.pop("rag-eu")
     a.admit(request("adm-2"), "tenant-a", T0 + 2)
     assert "shadow" not in (a.recorded("adm-2").eligibility or {})
+
+
+def test_the_pressure_board_is_fed_the_counters_as_they_are_when_it_is_fed(
+    ledger: SqliteLedger,
+) -> None:
+    """A usage snapshot read before a batch committed would set the board's utilisation below
+    the grants it counts itself; observe() without one reads the counters then and there."""
+    a = admitter(ledger)
+    stale = ledger.usage()  # as a tick read it, before the grants below committed
+    for i in range(3):
+        assert a.admit(request(f"adm-{i}"), "tenant-a", T0).outcome == "admitted"
+
+    a.observe(T0 + 1, stale)
+    assert a.pressure.pools[DESCRIPTOR.pool_id].used == 0  # what the stale snapshot says
+    a.observe(T0 + 2)
+    assert a.pressure.pools[DESCRIPTOR.pool_id].used == 3  # what the ledger holds now
