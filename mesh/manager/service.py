@@ -157,6 +157,8 @@ class ManagerService:
         self._on_log = on_log
         self.scaler = scaler
         self.admission = AdmissionService(self, ledger=ledger, grantors=grantors)
+        self._stopping = False
+        self._stopped = False
         self._consumers: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -206,6 +208,18 @@ class ManagerService:
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        """Connect, recover, serve, consume. If any step fails, what was started is stopped
+        again before the error propagates (so the error is the last thing said, and nothing
+        is left consuming)."""
+        try:
+            await self._start()
+        except BaseException:
+            self._stopping = True
+            with contextlib.suppress(Exception):
+                await self.stop()
+            raise
+
+    async def _start(self) -> None:
         s = self.settings
         if self._transport is None:
             self._transport = await AmqpTransport.connect(
@@ -217,6 +231,9 @@ class ManagerService:
         if self._journal is None:
             self._journal = SqliteJournal(s.journal_path)
         await self.admission.start()
+        if s.http_port is not None:  # first: a port in use fails the start before any work
+            url = await self.observer.serve(s.http_host, s.http_port)
+            log.info("status page", extra={"url": url, "metrics": f"{url}metrics"})
         await self.transport.declare(self.topology.manager())
         await self.admission.bind_pool_queues()
         await self.execute(
@@ -240,12 +257,13 @@ class ManagerService:
         self.transport.on_disconnect(self._lost_broker)
         self.transport.on_reconnect(self._after_reconnect)
         self._ticker = asyncio.create_task(self._tick_forever(), name="manager-ticker")
-        if s.http_port is not None:
-            url = await self.observer.serve(s.http_host, s.http_port)
-            log.info("status page", extra={"url": url, "metrics": f"{url}metrics"})
         log.info("manager started", extra={"namespace": s.namespace, "manager_id": s.manager_id})
 
     async def stop(self) -> None:
+        """Stop everything started (also after a failed start); a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopping = True  # the connection closing from here on is ours, not a loss
         if self.scaler is not None:
             # First: agents the scaler runs drain through this manager while it still listens.
             await self.scaler.close()
@@ -268,6 +286,7 @@ class ManagerService:
         if self._journal is not None:
             self._journal.close()
         await self.admission.close()
+        self._stopped = True
         log.info("manager stopped", extra={"manager_id": self.settings.manager_id})
 
     async def run_until_stopped(
@@ -282,6 +301,8 @@ class ManagerService:
             await self.stop()
 
     def _lost_broker(self) -> None:
+        if self._stopping:
+            return
         log.warning("lost the broker; no agent is evicted for silence until it is back")
         self.core.handle(ConnectionLost(), self.clock.now())
 
