@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from mesh.manager.journal import SqliteJournal
 
 SCHEMAS_DIR = Path("schemas")
+DEFAULT_JOURNAL = ".mesh/orchestration.sqlite3"  # mesh manager's, unless --journal says
+DEMO_JOURNAL = Path(".mesh/demo/orchestration.sqlite3")  # mesh demo's manager's
 
 
 def _env(name: str, default: str) -> str:
@@ -425,6 +427,10 @@ def cmd_log(args: argparse.Namespace) -> int:
     from mesh.manager.journal import SqliteJournal
 
     path = Path(args.journal)
+    if not path.exists() and path == Path(DEFAULT_JOURNAL) and DEMO_JOURNAL.exists():
+        # Nothing at the default place, but `mesh demo` has run (or runs) here: read its log.
+        print(f"mesh log: reading mesh demo's journal, {DEMO_JOURNAL}", file=sys.stderr)
+        path = DEMO_JOURNAL
     if not path.exists():
         print(
             f"mesh: no journal at {path}; run `mesh log --follow` to watch a remote manager, "
@@ -700,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
         return add_parser(name, parents=[shared], **kwargs)
 
-    journal_default = _env("MESH_JOURNAL", ".mesh/orchestration.sqlite3")
+    journal_default = _env("MESH_JOURNAL", DEFAULT_JOURNAL)
 
     p = command("manager", help="run the pool manager")
     p.add_argument("--journal", default=journal_default, help="SQLite orchestration log path")

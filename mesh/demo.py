@@ -320,6 +320,7 @@ async def _start_mesh(
         plan = ", ".join(f"{n} x {name}" for name, n in s.replicas)
         say(f"starting the manager with the local-process scaler ({plan})")
         say(f"process logs: {procs.log_dir}/")
+        say(f"orchestration log: mesh log --journal {s.work_dir / 'orchestration.sqlite3'}")
         port = _free_port(s.http_port)
         procs.start(
             "manager",

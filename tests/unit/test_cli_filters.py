@@ -274,3 +274,23 @@ def test_a_negative_limit_is_refused_by_the_parser(capsys: pytest.CaptureFixture
 def test_the_timestamps_the_cli_accepts_round_trip_what_json_output_carries() -> None:
     at = datetime(2025, 11, 30, 10, 53, 20, 250_000, tzinfo=UTC)
     assert parse_when(at.isoformat(), now=0) == at.timestamp()
+
+
+def test_mesh_log_finds_the_demos_journal_when_the_default_has_none(
+    journal_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("MESH_JOURNAL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    demo = tmp_path / ".mesh" / "demo" / "orchestration.sqlite3"
+    demo.parent.mkdir(parents=True)
+    journal_file.rename(demo)
+
+    code = _log("--kind", "lost", "--json")
+
+    captured = capsys.readouterr()
+    assert code == 0 and "mesh demo's journal" in captured.err
+    assert [orjson.loads(line)["kind"] for line in captured.out.splitlines()] == ["lost"]
+    assert _log("--journal", "elsewhere.sqlite3") == 1  # a path given is never swapped
