@@ -443,10 +443,19 @@ def cmd_log(args: argparse.Namespace) -> int:
         journal = SqliteJournal(path)
         try:
             events = flt.query(journal, limit)
+            never = [] if events else sorted(set(flt.kinds) - journal.kinds_present(flt.kinds))
         finally:
             journal.close()
     except MeshError as exc:
         print(f"mesh: {exc}", file=sys.stderr)
+        return 1
+    if never:  # a misspelt kind matches nothing, silently: say so
+        print(
+            f"mesh log: the journal holds no entry of kind {', '.join(map(repr, never))} "
+            "(kinds are words like registered, ready, lost, admission, pressure_stage: "
+            "docs/lifecycle.md and `mesh log` without --kind show them)",
+            file=sys.stderr,
+        )
         return 1
     for ev in events:
         _print_event(ev, args.json)

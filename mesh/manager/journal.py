@@ -140,6 +140,17 @@ class SqliteJournal:
     def count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM orchestration_log").fetchone()[0])
 
+    def kinds_present(self, kinds: Collection[str]) -> set[str]:
+        """Which of ``kinds`` the journal holds at least one entry of."""
+        present = set()
+        for kind in set(kinds):
+            row = self._db.execute(
+                "SELECT 1 FROM orchestration_log WHERE kind = ? LIMIT 1", (kind,)
+            ).fetchone()
+            if row is not None:
+                present.add(kind)
+        return present
+
     def maintain(self) -> None:
         """A PASSIVE WAL checkpoint off the commit path (:mod:`mesh.sqlite_wal`)."""
         self._checkpointer.run()

@@ -294,3 +294,13 @@ def test_mesh_log_finds_the_demos_journal_when_the_default_has_none(
     assert code == 0 and "mesh demo's journal" in captured.err
     assert [orjson.loads(line)["kind"] for line in captured.out.splitlines()] == ["lost"]
     assert _log("--journal", "elsewhere.sqlite3") == 1  # a path given is never swapped
+
+
+def test_a_kind_the_journal_never_held_is_said_not_silently_matched(
+    journal_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _log("--journal", str(journal_file), "--kind", "nonsense") == 1
+    assert "no entry of kind 'nonsense'" in capsys.readouterr().err
+    # A kind the journal holds, filtered down to nothing by the rest, is a normal empty answer.
+    assert _log("--journal", str(journal_file), "--kind", "lost", "--agent", "nobody") == 0
+    assert capsys.readouterr().err == ""
