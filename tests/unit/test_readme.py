@@ -31,15 +31,6 @@ def test_the_readme_agent_example_defines_an_agent_that_would_register() -> None
     assert registration.capabilities[0].cost_class == "B"
 
 
-def test_the_readme_producer_example_uses_the_real_client_api() -> None:
-    from mesh.producer import MeshClient, TaskOutcome
-
-    example = next(block for block in python_blocks() if "run_task" in block)
-    assert "MeshClient.connect(" in example and hasattr(MeshClient, "connect")
-    assert "client.run_task(" in example and hasattr(MeshClient, "run_task")
-    assert "outcome.lease.agent_id" in example and "lease" in TaskOutcome.__dataclass_fields__
-
-
 def test_the_readme_submit_example_runs_against_the_client_api(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
