@@ -52,7 +52,7 @@ from mesh.core.admission import (
 from mesh.core.capacity import LiveCapacity
 from mesh.core.eligibility import EligibilityCache, EligibilitySnapshot, capacities
 from mesh.core.eligibility import tenant_tokens_resource as _tenant_tokens_resource
-from mesh.core.pressure import PressureBoard, StageChange
+from mesh.core.pressure import PoolPressure, PressureBoard, StageChange
 from mesh.errors import StaleView, StoreError
 from mesh.ledger.model import (
     TENANT_POOL,
@@ -124,6 +124,9 @@ class Admitter:
     grantors: Sequence[ExternalGrantor] = ()
     rand: Callable[[], float] = random.random  # retry-time jitter (an input, for tests)
     core: AdmissionCore = field(init=False)
+    # The pressure board's pools as the last observe() left them: a copy of the mapping made
+    # on the admitter's thread, which the status page and metrics read from the event loop.
+    pools_seen: Mapping[str, PoolPressure] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.core = AdmissionCore(
@@ -354,6 +357,7 @@ class Admitter:
         for pool_id, (depth, age) in (queues or {}).items():
             self.core.pressure.observe_queue(pool_id, depth, age, now)
         self.core.pressure.observe_broker(broker_blocked, now)
+        self.pools_seen = dict(self.core.pressure.pools)
         return self.core.pressure.drain_changes()
 
     def sync_live(self, live: LiveCapacity, now: float) -> None:

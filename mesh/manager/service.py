@@ -174,7 +174,7 @@ class ManagerService:
             ),
             descriptors=lambda: self.admission.descriptors,
             active_epochs=lambda: self.admitter.active_epochs if self.admitter else {},
-            pressure=lambda: self.admitter.pressure.pools if self.admitter else {},
+            pressure=lambda: self.admitter.pools_seen if self.admitter else {},
             active_generation=settings.admission.active_generation,
             counters=self.counters,
             started_at=self._started_at,

@@ -582,3 +582,16 @@ def test_the_pressure_board_is_fed_the_counters_as_they_are_when_it_is_fed(
     assert a.pressure.pools[DESCRIPTOR.pool_id].used == 0  # what the stale snapshot says
     a.observe(T0 + 2)
     assert a.pressure.pools[DESCRIPTOR.pool_id].used == 3  # what the ledger holds now
+
+
+def test_the_loop_reads_the_pressure_pools_from_a_copy_the_admitter_made(
+    ledger: SqliteLedger,
+) -> None:
+    a = admitter(ledger)
+    assert a.pools_seen == {}  # nothing observed yet
+    a.observe(T0)
+    seen = a.pools_seen
+    assert set(seen) == set(a.pressure.pools) == {DESCRIPTOR.pool_id}
+    assert seen is not a.pressure.pools  # a pool added later does not change what it reads
+    a.pressure.pool("another")
+    assert set(seen) == {DESCRIPTOR.pool_id}
