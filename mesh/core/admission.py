@@ -49,7 +49,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -105,7 +105,9 @@ from mesh.wire.admission import (
     TaskRequirements,
     requirement_digest,
 )
-from mesh.wire.models import InvocationLease
+
+if TYPE_CHECKING:  # only its type: signing is the shell's key, handed in
+    from mesh.leases import LeaseSigner
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,24 +120,6 @@ class AdmissionPolicy:
     # after it was issued if that is sooner.
     lease_ttl_s: float | None = None
     pressure: PressurePolicy = field(default_factory=PressurePolicy)  # shedding, retry times
-
-
-class LeaseSigning(Protocol):
-    """Signs the invocation lease carried in a grant (:class:`mesh.leases.LeaseSigner`)."""
-
-    key_id: str
-
-    def sign(
-        self,
-        *,
-        admission_id: str,
-        pool_id: str,
-        fence: int,
-        descriptor_epoch: int,
-        tools: Sequence[str],
-        issued_at: float,
-        expires_at: float,
-    ) -> InvocationLease: ...
 
 
 _NO_DESCRIPTOR = "no_descriptor"
@@ -316,7 +300,7 @@ class AdmissionCore:
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     rand: Callable[[], float] = lambda: 0.5  # retry-time jitter in [0, 1) (the shell's input)
     external_grants: bool = False  # the shell takes external grants for every admission
-    lease_signer: LeaseSigning | None = None  # signs an invocation lease into every grant
+    lease_signer: LeaseSigner | None = None  # signs an invocation lease into every grant
     # Replaced, never changed in place (readers on other threads see one version or the
     # next); change them through activate, set_active_epoch and the shadow methods only: the
     # eligibility cache keys on their version.
@@ -481,7 +465,7 @@ class AdmissionCore:
         if refused_by is not None:
             if pending.stored:  # cancel the PREPARING reservation: counters are conserved
                 batch.ops.append(Release(r.admission_id, r.fence, now))
-            decision = _refused(
+            decision = refused(
                 r.admission_id,
                 AdmissionReason.EXTERNAL_GRANT_FAILED,
                 f"{refused_by} refused; everything taken was released",
@@ -608,7 +592,7 @@ class AdmissionCore:
         denial = eligibility.denial_reason()
         if denial is not None:
             filtered = ", ".join(f"{v.pool_id}: {v.rule}" for v in eligibility.filtered)
-            return _refused(request.admission_id, denial, filtered or "no pool is described")
+            return refused(request.admission_id, denial, filtered or "no pool is described")
         self._ensure_budget(batch, tenant)
         req = request.requirements
         first: tuple[str, Shed] | None = None  # why the most preferred pool said no
@@ -638,7 +622,7 @@ class AdmissionCore:
             if reserved.reason is LedgerReason.TENANT_BUDGET:
                 break  # the budget is the tenant's, whichever pool
         if not tried:  # no primary: nothing for a fallback to stand in for
-            return _refused(
+            return refused(
                 request.admission_id,
                 AdmissionReason.NO_ELIGIBLE_POOL,
                 "only pools named in allowed_fallbacks are eligible; a fallback stands in for "
@@ -664,7 +648,7 @@ class AdmissionCore:
         same grant, the activation a stopped manager did not get to, or why neither."""
         admission_id = request.admission_id
         if known.digest != digest:
-            return _refused(
+            return refused(
                 admission_id,
                 AdmissionReason.CONFLICT,
                 f"admission {admission_id!r} is already reserved for requirement digest "
@@ -672,7 +656,7 @@ class AdmissionCore:
             )
         tools = self._tools(request.requirements)
         if any(p.reservation.admission_id == admission_id for p in batch.pending):
-            return _refused(
+            return refused(
                 admission_id,
                 AdmissionReason.LEDGER_UNAVAILABLE,
                 "the same admission is being decided in this batch; retry with the same "
@@ -699,7 +683,7 @@ class AdmissionCore:
             decision = self._admitted(active, [], tools=tools, now=now)
             self._count_grant(batch, active, request.requirements, tenant, now)
             return decision
-        return _refused(
+        return refused(
             admission_id,
             AdmissionReason.STALE_FENCE,
             f"this admission is {known.state}; a new phase needs a new admission ID",
@@ -996,7 +980,7 @@ class AdmissionCore:
         if decided is None:
             return None
         if decided.digest != digest:
-            return _refused(
+            return refused(
                 admission_id,
                 AdmissionReason.CONFLICT,
                 "this admission ID was used with other requirements",
@@ -1164,6 +1148,3 @@ def refused(
         detail=detail[:1000],
         retry_after_ms=retry_after_ms,
     )
-
-
-_refused = refused

@@ -44,7 +44,6 @@ from mesh.core.admission import (
     Batch,
     DecisionRecord,
     Eviction,
-    LeaseSigning,
     PendingExternal,
     parse_record,
     refused,
@@ -54,6 +53,7 @@ from mesh.core.eligibility import EligibilityCache, EligibilitySnapshot, capacit
 from mesh.core.eligibility import tenant_tokens_resource as _tenant_tokens_resource
 from mesh.core.pressure import PoolPressure, PressureBoard, StageChange
 from mesh.errors import StaleView, StoreError
+from mesh.leases import LeaseSigner
 from mesh.ledger.model import (
     TENANT_POOL,
     DecisionRow,
@@ -163,11 +163,11 @@ class Admitter:
         return self.core.draining
 
     @property
-    def lease_signer(self) -> LeaseSigning | None:
+    def lease_signer(self) -> LeaseSigner | None:
         return self.core.lease_signer
 
     @lease_signer.setter
-    def lease_signer(self, signer: LeaseSigning | None) -> None:
+    def lease_signer(self, signer: LeaseSigner | None) -> None:
         self.core.lease_signer = signer
 
     def recover_pressure(self, now: float) -> int:
