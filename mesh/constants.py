@@ -48,6 +48,8 @@ EVENT_DESCRIPTOR_ACTIVE: Final = "descriptor_active"  # a pool's active epoch, o
 H_REASON: Final = "x-mesh-reason"  # reason code on a dead-lettered message
 H_DETAIL: Final = "x-mesh-detail"  # human-readable detail on a dead-lettered message
 H_SOURCE_QUEUE: Final = "x-mesh-source-queue"
+H_ORIGINAL_SIZE: Final = "x-mesh-original-size"  # a dead letter's body size before it was cut
+H_TRUNCATED: Final = "x-mesh-truncated"  # true: the dead letter keeps only a prefix of its body
 H_AGENT_ID: Final = "x-mesh-agent-id"
 H_LEASE_ID: Final = "x-mesh-lease-id"
 H_ADMISSION_ID: Final = "x-mesh-admission-id"  # the business ID of a granted task's publish
@@ -56,6 +58,7 @@ CONTENT_TYPE: Final = "application/json"
 
 # Limits.
 MAX_MESSAGE_BYTES: Final = 256 * 1024  # larger bodies are refused before they are parsed
+DEAD_LETTER_KEEP_BYTES: Final = 4 * 1024  # of a larger refused body, the dead letter keeps this
 MIN_HEARTBEAT_INTERVAL_S: Final = 5.0
 DEFAULT_HEARTBEAT_INTERVAL_S: Final = 10.0
 MISSED_HEARTBEATS_BEFORE_LOST: Final = 3

@@ -40,6 +40,20 @@ class TopologyMissing(TransportError):
     the shared topology — the manager — has not declared it yet."""
 
 
+class TopologyMismatch(TransportError):
+    """A queue exists with other arguments than this version declares (PRECONDITION_FAILED):
+    an older mesh, or another tool, declared it. The message names the queue and the fix."""
+
+    @classmethod
+    def for_queue(cls, name: str, wanted: str, broker_said: str) -> TopologyMismatch:
+        return cls(
+            f"queue {name!r} exists with other arguments than this version of the mesh "
+            f"declares ({wanted}); the broker said: {broker_said}. An older mesh declared "
+            f"it: once it is empty, delete it (rabbitmqctl delete_queue {name!r}, or the "
+            "management UI) and start again — docs/architecture.md, 'Queues and their bounds'"
+        )
+
+
 class BrokerUnavailable(TransportError):
     """The broker cannot be reached."""
 

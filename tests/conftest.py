@@ -286,9 +286,14 @@ class ManagementApi:
         return self._delete(f"/api/exchanges/{self._q(self.vhost)}/{self._q(name)}")
 
     def delete_prefixed(self, prefix: str) -> list[str]:
-        """Delete every queue, then every exchange, whose name starts with ``prefix``."""
+        """Delete every queue, exchange and policy whose name starts with ``prefix``."""
         deleted = [q for q in self.list_names("queues", prefix) if self.delete_queue(q)]
         deleted += [x for x in self.list_names("exchanges", prefix) if self.delete_exchange(x)]
+        deleted += [
+            p
+            for p in self.list_names("policies", prefix)
+            if self._delete(f"/api/policies/{self._q(self.vhost)}/{self._q(p)}")
+        ]
         return deleted
 
     # -- users ----------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class EventSeen:
     """What an event on the pool's grant feed changed.
 
     ``kind``: ``epoch`` (``newer``: a higher epoch than known; ``resubscribe``: the shell should
-    (re)consume the pool queue — a new epoch may come with a new queue), ``revoked`` (the
+    (re)consume the pool queue — the first announcement may be the queue's first), ``revoked`` (the
     admission, fence, and whether its running handler must be stopped: evicted or revoked for
     security), or ``ignored`` (another pool's, or malformed)."""
 

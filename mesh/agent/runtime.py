@@ -12,7 +12,9 @@ are the exact capacity), consumes the control queue and publishes an
 ``AgentRegistration`` (persistent, confirmed) on ``agent.<id>.register``. It
 then waits for a ``RegistrationAccepted`` carrying this process's incarnation,
 re-publishing with jittered exponential backoff (capped) while nobody answers.
-A ``RegistrationRefused`` raises :class:`RegistrationRefusedError`. Only after
+A ``RegistrationRefused`` raises :class:`RegistrationRefusedError`, unless it carries
+``retry_after_ms`` (``AGENT_ID_IN_USE``: a live incarnation holds the ID), which is waited
+out before registering again. Only after
 acceptance do heartbeats and the task consumer start and ``ready`` get set.
 
 Heartbeats go out every ``heartbeat_interval_s`` without confirms (each one is
@@ -383,8 +385,8 @@ class AgentRuntime:
         """Take admitted tasks from our pool's queue (``<ns>.pool.<deployment>.tasks``),
         alongside the other agents of the pool. The manager declares it when the pool's
         descriptor is published; until then there is nothing to take, and each announcement
-        of a newer epoch (:meth:`_on_event`) tries again — subscribing afresh, since a
-        changed capacity may have replaced the queue."""
+        of a newer epoch (:meth:`_on_event`) tries again — subscribing afresh, which also
+        recovers from an operator deleting and the manager declaring the queue again."""
         async with self._pool_lock:
             if self._draining or self.core.phase not in ("starting", "running"):
                 return
@@ -493,40 +495,64 @@ class AgentRuntime:
 
     # ---- registration ---------------------------------------------------------------------
     async def _register(self) -> None:
-        """Publish the registration until the manager answers; raise if it refuses."""
+        """Publish the registration until the manager answers; raise if it refuses for good.
+
+        A temporary refusal (``retry_after_ms`` set: another live incarnation holds our ID,
+        say the one a kill -9 left behind) is waited out and the same registration sent again.
+        """
         registration = self.agent.registration(self._incarnation)
-        answer: asyncio.Future[RegistrationReply] = asyncio.get_running_loop().create_future()
-        self._registration = answer
         limit = self.settings.max_registration_attempts
-        try:
-            attempt = 0
-            while not answer.done():
-                attempt += 1
-                self.counters["registration_attempts"] += 1
-                if await self._publish_registration(registration, attempt):
-                    await asyncio.wait({answer}, timeout=self.settings.registration_timeout_s)
-                if answer.done():
-                    break
-                if limit is not None and attempt >= limit:
-                    raise RegistrationTimeoutError(
-                        f"no manager accepted {self.agent_id} after {attempt} attempts; "
-                        "is `mesh manager` running on this namespace?"
+        attempt = 0
+        while True:
+            answer: asyncio.Future[RegistrationReply] = asyncio.get_running_loop().create_future()
+            self._registration = answer
+            try:
+                while not answer.done():
+                    attempt += 1
+                    self.counters["registration_attempts"] += 1
+                    if await self._publish_registration(registration, attempt):
+                        await asyncio.wait({answer}, timeout=self.settings.registration_timeout_s)
+                    if answer.done():
+                        break
+                    self._check_attempts(attempt, limit)
+                    delay = backoff_delay(
+                        attempt - 1, rng=self._rng, cap_s=self.settings.registration_backoff_cap_s
                     )
-                delay = backoff_delay(
-                    attempt - 1, rng=self._rng, cap_s=self.settings.registration_backoff_cap_s
-                )
-                log.warning(
-                    "no answer to registration; retrying",
-                    extra=self._extra(attempt=attempt, retry_in_s=round(delay, 3)),
-                )
-                await asyncio.wait({answer}, timeout=delay)
-            reply = answer.result()
-        finally:
-            self._registration = None
-            answer.cancel()
-        if isinstance(reply, RegistrationRefused):
-            raise RegistrationRefusedError(self.agent_id, reply.reason.value, reply.detail)
+                    log.warning(
+                        "no answer to registration; retrying",
+                        extra=self._extra(attempt=attempt, retry_in_s=round(delay, 3)),
+                    )
+                    await asyncio.wait({answer}, timeout=delay)
+                reply = answer.result()
+            finally:
+                self._registration = None
+                answer.cancel()
+            if not isinstance(reply, RegistrationRefused):
+                break
+            if reply.retry_after_ms is None:
+                raise RegistrationRefusedError(self.agent_id, reply.reason.value, reply.detail)
+            self._check_attempts(attempt, limit, f"the last refusal: {reply.detail}")
+            self.counters["registration_deferred"] += 1
+            delay = reply.retry_after_ms / 1000 * (1 + 0.1 * self._rng.random())
+            log.warning(
+                "registration deferred; retrying",
+                extra=self._extra(
+                    reason=reply.reason.value, detail=reply.detail, retry_in_s=round(delay, 3)
+                ),
+            )
+            await asyncio.sleep(delay)
         log.info("registration accepted", extra=self._extra(attempt=attempt))
+
+    def _check_attempts(
+        self,
+        attempt: int,
+        limit: int | None,
+        why: str = "is `mesh manager` running on this namespace?",
+    ) -> None:
+        if limit is not None and attempt >= limit:
+            raise RegistrationTimeoutError(
+                f"no manager accepted {self.agent_id} after {attempt} attempts; {why}"
+            )
 
     async def _publish_registration(self, registration: Message, attempt: int) -> bool:
         log.info("registering", extra=self._extra(attempt=attempt))

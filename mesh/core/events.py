@@ -35,7 +35,11 @@ class Instant:
 
 @dataclass(frozen=True, slots=True)
 class RegistrationReceived:
+    """``identity_verified``: the broker user who published it is the agent itself
+    (``--agent-identity on``), so a new incarnation may replace a live one at once."""
+
     registration: AgentRegistration
+    identity_verified: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,6 +276,10 @@ class PoolCore:
                 # The agent retried (our acceptance was lost, or slow): answer the same way.
                 self.counters["registration_duplicate"] += 1
                 return [SendToAgent(reg.agent_id, _accepted(reg))]
+            if not event.identity_verified:
+                # Without broker identities anyone may claim any agent ID: a live agent is
+                # never displaced by a registration that cannot prove it is that agent.
+                return self._refuse_while_live(existing, reg, now)
             out += self._remove(existing, Trigger.DEREGISTER, now, "replaced by a new incarnation")
         agent = AgentRecord(
             agent_id=reg.agent_id,
@@ -337,6 +341,41 @@ class PoolCore:
             detail=detail,
         )
         return [*out, SendToAgent(reg.agent_id, refusal)]
+
+    def _refuse_while_live(
+        self, existing: AgentRecord, reg: AgentRegistration, now: Instant
+    ) -> list[Command]:
+        """A second incarnation of a live agent, with identities off: refused with the time
+        until the live one would be declared lost, journaled and counted. A restarted agent
+        (kill -9, then the same ID) retries and is accepted once the old incarnation
+        deregisters or is declared lost; the registered one keeps running meanwhile."""
+        window = self.settings.missed_heartbeats_before_lost * existing.heartbeat_interval_s
+        wait_s = max(1.0, existing.last_seen + window - now.mono)
+        detail = (
+            f"agent {reg.agent_id!r} is live as incarnation {existing.incarnation!r} (last "
+            f"heard {now.mono - existing.last_seen:.1f} s ago); a new incarnation is accepted "
+            f"once that one deregisters or is declared lost (within {wait_s:.0f} s) — or at "
+            "once with --agent-identity on, where the broker vouches for the agent"
+        )
+        self.counters["registration_refused"] += 1
+        self.counters["registration_incarnation_live"] += 1
+        entry = LogEntry(
+            at=now.wall,
+            kind="registration_refused",
+            agent_id=reg.agent_id,
+            reason=Reason.AGENT_ID_IN_USE.value,
+            detail={"incarnation": reg.incarnation, "live_incarnation": existing.incarnation},
+        )
+        refusal = RegistrationRefused(
+            agent_id=reg.agent_id,
+            incarnation=reg.incarnation,
+            reason=Reason.AGENT_ID_IN_USE,
+            detail=detail,
+            retry_after_ms=int(wait_s * 1000),
+        )
+        # Sent to the agent ID's control queue, which the live one consumes too: each
+        # incarnation ignores answers that do not carry its own incarnation.
+        return [AppendLog(entry), SendToAgent(reg.agent_id, refusal)]
 
     def _on_deregistration(self, event: DeregistrationReceived, now: Instant) -> list[Command]:
         msg = event.deregistration

@@ -100,7 +100,8 @@ class AdmissionService:
         self._ledger_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._ledger_inline = False
         self._epochs_announced_at = float("-inf")  # monotonic; announced on the first tick
-        self._pool_slots: dict[str, int] = {}  # the model slots each pool queue is bound to
+        self._pool_declared: set[str] = set()  # pools whose task queue this manager declared
+        self._pool_slots: dict[str, int] = {}  # the model slots each pool's policy bounds at
         self._pool_queues_polled_at = float("-inf")  # monotonic
         self._usage: Usage | None = None  # the ledger's counters as the last tick read them
         self._admissions: GroupCommit[tuple[AdmissionRequest, str], AdmissionDecision] = (
@@ -500,34 +501,49 @@ class AdmissionService:
             await self.host.execute([AppendLog(e) for e in entries])
 
     async def _ensure_pool_queues(self, descriptors: Sequence[CapabilityDescriptor]) -> None:
-        """Each pool's bounded task queue, bound to its model slots. A queue bound to other
-        slots (the descriptor changed) is replaced once it is empty; until then it keeps its
-        old bound (the ledger enforces the new capacity regardless)."""
+        """Each pool's task queue, declared once with arguments that never change, and its
+        bound at the pool's model slots, a broker policy set through the management API
+        whenever the slots change (:meth:`Topology.pool_bound_policy`). Nothing here deletes
+        or replaces a queue, and a broker error on one pool is logged, counted and retried on
+        the next announcement: it costs neither the other pools nor the connection."""
         for descriptor in descriptors:
             pool_id, slots = descriptor.pool_id, descriptor.model_limits.slots
             if self._pool_slots.get(pool_id) == slots:
                 continue
-            declarations = self.topology.pool(pool_id, slots)
-            try:
-                done = await self.host.transport.try_declare(declarations)
-                if not done:
-                    queue = self.topology.pool_task_queue(pool_id)
-                    if await self.host.transport.queue_depth(queue) == 0:
-                        await self.host.transport.delete_queue(queue, if_empty=True)
-                        done = await self.host.transport.try_declare(declarations)
-            except Exception as exc:
-                self.counters["pool_queue_declare_failed"] += 1
-                log.warning(
-                    "pool queue not declared", extra={"pool_id": pool_id, "error": str(exc)}
-                )
-                continue
-            if done:
+            if pool_id not in self._pool_declared:
+                try:
+                    current = await self.host.transport.try_declare(self.topology.pool(pool_id))
+                except Exception as exc:
+                    self.counters["pool_queue_declare_failed"] += 1
+                    log.warning(
+                        "pool queue not declared", extra={"pool_id": pool_id, "error": str(exc)}
+                    )
+                    continue
+                self._pool_declared.add(pool_id)
+                if not current:  # declared by an older mesh, bound in its arguments
+                    self.counters["pool_queue_legacy_arguments"] += 1
+                    log.warning(
+                        "pool queue was declared with other arguments (by an older mesh, "
+                        "whose x-max-length followed the slots): it is used as it is, and the "
+                        "broker applies the lower of its own bound and the policy's; delete "
+                        "it once it is empty to take the current layout",
+                        extra={"pool_id": pool_id, "queue": self.topology.pool_task_queue(pool_id)},
+                    )
+            policy = self.topology.pool_bound_policy(pool_id, slots)
+            if await self.host.observer.apply_policy(policy):
                 self._pool_slots[pool_id] = slots
-            else:
-                self.counters["pool_queue_rebound_pending"] += 1
+            elif not self.host.observer.has_management_api:
+                self._pool_slots[pool_id] = slots  # nothing more to try until the slots change
+                self.counters["pool_queue_unbounded_by_slots"] += 1
                 log.warning(
-                    "pool queue holds tasks under its old bound; rebinding once it is empty",
-                    extra={"pool_id": pool_id, "model_slots": slots},
+                    "no management API (--management-url): the pool queue is bounded at its "
+                    "declared ceiling, not at the pool's slots; the ledger still holds "
+                    "capacity exactly",
+                    extra={
+                        "pool_id": pool_id,
+                        "model_slots": slots,
+                        "ceiling": self.topology.pool_queue_max_length,
+                    },
                 )
 
     async def _announce_epochs(

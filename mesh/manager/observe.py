@@ -28,6 +28,7 @@ from mesh.core.pressure import PoolPressure
 from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat, load_by_capability
 from mesh.manager.web import ManagerWeb, Sample, StatusHistory, management_queue_url
 from mesh.topology import names
+from mesh.topology.specs import PolicySpec
 from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
 from mesh.wire.models import AgentStatus
 
@@ -149,6 +150,31 @@ class Observer:
             )
             return None
         return len(names)
+
+    @property
+    def has_management_api(self) -> bool:
+        return self._api is not None
+
+    async def apply_policy(self, policy: PolicySpec) -> bool:
+        """Set ``policy`` on the vhost through the management API (idempotent: a PUT);
+        ``False`` without the API or when it fails (logged and counted)."""
+        if self._api is None:
+            return False
+        url = f"{self._api}/api/policies/{quote(self.vhost, safe='')}/{quote(policy.name, safe='')}"
+        try:
+            async with self._client_session().put(url, json=policy.to_api()) as response:
+                if response.status not in (201, 204):
+                    body = (await response.text())[:300]
+                    raise aiohttp.ClientError(f"HTTP {response.status}: {body}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.counters["policy_failed"] += 1
+            log.warning(
+                "cannot set a queue policy",
+                extra={"policy": policy.name, "url": url, "error": str(exc)},
+            )
+            return False
+        self.counters["policy_applied"] += 1
+        return True
 
     def _client_session(self) -> aiohttp.ClientSession:
         if self._session is None:

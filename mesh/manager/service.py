@@ -342,7 +342,8 @@ class ManagerService:
         message = decode_as(delivery.body, *_ANNOUNCE_TYPES)
         event: Event
         if isinstance(message, AgentRegistration):
-            event, claimed = RegistrationReceived(message), message.agent_id
+            verified = self.settings.agent_identity  # checked just below, before handling
+            event, claimed = RegistrationReceived(message, verified), message.agent_id
         elif isinstance(message, Deregistration):
             event, claimed = DeregistrationReceived(message), message.agent_id
         elif isinstance(message, DrainRequest):

@@ -90,10 +90,18 @@ from mesh.errors import (
     LocalProtocolError,
     PublishNacked,
     PublishUnroutable,
+    TopologyMismatch,
     TopologyMissing,
     TransportError,
 )
-from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, ExchangeType, QueueSpec
+from mesh.topology.specs import (
+    BindingSpec,
+    Declarations,
+    ExchangeSpec,
+    ExchangeType,
+    QueueSpec,
+    reply_queue,
+)
 from mesh.transport import dead_letters
 from mesh.transport.delivery import DEFAULT_EXCHANGE, Delivery, Handler
 from mesh.transport.ports import ClientTransport, ManagerTransport
@@ -179,6 +187,11 @@ def topic_matches(binding_key: str, routing_key: str) -> bool:
                 reach[j] and (token == "*" or token == word) for j, word in enumerate(words)
             ]
     return reach[-1]
+
+
+def _ready_bytes(queue: _Queue) -> int:
+    """The bodies' bytes of the ready messages: what ``x-max-length-bytes`` counts."""
+    return sum(len(m.body) for m in queue.ready)
 
 
 def _binding_matches(kind: ExchangeType, binding_key: str, routing_key: str) -> bool:
@@ -548,7 +561,10 @@ class InMemoryBroker:
         now = self.clock()
         self._purge_expired(queue, now)
         args = queue.spec.arguments
-        full = args.max_length is not None and len(queue.ready) >= args.max_length
+        full = (args.max_length is not None and len(queue.ready) >= args.max_length) or (
+            args.max_length_bytes is not None
+            and _ready_bytes(queue) + len(message.body) > args.max_length_bytes
+        )
         if full and args.overflow in ("reject-publish", "reject-publish-dlx"):
             if args.overflow == "reject-publish-dlx":
                 self._dead_letter(queue, message, "maxlen")
@@ -556,7 +572,10 @@ class InMemoryBroker:
         if args.message_ttl_ms is not None:
             message.expires_at = now + args.message_ttl_ms / 1000
         queue.ready.append(message)
-        while args.max_length is not None and len(queue.ready) > args.max_length:
+        while queue.ready and (
+            (args.max_length is not None and len(queue.ready) > args.max_length)
+            or (args.max_length_bytes is not None and _ready_bytes(queue) > args.max_length_bytes)
+        ):
             self._dead_letter(queue, queue.ready.popleft(), "maxlen")  # drop-head
         self._dispatch(queue, purge=False)  # a TTL of 0 still reaches a waiting consumer
         self._purge_expired(queue, now)
@@ -876,7 +895,13 @@ class InMemoryTransport:
         for spec in specs:
             if spec in self._declared:
                 continue
-            broker._redeclare(spec, self)
+            current = broker._queues.get(spec.name) if isinstance(spec, QueueSpec) else None
+            try:
+                broker._redeclare(spec, self)
+            except PreconditionFailed as exc:
+                if current is None or not isinstance(spec, QueueSpec) or current.spec == spec:
+                    raise  # not an existing queue with other arguments
+                raise TopologyMismatch.for_queue(spec.name, _describe(spec), str(exc)) from None
             if isinstance(spec, QueueSpec):
                 self._queue_specs[spec.name] = spec
             self._declared[spec] = None
@@ -907,7 +932,7 @@ class InMemoryTransport:
     async def declare_reply_queue(self, name: str) -> str:
         """An exclusive, auto-deleted queue for replies to this connection."""
         broker = self._open()
-        spec = QueueSpec(name, durable=False, exclusive=True, auto_delete=True)
+        spec = reply_queue(name)
         broker._declare_queue(spec, self)
         self._queue_specs[name] = spec
         self._topology[spec] = None

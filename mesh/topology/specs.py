@@ -7,6 +7,8 @@ declared), so the same spec can be declared by every process that needs it.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,6 +33,7 @@ class QueueArguments:
 
     queue_type: QueueType = "classic"
     max_length: int | None = None
+    max_length_bytes: int | None = None
     overflow: Overflow | None = None
     message_ttl_ms: int | None = None
     expires_ms: int | None = None
@@ -42,6 +45,7 @@ class QueueArguments:
         pairs: dict[str, Any] = {
             "x-queue-type": self.queue_type,
             "x-max-length": self.max_length,
+            "x-max-length-bytes": self.max_length_bytes,
             "x-overflow": self.overflow,
             "x-message-ttl": self.message_ttl_ms,
             "x-expires": self.expires_ms,
@@ -59,6 +63,27 @@ class QueueSpec:
     exclusive: bool = False
     auto_delete: bool = False
     arguments: QueueArguments = field(default_factory=QueueArguments)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A RabbitMQ policy on queues (set through the management API). ``priority`` 10 puts it
+    above a catch-all operator policy of priority 0; one policy applies to a queue at a
+    time, so a user policy on the same queue with a higher priority replaces ours."""
+
+    name: str
+    pattern: str
+    definition: Mapping[str, Any]
+    priority: int = 10
+    apply_to: Literal["queues"] = "queues"
+
+    def to_api(self) -> dict[str, Any]:
+        return {
+            "pattern": self.pattern,
+            "definition": dict(self.definition),
+            "priority": self.priority,
+            "apply-to": self.apply_to,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,18 +109,47 @@ class Declarations:
         )
 
 
+MiB = 1024 * 1024
+REPLY_MAX_LENGTH = 10_000  # a client's reply queue: answers it has not read yet
+
+
+def reply_queue(name: str) -> QueueSpec:
+    """A client's exclusive, auto-deleted reply queue, bounded like every other queue."""
+    return QueueSpec(
+        name,
+        durable=False,
+        exclusive=True,
+        auto_delete=True,
+        arguments=QueueArguments(max_length=REPLY_MAX_LENGTH, overflow="reject-publish"),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """All names and specs of one mesh. Tests use a unique namespace to isolate themselves."""
+    """All names and specs of one mesh. Tests use a unique namespace to isolate themselves.
+
+    Every queue has a bound, by count and, where bodies come from outside the mesh's
+    control, by bytes too; docs/architecture.md lists them ("Queues and their bounds"). The
+    bounds are part of each queue's declaration and never follow anything that changes at
+    run time: a pool's capacity bound is a broker policy (:meth:`pool_bound_policy`), so a
+    changed capacity never needs a new queue.
+    """
 
     namespace: str = c.DEFAULT_NAMESPACE
     heartbeat_queue_max_length: int = 100_000
+    heartbeat_queue_max_bytes: int = 64 * MiB
     heartbeat_ttl_ms: int = 5_000
+    announce_max_length: int = 100_000
+    announce_max_bytes: int = 256 * MiB
     dead_letter_max_length: int = 100_000
+    dead_letter_max_bytes: int = 256 * MiB
     rpc_ttl_ms: int = 30_000
     rpc_max_length: int = 10_000
+    rpc_max_bytes: int = 128 * MiB
+    agent_control_max_length: int = 1_000
     agent_queue_expires_ms: int = 30 * 60 * 1000
-    pool_queue_overshoot: int = 1  # a quorum queue accepts one message past x-max-length
+    pool_queue_max_length: int = 100_000  # the declared ceiling; the policy bounds it at slots
+    pool_queue_overshoot: int = 1  # a quorum queue accepts one message past its max length
     pool_delivery_limit: int = 5  # deliveries of one task before it is dead-lettered (poison)
 
     # -- exchanges ------------------------------------------------------------------------
@@ -175,7 +229,11 @@ class Topology:
         )
         dlq = QueueSpec(
             self.dead_letter_queue,
-            arguments=QueueArguments(max_length=self.dead_letter_max_length, overflow="drop-head"),
+            arguments=QueueArguments(
+                max_length=self.dead_letter_max_length,
+                max_length_bytes=self.dead_letter_max_bytes,
+                overflow="drop-head",
+            ),
         )
         return Declarations(
             exchanges=exchanges,
@@ -184,13 +242,19 @@ class Topology:
         )
 
     def manager(self) -> Declarations:
-        """The manager's three inputs: announcements (quorum: losing one matters),
-        heartbeats (never backlog: drop-head and a short TTL), and API requests."""
+        """The manager's three inputs: announcements (quorum: losing one matters; a full
+        queue nacks the agent, which retries), heartbeats (never backlog: drop-head and a
+        short TTL), and API requests (a full queue nacks the requester)."""
         dlx = self.dead_letter_exchange
         announce = QueueSpec(
             self.announce_queue,
             arguments=QueueArguments(
-                queue_type="quorum", dead_letter_exchange=dlx, delivery_limit=5
+                queue_type="quorum",
+                max_length=self.announce_max_length,
+                max_length_bytes=self.announce_max_bytes,
+                overflow="reject-publish",
+                dead_letter_exchange=dlx,
+                delivery_limit=5,
             ),
         )
         heartbeats = QueueSpec(
@@ -198,6 +262,7 @@ class Topology:
             durable=False,
             arguments=QueueArguments(
                 max_length=self.heartbeat_queue_max_length,
+                max_length_bytes=self.heartbeat_queue_max_bytes,
                 overflow="drop-head",
                 message_ttl_ms=self.heartbeat_ttl_ms,
             ),
@@ -207,6 +272,7 @@ class Topology:
             durable=False,
             arguments=QueueArguments(
                 max_length=self.rpc_max_length,
+                max_length_bytes=self.rpc_max_bytes,
                 overflow="reject-publish",
                 message_ttl_ms=self.rpc_ttl_ms,
                 dead_letter_exchange=dlx,
@@ -219,21 +285,23 @@ class Topology:
         )
         return self.shared() + Declarations(queues=(announce, heartbeats, rpc), bindings=bindings)
 
-    def pool(self, pool_id: str, model_slots: int) -> Declarations:
+    def pool(self, pool_id: str) -> Declarations:
         """A pool's task queue: what the admission path publishes granted tasks to.
 
-        Quorum (a granted task must not be lost), ``x-max-length`` = the pool's model slots
-        with ``reject-publish``: every queued task holds a slot, so a full queue means tasks
-        arrived around the ledger, and the publisher is nacked, not ignored. A quorum queue
-        accepts one message past its limit, so it never holds more than
-        :meth:`pool_queue_bound`. A delivery limit for poison tasks, dead letters to the DLX.
-        The ledger holds the exact capacity; this bound is the safety net.
+        Quorum (a granted task must not be lost), ``reject-publish``: a full queue nacks the
+        publisher rather than dropping anything. Its declared ``x-max-length`` is a fixed
+        ceiling (:attr:`pool_queue_max_length`); the bound that follows the pool's model
+        slots is the broker policy of :meth:`pool_bound_policy` (the broker applies the
+        lower of the two), so a descriptor that changes the slots changes a policy, never the
+        queue. Every queued task holds a slot, so a full queue means tasks arrived around the
+        ledger. A delivery limit for poison tasks, dead letters to the DLX. The ledger holds
+        the exact capacity; these bounds are the safety net.
         """
         queue = QueueSpec(
             self.pool_task_queue(pool_id),
             arguments=QueueArguments(
                 queue_type="quorum",
-                max_length=max(1, model_slots),
+                max_length=self.pool_queue_max_length,
                 overflow="reject-publish",
                 dead_letter_exchange=self.dead_letter_exchange,
                 delivery_limit=self.pool_delivery_limit,
@@ -242,8 +310,19 @@ class Topology:
         binding = BindingSpec(queue.name, self.tasks_exchange, names.pool_task_key(pool_id))
         return self.shared() + Declarations(queues=(queue,), bindings=(binding,))
 
+    def pool_bound_policy(self, pool_id: str, model_slots: int) -> PolicySpec:
+        """The broker policy that bounds a pool's queue at its model slots (one queue,
+        matched by its exact name)."""
+        queue = self.pool_task_queue(pool_id)
+        return PolicySpec(
+            name=f"{queue}.bound",
+            pattern="^" + re.escape(queue) + "$",
+            definition={"max-length": max(1, model_slots), "overflow": "reject-publish"},
+        )
+
     def pool_queue_bound(self, model_slots: int) -> int:
-        """The most a pool's queue can hold: its limit and the quorum queue's overshoot."""
+        """The most a pool's queue can hold under its policy: the slots and the quorum
+        queue's overshoot."""
         return max(1, model_slots) + self.pool_queue_overshoot
 
     def shared_exchanges(self) -> tuple[str, ...]:
@@ -256,7 +335,14 @@ class Topology:
 
     def agent_queues(self, agent_id: str, task_queue_bound: int) -> Declarations:
         """An agent's control queue (gone with the agent) and its bounded task queue."""
-        control = QueueSpec(self.agent_control_queue(agent_id), durable=False, auto_delete=True)
+        control = QueueSpec(
+            self.agent_control_queue(agent_id),
+            durable=False,
+            auto_delete=True,
+            arguments=QueueArguments(
+                max_length=self.agent_control_max_length, overflow="reject-publish"
+            ),
+        )
         tasks = QueueSpec(
             self.agent_task_queue(agent_id),
             arguments=QueueArguments(

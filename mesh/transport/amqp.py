@@ -43,10 +43,11 @@ from mesh.errors import (
     PublishNacked,
     PublishTimeout,
     PublishUnroutable,
+    TopologyMismatch,
     TopologyMissing,
     TransportError,
 )
-from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec
+from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec, reply_queue
 from mesh.transport import dead_letters
 from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
 from mesh.transport.delivery import Delivery as Delivery  # re-exported
@@ -418,7 +419,11 @@ class AmqpTransport:
                 self._declared.add(ex)
         for q in declarations.queues:
             if q not in self._declared:
-                self._queues[q.name] = await self._declare_queue(channel, q)
+                try:
+                    self._queues[q.name] = await self._declare_queue(channel, q)
+                except aiormq.exceptions.ChannelPreconditionFailed as exc:
+                    self._queue_specs.pop(q.name, None)
+                    raise TopologyMismatch.for_queue(q.name, _arguments_text(q), str(exc)) from None
                 self._declared.add(q)
         for b in declarations.bindings:
             if b not in self._declared:
@@ -520,7 +525,7 @@ class AmqpTransport:
 
     async def declare_reply_queue(self, name: str) -> str:
         """An exclusive, auto-deleted queue for replies to this connection."""
-        spec = QueueSpec(name, durable=False, exclusive=True, auto_delete=True)
+        spec = reply_queue(name)
         self._queues[name] = await self._declare_queue(self._publish_channel, spec)
         return name
 
@@ -692,3 +697,10 @@ class AmqpTransport:
                 return int(q.declaration_result.message_count or 0)
             finally:
                 await channel.close()
+
+
+def _arguments_text(spec: QueueSpec) -> str:
+    """``durable, x-max-length=5, …``: what a declaration asked for, for error messages."""
+    args = spec.arguments.to_amqp()
+    flags = [f for f, on in (("durable", spec.durable), ("auto-delete", spec.auto_delete)) if on]
+    return ", ".join([*flags, *(f"{k}={v}" for k, v in sorted(args.items()))])

@@ -204,6 +204,12 @@ class RegistrationRefused(Message):
     incarnation: Identifier
     reason: Reason
     detail: str = ""
+    retry_after_ms: int | None = Field(
+        default=None,
+        ge=0,
+        description="Set when the refusal is temporary (AGENT_ID_IN_USE): register again "
+        "with the same incarnation after this long. Absent: the refusal is final.",
+    )
 
 
 class ReRegisterRequest(Message):

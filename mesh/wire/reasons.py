@@ -43,6 +43,7 @@ class Reason(StrEnum):
     NOT_AUTHORIZED = "NOT_AUTHORIZED"  # the authenticated publisher may not do this
     # Registration.
     HEARTBEAT_INTERVAL_TOO_SHORT = "HEARTBEAT_INTERVAL_TOO_SHORT"
+    AGENT_ID_IN_USE = "AGENT_ID_IN_USE"  # a live incarnation holds the ID: retry after it is gone
     # It joins a pool whose tasks carry epoch-bound grants but does not say it checks epochs.
     EPOCHS_UNSUPPORTED = "EPOCHS_UNSUPPORTED"
     # Bad messages (dead-letter reasons).

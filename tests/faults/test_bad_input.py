@@ -469,7 +469,10 @@ async def test_bad_input_is_refused_counted_and_never_stops_the_manager(
         assert Counter(letter.correlation_id for letter in letters) == Counter(expected.keys())
         for letter in letters:
             sent = expected[letter.correlation_id or ""]
-            assert letter.body == sent.body
+            # The body, or of an oversized one its first DEAD_LETTER_KEEP_BYTES, and its size.
+            assert letter.body == sent.body[: c.DEAD_LETTER_KEEP_BYTES]
+            assert letter.headers[c.H_ORIGINAL_SIZE] == len(sent.body)
+            assert letter.headers[c.H_TRUNCATED] is (len(sent.body) > c.DEAD_LETTER_KEEP_BYTES)
             assert letter.headers[c.H_REASON] == sent.reason, sent
             assert letter.headers[c.H_SOURCE_QUEUE] == queue_of[sent.queue]
             assert letter.headers[c.H_DETAIL]

@@ -140,7 +140,7 @@ async def test_another_agents_queue_and_another_pools_queue_are_refused(
     owner = await connect(amqp_url, "queue-owner")  # an operator declares what exists
     victim = agent_name("victim")
     await owner.declare(
-        topology.agent_queues(victim, 4) + topology.pool(POOL, 4) + topology.pool("search", 4)
+        topology.agent_queues(victim, 4) + topology.pool(POOL) + topology.pool("search")
     )
     name = agent_name("mallory")
 

@@ -94,6 +94,19 @@ class PoolMesh:
         return client
 
 
+async def wait_for_bound(management_api: Any, queue: str, slots: int) -> dict[str, Any]:
+    """The queue's policy bound, once the broker applies it (quorum queues take a moment)."""
+    info: dict[str, Any] = {}
+
+    def applied() -> bool:
+        nonlocal info
+        info = management_api.get_queue(queue)
+        return (info.get("effective_policy_definition") or {}).get("max-length") == slots
+
+    await eventually(applied, what=f"{queue} bounded at {slots} by its policy")
+    return info
+
+
 @asynccontextmanager
 async def pool_mesh(
     amqp_url: str,
@@ -137,6 +150,7 @@ async def pool_mesh(
             await live_member(manager, raw, f"echo-stuck-{i}", "echo", echo_capability("1.0.0", 8))
         accepted = await producer.publish_descriptor(echo_descriptor(slots))
         assert accepted.type == "mesh.descriptor-accepted.v1", accepted
+        await wait_for_bound(management_api, mesh.queue, slots)
         for runtime in runtimes:
             await runtime.start()
         for runtime in runtimes:
@@ -171,13 +185,17 @@ async def test_submit_admits_runs_on_the_pool_queue_and_settles(
         assert mesh.manager.admitter is not None
         board = mesh.manager.admitter.pressure.pools["echo"]
         assert board.mean_service_s() is not None and board.used == 0
-        # The queue operators see: quorum, bounded at the slots + 1, reject-publish, DLX.
+        # The queue operators see: quorum, reject-publish, DLX, a fixed ceiling in its
+        # arguments, and the policy that bounds it at the pool's slots.
         info = management_api.get_queue(mesh.queue)
         args = info["arguments"]
         assert args["x-queue-type"] == "quorum"
-        assert args["x-max-length"] == 4 and args["x-overflow"] == "reject-publish"
+        assert args["x-max-length"] == mesh.topology.pool_queue_max_length
+        assert args["x-overflow"] == "reject-publish"
         assert args["x-dead-letter-exchange"] == mesh.topology.dead_letter_exchange
         assert args["x-delivery-limit"] == 5
+        assert info["policy"] == mesh.topology.pool_bound_policy("echo", 4).name
+        assert info["effective_policy_definition"]["max-length"] == 4
 
 
 async def test_a_full_pool_queue_nacks_the_producer_and_every_grant_is_given_back(
@@ -197,7 +215,7 @@ async def test_a_full_pool_queue_nacks_the_producer_and_every_grant_is_given_bac
                     mesh.topology.tasks_exchange, "pool.echo", f'{{"stray": {i}}}'.encode()
                 )
                 accepted += 1
-        # x-max-length is the 2 slots; the quorum queue takes one more, never two.
+        # The policy's max-length is the 2 slots; the quorum queue takes one more, never two.
         assert accepted == mesh.bound == 3
         assert await transport.queue_depth(mesh.queue) == mesh.bound
 
@@ -218,6 +236,51 @@ async def test_a_full_pool_queue_nacks_the_producer_and_every_grant_is_given_bac
             management_api.wait_for_queue(mesh.queue, "messages", mesh.bound)["messages"]
             == mesh.bound
         )
+
+
+async def stuff(transport: AmqpTransport, topology: Topology, limit: int = 50) -> int:
+    """Publish stray tasks to pool ``echo`` until the broker nacks one; how many it took."""
+    for i in range(limit):
+        try:
+            await transport.publish(topology.tasks_exchange, "pool.echo", b'{"stray": %d}' % i)
+        except PublishNacked:
+            return i
+    raise AssertionError(f"the pool queue took {limit} tasks without a nack")
+
+
+async def test_a_changed_capacity_moves_the_queues_bound_without_a_new_queue(
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
+) -> None:
+    """A descriptor of a new epoch with other slots changes the pool queue's policy, not the
+    queue: the manager answers, keeps its connection, and the broker bounds the same queue
+    at the new slots (RabbitMQ 3.10 answered the old delete-and-redeclare of an empty quorum
+    queue with 540 NOT_IMPLEMENTED, which closed the manager's connection)."""
+    async with pool_mesh(
+        amqp_url, namespace, tmp_path, management_api, slots=2, agents=0, members=1
+    ) as mesh:
+        before = management_api.get_queue(mesh.queue)
+        bigger = fresh(echo_descriptor(5), descriptor_epoch=echo_descriptor(2).descriptor_epoch + 1)
+
+        answer = await mesh.producer.publish_descriptor(bigger)
+
+        assert answer.type == "mesh.descriptor-accepted.v1", answer
+        after = await wait_for_bound(management_api, mesh.queue, 5)
+        assert after["arguments"] == before["arguments"]
+        assert mesh.manager.counters["reconnects"] == 0
+        assert mesh.manager.counters["pool_queue_declare_failed"] == 0
+        transport = mesh.producer.transport
+        assert await stuff(transport, mesh.topology) == mesh.topology.pool_queue_bound(5) == 6
+
+        # And back down: the queue holds 6, the new bound is 3; nothing is dropped, new
+        # publishes are nacked until it drains below the bound.
+        smaller = fresh(echo_descriptor(3), descriptor_epoch=bigger.descriptor_epoch + 1)
+        assert (await mesh.producer.publish_descriptor(smaller)).type == (
+            "mesh.descriptor-accepted.v1"
+        )
+        await wait_for_bound(management_api, mesh.queue, 3)
+        assert await stuff(transport, mesh.topology) == 0
+        assert await transport.queue_depth(mesh.queue) == 6
+        assert mesh.manager.counters["reconnects"] == 0
 
 
 # ---- load: stair steps and pulses ----------------------------------------------------------

@@ -136,6 +136,35 @@ async def test_a_registration_for_another_agent_is_dead_lettered_and_registers_n
     await eventually(lambda: impostor in manager.core.agents, what="the honest registration")
 
 
+async def test_the_agent_itself_restarting_replaces_its_live_incarnation_at_once(
+    manager: ManagerService, broker_users: Callable[[str], str], connect: Any, namespace: str
+) -> None:
+    """With identities on the broker vouches that a new incarnation is the agent itself (a
+    kill -9 and restart): it replaces the live one at once, without waiting out the window."""
+    name = agent_name("restart")
+    url = broker_users(name)
+    first = RawAgent(await connect(url, name), Topology(namespace), name, user_id=name)
+    await first.start()
+    await first.register()
+    await eventually(lambda: name in manager.core.agents, what="the first incarnation")
+    first.start_heartbeats()
+    second = RawAgent(await connect(url, f"{name}-2"), Topology(namespace), name, user_id=name)
+    await second.start()
+    try:
+        await second.register()
+        await eventually(
+            lambda: (
+                manager.core.agents.get(name) is not None
+                and manager.core.agents[name].incarnation == second.incarnation
+            ),
+            timeout_s=FAST_POOL.min_heartbeat_interval_s,  # well inside the liveness window
+            what="the second incarnation replaces the first",
+        )
+        assert manager.core.counters["registration_incarnation_live"] == 0
+    finally:
+        await first.stop_heartbeats()
+
+
 async def test_heartbeats_for_another_agent_cannot_keep_it_alive(
     manager: ManagerService, broker_users: Callable[[str], str], connect: Any, namespace: str
 ) -> None:

@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 
 from mesh import constants as c
+from mesh.agent import AgentRuntime, AgentSettings
 from mesh.core.pool import PoolSettings
 from mesh.manager.journal import SqliteJournal
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
+from mesh.samples import SAMPLES
 from mesh.topology import Declarations, QueueArguments, QueueSpec, Topology
 from mesh.wire import (
     AcquireRequest,
@@ -133,7 +135,16 @@ async def test_malformed_and_unknown_field_messages_are_dead_lettered_with_a_rea
         delivery = await agent.transport.get_one(topology.dead_letter_queue)
         assert delivery is not None
         assert delivery.headers[c.H_SOURCE_QUEUE] == topology.announce_queue
-        reasons.add(delivery.headers[c.H_REASON])
+        reason = Reason(delivery.headers[c.H_REASON])
+        reasons.add(reason.value)
+        # Every dead letter says how big the original was; an oversized one keeps a prefix.
+        original = bad_bodies[reason]
+        assert delivery.headers[c.H_ORIGINAL_SIZE] == len(original)
+        if len(original) > c.DEAD_LETTER_KEEP_BYTES:
+            assert delivery.headers[c.H_TRUNCATED] is True
+            assert delivery.body == original[: c.DEAD_LETTER_KEEP_BYTES]
+        else:
+            assert delivery.headers[c.H_TRUNCATED] is False and delivery.body == original
     assert reasons == {r.value for r in bad_bodies}
     for reason in bad_bodies:
         assert manager.counters[f"dead_lettered.{reason}"] == 1
@@ -144,6 +155,117 @@ async def test_malformed_and_unknown_field_messages_are_dead_lettered_with_a_rea
     status = await client.status()
     assert states(status) == {"sloppy": "Ready"}
     assert status.counters["dead_lettered"] == len(bad_bodies)
+
+
+async def test_a_forged_registration_never_displaces_a_live_agent(
+    manager: ManagerService,
+    client: MeshClient,
+    raw_agent: Any,
+    transport_factory: Any,
+    topology: Topology,
+    tmp_path: Path,
+) -> None:
+    """Identities off (the default): anyone may publish a registration for any agent ID. A
+    second incarnation of a live agent advertising 1,000 slots is refused AGENT_ID_IN_USE,
+    journaled and counted; the registry keeps the live one, which stays Ready, and nothing
+    can be leased beyond its own two slots."""
+    victim = await raw_agent("victim", capabilities=[echo_capability(max_concurrency=2)])
+    await victim.register()
+    await eventually(lambda: bool(victim.received(RegistrationAccepted)), what="acceptance")
+    victim.start_heartbeats()
+    forger = RawAgent(
+        await transport_factory(suffix="forger"),
+        topology,
+        "victim",
+        capabilities=[echo_capability(max_concurrency=1000)],
+    )
+    await forger.start()
+
+    await forger.register()
+
+    await eventually(
+        lambda: manager.core.counters["registration_incarnation_live"] == 1,
+        what="the refusal",
+    )
+    # The refusal went to the ID's control queue, which both consume: one of them has it.
+    [refused] = victim.received(RegistrationRefused) + forger.received(RegistrationRefused)
+    assert isinstance(refused, RegistrationRefused)
+    assert refused.reason is Reason.AGENT_ID_IN_USE and refused.incarnation == forger.incarnation
+    assert refused.retry_after_ms is not None and refused.retry_after_ms > 0
+    [found] = await client.find("test.echo")
+    assert found.agent_id == "victim"
+    assert manager.core.agents["victim"].incarnation == victim.incarnation
+    leases = [await client.acquire("test.echo") for _ in range(3)]
+    assert [isinstance(lease, Refusal) for lease in leases] == [False, False, True]
+    refusals = [e for e in SqliteJournal(tmp_path / "journal.sqlite3").tail() if e.kind != "lease"]
+    assert [(e.kind, e.reason) for e in refusals if e.kind == "registration_refused"] == [
+        ("registration_refused", "AGENT_ID_IN_USE")
+    ]
+    assert states(await client.status()) == {"victim": "Busy"}
+    await victim.stop_heartbeats()
+
+
+async def test_a_restarted_agent_registers_once_its_old_incarnation_is_gone(
+    manager: ManagerService,
+    client: MeshClient,
+    raw_agent: Any,
+    amqp_url: str,
+    namespace: str,
+    topology: Topology,
+    management_api: Any,
+) -> None:
+    """kill -9 and a restart with the same ID, identities off: the new process's registration
+    is deferred while the old incarnation is live, and accepted once it is declared lost; the
+    SDK waits out the refusal's retry time instead of giving up."""
+    old = await raw_agent("phoenix")
+    await old.register()
+    await eventually(lambda: bool(old.received(RegistrationAccepted)), what="acceptance")
+    old.start_heartbeats()
+    await asyncio.sleep(0.3)
+    await old.stop_heartbeats()  # "killed": silent, never deregistered
+    await old.transport.close()
+    # The raw agent's task queue is bounded for 4 slots, the echo sample's for 8.
+    management_api.delete_queue(topology.agent_task_queue("phoenix"))
+    runtime = AgentRuntime(
+        SAMPLES["echo"]("phoenix", heartbeat_interval_s=5.0),
+        AgentSettings(amqp_url=amqp_url, namespace=namespace),
+    )
+    try:
+        await asyncio.wait_for(runtime.start(), timeout=20)
+
+        assert runtime.counters["registration_deferred"] >= 1
+        assert manager.core.agents["phoenix"].incarnation != old.incarnation
+        assert manager.core.counters["lost"] == 1
+        assert states(await client.status()) == {"phoenix": "Ready"}
+    finally:
+        await runtime.stop()
+
+
+async def test_a_flood_of_oversized_messages_keeps_the_dead_letter_queue_small(
+    manager: ManagerService, raw_agent: Any, topology: Topology, management_api: Any
+) -> None:
+    """Oversized bodies are refused and dead-lettered as prefixes: 200 bodies of 300 KB
+    (60 MB) leave at most 200 times the kept prefix in the dead-letter queue, and the queue's
+    declaration bounds it by bytes as well as by count."""
+    agent = await raw_agent("flooder")
+    body = b'{"type":"x","pad":"' + b"x" * (300 * 1024) + b'"}'
+    for _ in range(200):
+        await agent.publish_announce("register", body)
+
+    await eventually(lambda: manager.counters["dead_lettered"] == 200, what="200 dead letters")
+    info: dict[str, Any] = {}
+
+    def counted() -> bool:  # the management API's statistics lag a few seconds
+        nonlocal info
+        info = management_api.get_queue(topology.dead_letter_queue)
+        return info["messages"] == 200 and "message_bytes" in info
+
+    await eventually(counted, timeout_s=20, what="the dead-letter queue's statistics")
+    assert info["message_bytes"] <= 200 * c.DEAD_LETTER_KEEP_BYTES
+    args = info["arguments"]
+    assert args["x-max-length-bytes"] == topology.dead_letter_max_bytes
+    assert args["x-max-length"] == topology.dead_letter_max_length
+    assert args["x-overflow"] == "drop-head"
 
 
 async def test_a_malformed_request_gets_a_refusal_reply_and_a_dead_letter(

@@ -162,6 +162,7 @@ class Pool:
         heartbeat_interval_s: float = 10.0,
         deployment: str = "pool",
         features: Sequence[str] = (),
+        identity_verified: bool = False,
     ) -> list[Command]:
         reg = registration(
             agent_id,
@@ -171,7 +172,7 @@ class Pool:
             deployment=deployment,
             features=features,
         )
-        return self.core.handle(RegistrationReceived(reg), self.clock.now())
+        return self.core.handle(RegistrationReceived(reg, identity_verified), self.clock.now())
 
     def deregister(self, agent_id: str, incarnation: str = "inc-1") -> list[Command]:
         msg = Deregistration(agent_id=agent_id, incarnation=incarnation, reason="bye")

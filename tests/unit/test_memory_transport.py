@@ -20,6 +20,7 @@ from mesh.errors import (
     PublishTimeout,
     PublishUnroutable,
     TaskInputInvalid,
+    TopologyMismatch,
     TopologyMissing,
     TransportError,
 )
@@ -211,7 +212,7 @@ async def test_declaring_the_same_spec_again_is_harmless_and_another_spec_is_ref
     other = InMemoryTransport(broker, "other")
     await declare(other, exchanges=(ExchangeSpec("x"),), queues=(bounded,))
 
-    with pytest.raises(PreconditionFailed, match="inequivalent"):
+    with pytest.raises(TopologyMismatch, match="inequivalent"):
         await declare(other, queues=(queue("q", max_length=3, overflow="reject-publish"),))
     with pytest.raises(PreconditionFailed):
         await declare(other, exchanges=(ExchangeSpec("x", type="direct"),))

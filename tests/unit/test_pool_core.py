@@ -148,11 +148,17 @@ def test_a_repeated_registration_of_the_same_incarnation_is_acked_again_without_
     assert pool.core.index.versions("calc.add") == ["1.0.0"]
 
 
-def test_a_new_incarnation_replaces_the_old_one_and_drops_its_leases(pool: Pool) -> None:
+def test_a_verified_new_incarnation_replaces_the_old_one_and_drops_its_leases(
+    pool: Pool,
+) -> None:
+    """With identities on, the broker vouches that the agent itself registered again (a
+    restart): the new incarnation replaces the live one at once."""
     pool.register("calc-1", capability("calc.add", "1.0.0"), incarnation="inc-1")
     old_lease = pool.lease()
 
-    out = pool.register("calc-1", capability("calc.add", "2.0.0"), incarnation="inc-2")
+    out = pool.register(
+        "calc-1", capability("calc.add", "2.0.0"), incarnation="inc-2", identity_verified=True
+    )
 
     assert transitions(out) == [
         ("Busy", "Terminated", "terminated"),
@@ -169,6 +175,39 @@ def test_a_new_incarnation_replaces_the_old_one_and_drops_its_leases(pool: Pool)
     assert pool.found(version_spec=">=2") == ["calc-1"]
     assert in_flight(pool, "calc-1") == 0
     assert refusal_reason_of_release(pool, old_lease.lease_id) is Reason.UNKNOWN_LEASE
+
+
+def test_an_unverified_new_incarnation_never_displaces_a_live_agent(pool: Pool) -> None:
+    """With identities off anyone can claim an agent ID: a forged registration (1,000
+    slots) is refused while the registered incarnation is live, with the time until it
+    would be declared lost, and changes nothing; once that one is lost, the ID is free."""
+    pool.register("calc-1", capability("calc.add", "1.0.0"), incarnation="inc-1")
+    lease = pool.lease()
+    pool.clock.advance(4.0)
+
+    out = pool.register(
+        "calc-1", capability("calc.add", "1.0.0", max_concurrency=1000), incarnation="forged"
+    )
+
+    assert transitions(out) == []
+    [(to, refusal)] = sent(out, RegistrationRefused)
+    assert to == "calc-1" and refusal.incarnation == "forged"
+    assert refusal.reason is Reason.AGENT_ID_IN_USE
+    assert refusal.retry_after_ms == 26_000  # 3 x 10 s window, 4 s of it gone
+    assert "inc-1" in refusal.detail and "--agent-identity on" in refusal.detail
+    assert [e.reason for e in log_entries(out, "registration_refused")] == ["AGENT_ID_IN_USE"]
+    assert pool.core.agents["calc-1"].incarnation == "inc-1"
+    assert pool.core.counters["registration_incarnation_live"] == 1
+    assert in_flight(pool, "calc-1") == 1  # its lease stands
+    assert refusal_reason_of_release(pool, "no-such") is Reason.UNKNOWN_LEASE
+    assert not isinstance(reply(pool.release(lease.lease_id)), Refusal)
+
+    pool.clock.advance(30.0)
+    pool.tick()  # inc-1 is declared lost
+    again = pool.register("calc-1", capability("calc.add", "1.0.0"), incarnation="forged")
+    assert sent(again, RegistrationAccepted) == [
+        ("calc-1", RegistrationAccepted(agent_id="calc-1", incarnation="forged"))
+    ]
 
 
 def refusal_reason_of_release(pool: Pool, lease_id: str) -> Reason:
@@ -876,7 +915,7 @@ def _drain_busy(pool: Pool) -> None:
 
 
 def _replace(pool: Pool) -> None:
-    pool.register("calc-1", capability("text.stats"), incarnation="inc-2")
+    pool.register("calc-1", capability("text.stats"), incarnation="inc-2", identity_verified=True)
 
 
 REMOVAL_PATHS: dict[str, Callable[[Pool], None]] = {

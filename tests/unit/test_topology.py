@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -15,6 +16,7 @@ from mesh.topology import (
     Topology,
     names,
 )
+from mesh.topology.specs import reply_queue
 
 topology = Topology()
 
@@ -163,13 +165,68 @@ def test_the_dead_letter_queue_is_bounded_and_catches_every_reason() -> None:
     )
 
 
-def test_every_queue_the_manager_or_an_agent_declares_is_bounded_or_ephemeral() -> None:
-    everything = topology.manager() + topology.agent("calc-1", task_queue_bound=4)
+def test_every_queue_the_mesh_declares_has_a_bound_by_count() -> None:
+    everything = (
+        topology.manager()
+        + topology.agent("calc-1", task_queue_bound=4)
+        + topology.pool("echo")
+        + Declarations(queues=(reply_queue("amq.gen-1"),))
+    )
 
+    assert len({spec.name for spec in everything.queues}) == 8
     for spec in everything.queues:
         args = spec.arguments.to_amqp()
-        bounded = "x-max-length" in args or args.get("x-queue-type") == "quorum"
-        assert bounded or spec.auto_delete, spec.name
+        assert isinstance(args.get("x-max-length"), int), spec.name
+        assert args.get("x-overflow") in ("drop-head", "reject-publish"), spec.name
+
+
+def test_queues_that_take_bodies_from_outside_are_bounded_by_bytes_too() -> None:
+    manager = topology.manager()
+    for name in (
+        topology.announce_queue,
+        topology.heartbeat_queue,
+        topology.rpc_queue,
+        topology.dead_letter_queue,
+    ):
+        args = queue(manager, name).arguments.to_amqp()
+        assert 0 < args["x-max-length-bytes"] <= 256 * 1024 * 1024, name
+
+
+def test_the_announce_queue_nacks_registrations_when_full() -> None:
+    args = queue(topology.manager(), topology.announce_queue).arguments.to_amqp()
+
+    assert args["x-max-length"] == topology.announce_max_length
+    assert args["x-overflow"] == "reject-publish"  # an agent is told, and retries
+
+
+def test_a_pool_queue_is_declared_the_same_whatever_its_capacity() -> None:
+    spec = queue(topology.pool("echo"), topology.pool_task_queue("echo"))
+    args = spec.arguments.to_amqp()
+
+    assert args == {
+        "x-queue-type": "quorum",
+        "x-max-length": topology.pool_queue_max_length,
+        "x-overflow": "reject-publish",
+        "x-dead-letter-exchange": topology.dead_letter_exchange,
+        "x-delivery-limit": topology.pool_delivery_limit,
+    }
+
+
+def test_a_pool_queues_capacity_bound_is_a_policy_on_exactly_that_queue() -> None:
+    policy = topology.pool_bound_policy("rag.search-v2", 12)
+    name = topology.pool_task_queue("rag.search-v2")
+
+    assert policy.definition == {"max-length": 12, "overflow": "reject-publish"}
+    assert re.fullmatch(policy.pattern[1:-1], name)
+    assert not re.search(policy.pattern, name + "x") and not re.search(policy.pattern, "x" + name)
+    assert not re.search(policy.pattern, name.replace(".", "-"))  # dots are escaped
+    assert policy.to_api() == {
+        "pattern": policy.pattern,
+        "definition": {"max-length": 12, "overflow": "reject-publish"},
+        "priority": 10,
+        "apply-to": "queues",
+    }
+    assert topology.pool_bound_policy("echo", 0).definition["max-length"] == 1
 
 
 def test_queue_arguments_leave_out_what_is_not_set() -> None:
@@ -187,6 +244,7 @@ def test_every_queue_argument_has_its_amqp_name() -> None:
     everything_set = QueueArguments(
         queue_type="quorum",
         max_length=1,
+        max_length_bytes=5,
         overflow="drop-head",
         message_ttl_ms=2,
         expires_ms=3,
@@ -198,6 +256,7 @@ def test_every_queue_argument_has_its_amqp_name() -> None:
     assert everything_set.to_amqp() == {
         "x-queue-type": "quorum",
         "x-max-length": 1,
+        "x-max-length-bytes": 5,
         "x-overflow": "drop-head",
         "x-message-ttl": 2,
         "x-expires": 3,
