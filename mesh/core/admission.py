@@ -702,23 +702,31 @@ class AdmissionCore:
         """A fresh reservation taking every counter the request needs in ``pool_id``, or
         the first shortage; short of a slot, once more after evicting a recoverable
         lower-ranked grant if there is one."""
-        req = request.requirements
+        items = self._items(request.requirements, tenant, pool_id, live)
+        short = batch.take(items)
+        if _short_of_slots(short) and self._evict_for(batch, request, tenant, pool_id, now):
+            short = batch.take(items)
+        if short is not None:
+            return short
+        descriptor = self.descriptors.get(pool_id)
+        return Reservation(
+            request.admission_id, digest, pool_id, ReservationState.ACTIVE, batch.fences.pop(),
+            items, now + self.policy.grant_ttl_s, now, now,
+            descriptor.descriptor_epoch if descriptor is not None else None,
+        )  # fmt: skip
+
+    @staticmethod
+    def _items(
+        req: TaskRequirements, tenant: str, pool_id: str, live: LiveCapacity | None
+    ) -> tuple[Item, ...]:
+        """Every counter a grant of ``req`` in ``pool_id`` takes, and how much of each."""
         raw = [
             (TENANT_POOL if resource.startswith(TENANT_TOKENS_PREFIX) else pool_id, resource, n)
             for resource, n in reservation_items(req, tenant)
         ]
         if live is not None:
             raw.append((pool_id, live_slots_resource(req.capability.name), 1))
-        items = normalize_items(raw)
-        short = batch.take(items)
-        if _short_of_slots(short) and self._evict_for(batch, request, tenant, pool_id, now):
-            short = batch.take(items)
-        if short is not None:
-            return short
-        return Reservation(
-            request.admission_id, digest, pool_id, ReservationState.ACTIVE, batch.fences.pop(),
-            items, now + self.policy.grant_ttl_s, now, now,
-        )  # fmt: skip
+        return normalize_items(raw)
 
     def _granted(
         self,
@@ -927,8 +935,12 @@ class AdmissionCore:
         tools: Sequence[str] = (),
         now: float,
     ) -> AdmissionDecision:
-        descriptor = self.descriptors.get(reservation.pool_id)
-        epoch = descriptor.descriptor_epoch if descriptor else 1
+        # The epoch it was granted under, so a replay reports the same grant; rows written
+        # before reservations kept it report the pool's current epoch.
+        epoch = reservation.descriptor_epoch
+        if epoch is None:
+            descriptor = self.descriptors.get(reservation.pool_id)
+            epoch = descriptor.descriptor_epoch if descriptor else 1
         lease = None
         if self.lease_signer is not None:
             expires = reservation.expires_at

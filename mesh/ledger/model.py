@@ -118,6 +118,7 @@ class Reservation:
     expires_at: float
     created_at: float
     updated_at: float | None = None  # the last state change (release, expiry…), when known
+    descriptor_epoch: int | None = None  # the pool's epoch it was granted under (None: older row)
 
     @property
     def holding(self) -> bool:

@@ -69,9 +69,12 @@ def _ddl(s: str) -> list[str]:
             expires_at   DOUBLE PRECISION NOT NULL,
             created_at   DOUBLE PRECISION NOT NULL,
             updated_at   DOUBLE PRECISION NOT NULL,
-            items        TEXT)""",
-        # Schemas of an earlier version: their old reservations' items stay in ledger_item.
+            items        TEXT,
+            epoch        BIGINT)""",
+        # Schemas of an earlier version: their old reservations' items stay in ledger_item,
+        # and their rows keep a NULL epoch ("not recorded").
         f'ALTER TABLE "{s}".ledger_reservation ADD COLUMN IF NOT EXISTS items TEXT',
+        f'ALTER TABLE "{s}".ledger_reservation ADD COLUMN IF NOT EXISTS epoch BIGINT',
         f"""CREATE INDEX IF NOT EXISTS ledger_reservation_due
             ON "{s}".ledger_reservation (expires_at) WHERE state IN ('PREPARING', 'ACTIVE')""",
         f"""CREATE TABLE IF NOT EXISTS "{s}".ledger_item (

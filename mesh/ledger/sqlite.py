@@ -67,7 +67,8 @@ CREATE TABLE IF NOT EXISTS ledger_reservation (
     expires_at   REAL    NOT NULL,
     created_at   REAL    NOT NULL,
     updated_at   REAL    NOT NULL,
-    items        TEXT
+    items        TEXT,
+    epoch        INTEGER
 );
 CREATE INDEX IF NOT EXISTS ledger_reservation_due ON ledger_reservation (expires_at)
     WHERE state IN ('PREPARING', 'ACTIVE');
@@ -175,9 +176,12 @@ class SqliteLedger(SqlLedger):
             self._conn.execute("BEGIN IMMEDIATE")
             for statement in _statements(_SCHEMA):
                 self._conn.execute(statement)
-            columns = self._conn.execute("PRAGMA table_info(ledger_reservation)").fetchall()
-            if "items" not in {column[1] for column in columns}:  # a file of an earlier version
+            rows = self._conn.execute("PRAGMA table_info(ledger_reservation)").fetchall()
+            columns = {row[1] for row in rows}
+            if "items" not in columns:  # a file of an earlier version
                 self._conn.execute("ALTER TABLE ledger_reservation ADD COLUMN items TEXT")
+            if "epoch" not in columns:  # its rows keep a NULL epoch: "not recorded"
+                self._conn.execute("ALTER TABLE ledger_reservation ADD COLUMN epoch INTEGER")
             self._conn.execute("COMMIT")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the ledger at {path}: {exc}") from exc

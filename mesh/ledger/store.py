@@ -116,7 +116,7 @@ __all__ = ["DecisionRow", "LedgerStore", "SqlLedger", "Usage"]  # the first and 
 
 _HOLDING = "(" + ", ".join(f"'{state}'" for state in sorted(HOLDING_STATES)) + ")"
 _RES_COLUMNS = (
-    "admission_id, digest, pool_id, state, fence, expires_at, created_at, updated_at, items"
+    "admission_id, digest, pool_id, state, fence, expires_at, created_at, updated_at, items, epoch"
 )
 """A reservation's columns. ``items`` holds its items as compact JSON (:func:`items_json`),
 in the row itself: one row per admission rather than one more per item, so an admission
@@ -154,10 +154,13 @@ class LedgerStore(Protocol):
         *,
         pool_id: str | None = None,
         activate_ttl_s: float | None = None,
+        descriptor_epoch: int | None = None,
     ) -> Prepared | Refused:
         """Take every item (all or nothing) and hold them PREPARING until ``now + ttl_s``.
         With ``activate_ttl_s`` (nothing outside the ledger to wait for), a fresh reservation
-        is then activated in the same transaction, ACTIVE until ``now + activate_ttl_s``."""
+        is then activated in the same transaction, ACTIVE until ``now + activate_ttl_s``.
+        ``descriptor_epoch``: the pool's epoch it is granted under, kept with it so a replay
+        reports the same grant."""
         ...
 
     def activate(
@@ -438,6 +441,7 @@ class SqlLedger(abc.ABC):
         *,
         pool_id: str | None = None,
         activate_ttl_s: float | None = None,
+        descriptor_epoch: int | None = None,
     ) -> Prepared | Refused:
         check_ttl(ttl_s, now)
         if activate_ttl_s is not None:
@@ -450,11 +454,12 @@ class SqlLedger(abc.ABC):
         if db is not None and self._plan is not None:
             return self._prepare_planned(
                 db, self._plan, admission_id, digest, pool, wanted, expires_at, now,
-                activate_ttl_s is not None,
+                activate_ttl_s is not None, descriptor_epoch,
             )  # fmt: skip
+        activate = activate_ttl_s is not None
         return self._atomic(
             lambda db: self._prepare(
-                db, admission_id, digest, pool, wanted, expires_at, now, activate_ttl_s is not None
+                db, admission_id, digest, pool, wanted, expires_at, now, activate, descriptor_epoch
             )
         )
 
@@ -536,7 +541,8 @@ class SqlLedger(abc.ABC):
                     rows.taken[(pool, resource)] = rows.taken.get((pool, resource), 0) + amount
                 rows.reservations.append(
                     (r.admission_id, r.digest, r.pool_id, r.state.value, r.fence, r.expires_at,
-                     r.created_at, r.updated_at or r.created_at, items_json(r.items))
+                     r.created_at, r.updated_at or r.created_at, items_json(r.items),
+                     r.descriptor_epoch)
                 )  # fmt: skip
                 active = r.state is ReservationState.ACTIVE
                 for event, target in _PREPARED_ACTIVATED if active else _PREPARED:
@@ -685,6 +691,7 @@ class SqlLedger(abc.ABC):
         expires_at: float,
         now: float,
         activate: bool = False,
+        descriptor_epoch: int | None = None,
     ) -> Prepared | Refused:
         """With ``activate`` the reservation passes PREPARING → ACTIVE inside this one
         transaction: nobody can see it in between, so its row is written once, as ACTIVE
@@ -696,10 +703,10 @@ class SqlLedger(abc.ABC):
         state = ReservationState.ACTIVE if activate else ReservationState.PREPARING
         inserted = db.changed(
             f"INSERT INTO {self._t.reservation} ({_RES_COLUMNS})"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (admission_id) DO NOTHING",
             (admission_id, digest, pool_id, state.value, fence, expires_at, now, now,
-             items_json(items)),
+             items_json(items), descriptor_epoch),
         )  # fmt: skip
         if inserted:
             self._take(db, items)
@@ -710,8 +717,9 @@ class SqlLedger(abc.ABC):
             )
             self._append_log(db, now, admission_id, fence, *events)
             reservation = Reservation(
-                admission_id, digest, pool_id, state, fence, items, expires_at, now, now
-            )
+                admission_id, digest, pool_id, state, fence, items, expires_at, now, now,
+                descriptor_epoch,
+            )  # fmt: skip
             return Prepared(reservation, replayed=False)
         existing = self._select(db, admission_id)
         if existing is None:
@@ -786,6 +794,7 @@ class SqlLedger(abc.ABC):
         expires_at: float,
         now: float,
         activate: bool,
+        descriptor_epoch: int | None,
     ) -> Prepared | Refused:
         """``_prepare``'s outcome, decided against the plan's view; the rows wait for the
         flush. Nothing is written before the checks pass, so a refusal needs no savepoint."""
@@ -815,13 +824,14 @@ class SqlLedger(abc.ABC):
         state = ReservationState.ACTIVE if activate else ReservationState.PREPARING
         plan.reservations.append(
             (admission_id, digest, pool_id, state.value, fence, expires_at, now, now,
-             items_json(items))
+             items_json(items), descriptor_epoch)
         )  # fmt: skip
         for event, target in _PREPARED_ACTIVATED if activate else _PREPARED:
             plan.log.append((now, admission_id, event, target, fence))
         reservation = Reservation(
-            admission_id, digest, pool_id, state, fence, items, expires_at, now, now
-        )
+            admission_id, digest, pool_id, state, fence, items, expires_at, now, now,
+            descriptor_epoch,
+        )  # fmt: skip
         plan.known[admission_id] = reservation
         return Prepared(reservation, replayed=False)
 
@@ -1003,8 +1013,9 @@ class SqlLedger(abc.ABC):
                     expires_at=float(e),
                     created_at=float(c),
                     updated_at=float(u),
+                    descriptor_epoch=None if epoch is None else int(epoch),
                 )
-                for a, d, p, s, f, e, c, u, i in rows
+                for a, d, p, s, f, e, c, u, i, epoch in rows
             ),
             key=lambda r: r.fence,
         )

@@ -25,6 +25,7 @@ from mesh.ledger import (
     Reservation,
     ReservationState,
 )
+from mesh.ledger.model import Reserve
 from mesh.ledger.store import Db, SqlLedger
 
 from .conftest import LedgerFactory
@@ -118,6 +119,37 @@ def test_preparing_again_with_the_same_digest_replays_the_decision(pool: LedgerS
     assert (replayed.state, replayed.fence) == (ReservationState.RELEASED, first.fence)
     assert used(pool, "pool-a", "model_slots") == 0
     assert_conserved(pool)
+
+
+@PLANNED
+def test_a_reservation_keeps_the_descriptor_epoch_it_was_granted_under(
+    pool: LedgerStore, plan: list[str]
+) -> None:
+    first = pool.batch(
+        lambda: prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0, descriptor_epoch=7)),
+        plan=plan,
+    )
+    assert first.descriptor_epoch == 7
+    assert reservation_of(pool, "adm-1").descriptor_epoch == 7
+    untold = prepared(pool.prepare("adm-2", "d2", [SLOT], TTL, T0))
+    assert (
+        untold.descriptor_epoch is None and reservation_of(pool, "adm-2").descriptor_epoch is None
+    )
+    # Written as an operation of a decided batch, as the admission core does.
+    fence = max(r.fence for r in pool.active()) + 100
+    written = Reservation(
+        "adm-3", "d3", "pool-a", ReservationState.ACTIVE, fence,
+        (Item("pool-a", "sandboxes", 1),), T0 + TTL, T0, T0, 9,
+    )  # fmt: skip
+    pool.apply([Reserve(written)])
+    assert pool.get("adm-3") == written
+    assert [r.descriptor_epoch for r in pool.active()] == [7, None, 9]
+
+
+def reservation_of(store: LedgerStore, admission_id: str) -> Reservation:
+    found = store.get(admission_id)
+    assert found is not None, admission_id
+    return found
 
 
 def test_the_same_admission_id_with_another_digest_is_a_conflict(pool: LedgerStore) -> None:

@@ -62,6 +62,7 @@ def _earlier_version_store(factory: LedgerFactory) -> str:
     store.close()
     statements: list[tuple[str, tuple[Any, ...]]] = [
         ("ALTER TABLE ledger_reservation DROP COLUMN items", ()),
+        ("ALTER TABLE ledger_reservation DROP COLUMN epoch", ()),
         (
             "INSERT INTO ledger_reservation (admission_id, digest, pool_id, state, fence,"
             " expires_at, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -99,6 +100,7 @@ def test_an_earlier_version_store_reads_and_releases_its_old_reservations(
     old = store.get("old-1")
     assert old is not None and old.state is ReservationState.ACTIVE
     assert old.items == OLD_ITEMS
+    assert old.descriptor_epoch is None  # not recorded then: reported as the pool's current
     assert [r.admission_id for r in store.active()] == ["old-1"]
     assert used(store, "pool-a", "tool:search") == 2
 
@@ -117,7 +119,12 @@ def test_an_earlier_version_store_expires_old_reservations_and_writes_new_ones_i
     location = _earlier_version_store(ledger_factory)
     store = ledger_factory.open(location)
 
-    new = prepared(store.prepare("new-1", "sha256:new", [("pool-a", "model_slots", 1)], 30.0, NOW))
+    new = prepared(
+        store.prepare(
+            "new-1", "sha256:new", [("pool-a", "model_slots", 1)], 30.0, NOW, descriptor_epoch=2
+        )
+    )
+    assert store.get("new-1") == new and new.descriptor_epoch == 2
     assert new.fence > 1  # the old reservation's fence is not reused
     assert used(store, "pool-a", "model_slots") == 2
 

@@ -4,6 +4,8 @@ returns, and what it read is the view it was given."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mesh.core.admission import AdmissionCore, AdmissionPolicy
@@ -127,6 +129,35 @@ def test_the_same_request_recorded_as_admitted_gets_the_same_grant_and_writes_no
 
     assert again.final() == [granted]
     assert [op for op in again.ops if not isinstance(op, SaveEligibility)] == []
+
+
+def test_a_reservation_keeps_its_epoch_and_a_replay_after_a_new_epoch_reports_it() -> None:
+    """A grant replayed from its reservation (the decision record was not written: the
+    manager stopped in between) reports the epoch it was granted under, not the pool's
+    current one: an agent checks old-epoch grants against the draining allowlist."""
+    first = core().decide([request("adm-1")], view(counters()), T0)
+    (reserve,) = [op for op in first.ops if isinstance(op, Reserve)]
+    assert reserve.reservation.descriptor_epoch == DESCRIPTOR.descriptor_epoch
+
+    later = core()
+    later.activate(
+        DESCRIPTOR.model_copy(update={"descriptor_epoch": DESCRIPTOR.descriptor_epoch + 1})
+    )
+    batch = later.decide(
+        [request("adm-1")],
+        view(counters(), reservations={"adm-1": reserve.reservation}),
+        T0 + 1,
+    )
+
+    (replayed,) = batch.final()
+    assert replayed.grant is not None and replayed.grant.fence == reserve.reservation.fence
+    assert replayed.grant.descriptor_epoch == DESCRIPTOR.descriptor_epoch
+    # A row from before reservations kept their epoch reports the pool's current one.
+    legacy = dataclasses.replace(reserve.reservation, descriptor_epoch=None)
+    again = later.decide([request("adm-1")], view(counters(), reservations={"adm-1": legacy}), T0)
+    (old_row,) = again.final()
+    assert old_row.grant is not None
+    assert old_row.grant.descriptor_epoch == DESCRIPTOR.descriptor_epoch + 1
 
 
 def test_an_admission_id_reused_with_other_requirements_is_a_conflict() -> None:
