@@ -67,6 +67,7 @@ from mesh.core.eligibility import (
     tenant_tokens_resource,
     widening,
 )
+from mesh.core.line import PoolLine
 from mesh.core.pressure import (
     EVICTION_ORDER,
     Holding,
@@ -267,6 +268,7 @@ class Batch:
     live_written: dict[tuple[str, str], int] = field(default_factory=dict)
     live_checked: tuple[int, int] | None = None  # (live version, descriptors version) written
     misses: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) deferred
+    line_marks: dict[str, int] = field(default_factory=dict)  # per pool: undo to here
 
     def take(self, items: tuple[Item, ...]) -> Refused | None:
         """Take every item from the batch's counters, or none (the first shortage)."""
@@ -328,6 +330,7 @@ class AdmissionCore:
     # (pool, live_slots resource) -> the capacity last committed to the ledger
     live_written: dict[tuple[str, str], int] = field(default_factory=dict)
     live_checked: tuple[int, int] | None = None  # what live_written is known to match
+    lines: dict[str, PoolLine] = field(default_factory=dict)  # per pool: deferred for capacity
 
     def __post_init__(self) -> None:
         self.pressure = PressureBoard(self.policy.pressure)
@@ -511,13 +514,17 @@ class AdmissionCore:
         if batch.live_checked is not None:
             self.live_checked = batch.live_checked
         self.misses += batch.misses
+        for pool_id in batch.line_marks:
+            self.lines[pool_id].forget_undo()
 
     def abandoned(self, batch: Batch, now: float) -> None:
-        """Nothing of ``batch`` was kept: put the pressure board back as it was."""
+        """Nothing of ``batch`` was kept: put the pressure board and the lines back."""
         for admission_id in batch.granted:
             self.pressure.ended(admission_id, now, completed=False)
         for eviction in batch.evicted:  # the victims' releases rolled back with it
             self.pressure.restore(eviction.victim.admission_id, eviction.holding, now)
+        for pool_id, mark in batch.line_marks.items():
+            self.lines[pool_id].undo(mark)
 
     def _write_live(self, batch: Batch, live: LiveCapacity) -> None:
         """The ledger's live-slot capacities as the registry says: per described pool and
@@ -571,6 +578,10 @@ class AdmissionCore:
         if decision is None:  # waits for external grants: recorded once settled
             batch.pending[-1].snapshot, batch.pending[-1].shadow = snapshot, shadow
             return None
+        if decision.outcome != "deferred":
+            self._leave_lines(batch, request.admission_id)
+        elif decision.position is None:  # deferred for another reason (shed, fair share…)
+            self._keep_places(batch, request, tenant, decision.retry_after_ms, now)
         decided = DecisionRecord(
             digest, decision, tenant, _estimate(request.requirements),
             snapshot=snapshot, evaluated_at=now, shadow=shadow, eligibility_ref=snapshot.ref,
@@ -611,6 +622,11 @@ class AdmissionCore:
             )
             if known is not None:  # reserved before (a manager stopped mid-way)
                 return self._known(batch, index, request, tenant, digest, known, now)
+            behind = self._behind_the_line(batch, pool_id, request, tenant, now, live)
+            if behind is not None:
+                first = first or (pool_id, behind)
+                missed.append((pool_id, AdmissionReason.CAPACITY.value))
+                continue
             reserved = self._reserve(batch, request, tenant, digest, pool_id, now, live)
             if isinstance(reserved, Reservation):
                 return self._granted(
@@ -629,10 +645,168 @@ class AdmissionCore:
                 f"an eligible primary pool ({', '.join(eligibility.eligible)})",
             )
         assert first is not None  # every pool tried said why not
-        decision = self._deferred(request, tenant, first[0], first[1], now, live)
+        decision = self._not_now(batch, request, tenant, first[0], first[1], now, live)
         if decision.outcome == "deferred":
             batch.misses += missed
         return decision
+
+    def _not_now(
+        self,
+        batch: Batch,
+        request: AdmissionRequest,
+        tenant: str,
+        pool_id: str,
+        why: Shed,
+        now: float,
+        live: LiveCapacity | None,
+    ) -> AdmissionDecision:
+        """Why the most preferred pool said no, as a decision: for want of capacity (the
+        counters', or what its stage leaves its class) with a place in its line when lines
+        are on, else with a retry time."""
+        if why.reason in _LINE_REASONS and self._lines_on():
+            return self._in_line(batch, request, tenant, pool_id, why, now, live)
+        return self._deferred(request, tenant, pool_id, why, now, live)
+
+    # ---- the line (mesh.core.line) -----------------------------------------------------------
+    def _lines_on(self) -> bool:
+        """Lines are part of pressure handling: off with it (``enabled=False``) or alone."""
+        return self.policy.pressure.enabled and self.policy.pressure.line
+
+    def _line(self, batch: Batch, pool_id: str) -> PoolLine:
+        line = self.lines.get(pool_id)
+        if line is None:
+            line = self.lines[pool_id] = PoolLine(max_waiting=self.policy.pressure.line_max)
+        batch.line_marks.setdefault(pool_id, line.mark())
+        return line
+
+    def _room(
+        self,
+        batch: Batch,
+        pool_id: str,
+        req: TaskRequirements,
+        tenant: str,
+        live: LiveCapacity | None,
+    ) -> int:
+        """How many grants shaped like ``req`` the pool's counters hold room for now: the
+        binding counter decides (slots, sandboxes, a tool…); the tenant's budget is its own."""
+        room: int | None = None
+        for item_pool, resource, amount in self._items(req, tenant, pool_id, live):
+            if item_pool != pool_id:
+                continue
+            used, capacity = batch.counters.get((item_pool, resource), (0, 0))
+            fits = max(0, capacity - used) // amount
+            room = fits if room is None else min(room, fits)
+        return room or 0
+
+    def _class_room(
+        self,
+        batch: Batch,
+        pool_id: str,
+        req: TaskRequirements,
+        tenant: str,
+        live: LiveCapacity | None,
+    ) -> int:
+        """The room for ``req``: its counters', within what the pool's stage leaves its class
+        (batch and speculative work stop short of full)."""
+        free = self._room(batch, pool_id, req, tenant, live)
+        staged = self.pressure.class_room(pool_id, req.service_class, req.priority)
+        return free if staged is None else min(free, staged)
+
+    def _behind_the_line(
+        self,
+        batch: Batch,
+        pool_id: str,
+        request: AdmissionRequest,
+        tenant: str,
+        now: float,
+        live: LiveCapacity | None,
+    ) -> Shed | None:
+        """``CAPACITY`` when at least as many requests wait ahead of this one in the pool's
+        line as there is room for: that room is theirs while they are due back."""
+        if not self._lines_on() or pool_id not in self.lines:
+            return None
+        line = self._line(batch, pool_id)
+        if not line:
+            return None
+        req = request.requirements
+        cls = req.service_class
+        ahead = line.ahead(request.admission_id, tenant, cls, now)
+        free = self._class_room(batch, pool_id, req, tenant, live)
+        if ahead == 0 or ahead < free:
+            return None
+        return Shed(
+            AdmissionReason.CAPACITY.value,
+            f"{ahead} request(s) wait ahead of this one in {pool_id}'s line for {cls} work and "
+            f"there is room for {free}: room goes to the head of the line first",
+            1,
+        )
+
+    def _in_line(
+        self,
+        batch: Batch,
+        request: AdmissionRequest,
+        tenant: str,
+        pool_id: str,
+        why: Shed,
+        now: float,
+        live: LiveCapacity | None,
+    ) -> AdmissionDecision:
+        """A deferral for capacity with a place in ``pool_id``'s line: its position, and a
+        retry time from that position and the pool's drain rate; the place is kept until
+        then plus ``line_grace_s``. A retry that would miss the deadline: rejected."""
+        req = request.requirements
+        line = self._line(batch, pool_id)
+        ahead = line.ahead(request.admission_id, tenant, req.service_class, now)
+        free = self._class_room(batch, pool_id, req, tenant, live)
+        retry_ms = self.pressure.line_retry_ms(
+            pool_id, ahead + 1, free, req.estimated_duration_s, req.deadline, now, self.rand
+        )
+        if retry_ms is None:
+            return AdmissionDecision(
+                admission_id=request.admission_id,
+                outcome="rejected",
+                reason=AdmissionReason.DEADLINE_UNREACHABLE,
+                detail=f"{why.detail}; its turn would come after the deadline"[:1000],
+                allowed_degradations=list(req.allowed_degradations),
+            )
+        due_by = now + retry_ms / 1000.0 + self.policy.pressure.line_grace_s
+        placed = line.join(request.admission_id, tenant, req.service_class, now, due_by)
+        detail = why.detail
+        if placed:
+            detail = f"{detail}; place {ahead + 1} in {pool_id}'s line, kept until {due_by:.1f}"
+        return AdmissionDecision(
+            admission_id=request.admission_id,
+            outcome="deferred",
+            reason=AdmissionReason(why.reason),
+            detail=detail[:1000],
+            retry_after_ms=retry_ms,
+            position=ahead + 1 if placed else None,
+            allowed_degradations=list(req.allowed_degradations),
+        )
+
+    def _keep_places(
+        self,
+        batch: Batch,
+        request: AdmissionRequest,
+        tenant: str,
+        retry_after_ms: int | None,
+        now: float,
+    ) -> None:
+        """A request in a line deferred for another reason (its class shed for a while, its
+        tenant at its share) keeps its place for its retry time and the grace: a younger
+        request of its class and tenant must not overtake it meanwhile."""
+        due_by = now + (retry_after_ms or 0) / 1000.0 + self.policy.pressure.line_grace_s
+        cls = request.requirements.service_class
+        for pool_id, line in self.lines.items():
+            if request.admission_id in line:
+                batch.line_marks.setdefault(pool_id, line.mark())
+                line.join(request.admission_id, tenant, cls, now, due_by)
+
+    def _leave_lines(self, batch: Batch, admission_id: str) -> None:
+        for pool_id, line in self.lines.items():
+            if admission_id in line:
+                batch.line_marks.setdefault(pool_id, line.mark())
+                line.leave(admission_id)
 
     def _known(
         self,
@@ -1120,6 +1294,10 @@ def _tenant_of(reservation: Reservation) -> str | None:
 def _run_of(run_id: str | None, tenant: str) -> str | None:
     """A run's key on the pressure board: run IDs are scoped by tenant."""
     return None if run_id is None else f"{tenant}/{run_id}"
+
+
+# Deferrals that give a place in the pool's line: want of room, the counters' or the stage's.
+_LINE_REASONS = frozenset({AdmissionReason.CAPACITY.value, AdmissionReason.SHED.value})
 
 
 def _short_of_slots(refused: Refused | None) -> bool:

@@ -118,6 +118,12 @@ class PressurePolicy:
     # after it was entered (a broker alarm excepted): a pool at steady load holds still.
     hysteresis: float = 0.1
     min_dwell_s: float = 2.0
+    # Requests deferred for capacity keep a place in the pool's line (mesh.core.line): a free
+    # slot goes to those ahead first. A place is kept for the retry time plus this grace.
+    line: bool = True
+    line_grace_s: float = 2.0
+    line_max: int = 10_000  # waiting requests per pool; beyond, deferred without a place
+    line_jitter: float = 0.1  # a placed request's retry time spreads less: it has a turn
 
 
 def shed_rank(service_class: str, priority: int, policy: PressurePolicy) -> int:
@@ -416,6 +422,53 @@ class PressureBoard:
             return None
         ahead.append(now + retry_ms / 1000.0)
         p.waiting[tenant] = ahead
+        return retry_ms
+
+    def class_room(self, pool_id: str, service_class: str, priority: int) -> int | None:
+        """How many more grants of this class the pool's stage lets in now (batch and
+        speculative work stop short of full); ``None``: no limit short of the counters."""
+        if not self.policy.enabled:
+            return None
+        rank = shed_rank(service_class, priority, self.policy)
+        if rank == 2:
+            return None
+        p = self.pool(pool_id)
+        stops_at = _RANK_STOPS_AT[rank]
+        if p.stage >= stops_at:
+            return 0
+        return max(0, p.limit(stops_at, self.policy) - p.used)
+
+    def line_retry_ms(
+        self,
+        pool_id: str,
+        position: int,
+        free: int,
+        estimated_duration_s: float,
+        deadline: float | None,
+        now: float,
+        rand: Callable[[], float],
+    ) -> int | None:
+        """When a request at ``position`` in the pool's line (``free`` slots free now) should
+        come back: once the ``position - free`` grants before its turn have ended at the
+        pool's drain rate; ``None`` when the deadline would pass first."""
+        policy = self.policy
+        p = self.pool(pool_id)
+        service_s = self._service_s(p, estimated_duration_s)
+        if p.capacity <= 0 or service_s <= 0:
+            wait_ms = float(policy.retry_default_ms)
+        else:
+            drain_rate = p.capacity / service_s  # grants ending per second when busy
+            wait_ms = 1000.0 * max(1, position - free) / drain_rate
+        wait_ms = min(max(wait_ms, policy.retry_min_ms), policy.retry_max_ms)
+        spread = wait_ms * (1.0 + policy.line_jitter * (2.0 * rand() - 1.0))
+        retry_ms = int(min(max(spread, policy.retry_min_ms), policy.retry_max_ms))
+        if deadline is not None:
+            # What the gate will predict when it comes back (queue wait and service), and a
+            # slack for coming back a little late: better told now than refused at its turn.
+            back = now + retry_ms / 1000.0
+            finish = back + self._queue_wait_s(p) + service_s
+            if finish + 0.05 + 0.1 * (finish - now) > deadline:
+                return None
         return retry_ms
 
     def fair_share(self, pool_id: str, tenant: str, now: float) -> int:

@@ -132,6 +132,7 @@ class Submitted:
     result: TaskResult
     decision: AdmissionDecision  # the admitting one (grant, pool, fence)
     attempts: int  # admissions asked for, this one included
+    admission_wait_s: float = 0.0  # from the call to the grant (deferrals waited out)
 
     @property
     def degradations(self) -> list[AppliedDegradation]:
@@ -444,8 +445,12 @@ class MeshClient:
         under a new admission ID. A request that gets no answer in time, or cannot be sent
         (the manager or the broker away), is asked again with the **same** admission ID
         until the deadline — the ledger decides an ID once, so a retry never takes a second
-        grant. ``Submitted.degradations`` says what the result gave up.
+        grant. A deferral with a ``position`` (a place in the pool's line) is retried, with
+        the same ID, after exactly its ``retry_after_ms``, which keeps the place; others
+        after ``retry_after_ms`` and a jittered backoff. ``Submitted.degradations`` says what
+        the result gave up.
         """
+        called = time.monotonic()
         deadline = time.time() + timeout_s
         if requirements.deadline is not None:
             deadline = min(deadline, requirements.deadline)
@@ -474,17 +479,24 @@ class MeshClient:
                     continue
                 if decision.outcome == "admitted":
                     assert decision.grant is not None  # the model's invariant
+                    waited = time.monotonic() - called
                     ran = await self._run_granted(decision, requirements, payload, deadline)
                     if isinstance(ran, TaskResult):
                         output = _output_of(ran, allowed=requirements.allowed_degradations)
-                        return Submitted(output, ran, decision, attempts)
+                        return Submitted(output, ran, decision, attempts, waited)
                     decision = ran  # queue full, or evicted: a refusal like the others
                     self._stop_awaiting(admission_id)  # that grant is settled: a new phase
                     admission_id = self._await(new_admission_id())
                 last = decision
                 if decision.outcome == "rejected" or not await _keep_waiting(on_deferred, decision):
                     raise AdmissionRefused(decision)
-                delay = retry_delay_s(decision.retry_after_ms, refusals, backoff, rand)
+                if decision.position is not None:
+                    # A place in the pool's line, kept for a while: come back when told (the
+                    # manager spread the time already), or the place is lost.
+                    delay = (decision.retry_after_ms or 0) / 1000.0
+                    self.counters["submit_waits_in_line"] += 1
+                else:
+                    delay = retry_delay_s(decision.retry_after_ms, refusals, backoff, rand)
                 refusals += 1
                 self.counters["submit_retries"] += 1
                 if time.time() + delay >= deadline:

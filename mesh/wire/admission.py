@@ -334,6 +334,13 @@ class AdmissionDecision(Message):
     reason: AdmissionReason | None = None
     detail: str = Field(default="", max_length=2000)
     retry_after_ms: int | None = Field(default=None, ge=0)
+    position: int | None = Field(
+        default=None,
+        ge=1,
+        description="A deferral for capacity: this request's place in the pool's line (1: "
+        "next). Its place is kept if it retries with the same admission ID within "
+        "retry_after_ms and a grace; a request that comes back later joins at the back.",
+    )
     allowed_degradations: Degradations = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -341,8 +348,14 @@ class AdmissionDecision(Message):
         if self.outcome == "admitted":
             if self.grant is None:
                 raise ValueError("an admitted decision carries a grant")
-            if self.reason is not None or self.retry_after_ms is not None:
-                raise ValueError("an admitted decision has no reason and no retry_after_ms")
+            if (
+                self.reason is not None
+                or self.retry_after_ms is not None
+                or self.position is not None
+            ):
+                raise ValueError(
+                    "an admitted decision has no reason, no retry_after_ms and no position"
+                )
             if self.grant.admission_id != self.admission_id:
                 raise ValueError("the grant belongs to another admission")
         else:

@@ -31,7 +31,7 @@ from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.topology import Topology
 from mesh.transport import AmqpTransport
-from mesh.wire import AdmissionDecision, CapabilityRange, TaskRequirements
+from mesh.wire import AdmissionDecision, AdmissionReason, CapabilityRange, TaskRequirements
 from mesh.wire.admission import ModelLimits
 
 from .harness import echo_capability, eventually, live_member, start_manager
@@ -281,6 +281,38 @@ async def test_a_changed_capacity_moves_the_queues_bound_without_a_new_queue(
         assert await stuff(transport, mesh.topology) == 0
         assert await transport.queue_depth(mesh.queue) == 6
         assert mesh.manager.counters["reconnects"] == 0
+
+
+async def test_a_deferred_request_keeps_its_place_in_line_against_a_newcomer(
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
+) -> None:
+    """Over the broker: the pool is full, ``first`` is deferred with position 1; a grant
+    ends and a newcomer asks before ``first`` comes back — it is deferred behind it (the
+    room is held for the head of the line), and ``first`` is then admitted."""
+    async with pool_mesh(
+        amqp_url, namespace, tmp_path, management_api, slots=2, agents=0, members=1
+    ) as mesh:
+        holds = [
+            await mesh.producer.admit(echo_requirements(), admission_id=f"hold-{i}")
+            for i in range(2)
+        ]
+        assert all(h.outcome == "admitted" for h in holds)
+        first = await mesh.producer.admit(echo_requirements(), admission_id="first")
+        assert (first.outcome, first.position) == ("deferred", 1), first
+        grant = holds[0].grant
+        assert grant is not None
+        released = await mesh.producer.release_admission(grant)
+        assert released.released
+
+        newcomer = await mesh.producer.admit(echo_requirements(), admission_id="newcomer")
+        again = await mesh.producer.admit(echo_requirements(), admission_id="first")
+
+        assert (newcomer.outcome, newcomer.reason, newcomer.position) == (
+            "deferred",
+            AdmissionReason.CAPACITY,
+            2,
+        ), newcomer
+        assert again.outcome == "admitted", again
 
 
 # ---- load: stair steps and pulses ----------------------------------------------------------

@@ -123,8 +123,9 @@ def test_shrinking_live_capacity_revokes_nothing_and_stops_new_grants(
         grant = admitter.admit(request(f"a-{i}"), "t", T0 + 1, shrunk).grant
         assert grant is not None  # the same admission ID: the grant it holds
         assert admitter.release(grant.admission_id, grant.fence, T0 + 2).released
-        expected = "admitted" if i == 2 else "deferred"
-        assert admitter.admit(request(f"b-{i}"), "t", T0 + 2, shrunk).outcome == expected
+        assert admitter.admit(request(f"b-{i}"), "t", T0 + 2, shrunk).outcome == "deferred"
+    # The room is a-3's: it waited longest (first in the pool's line), b-2 waits behind it.
+    assert admitter.admit(request("a-3"), "t", T0 + 2, shrunk).outcome == "admitted"
 
 
 def test_capacity_and_no_live_agent_deferrals_are_capacity_misses(admitter: Admitter) -> None:
