@@ -24,6 +24,7 @@ from mesh.wire import (
     DrainComplete,
     DrainNotice,
     DrainRequest,
+    Message,
     Reason,
     Refusal,
     RegistrationAccepted,
@@ -188,7 +189,11 @@ async def test_a_forged_registration_never_displaces_a_live_agent(
         what="the refusal",
     )
     # The refusal went to the ID's control queue, which both consume: one of them has it.
-    [refused] = victim.received(RegistrationRefused) + forger.received(RegistrationRefused)
+    def refusals() -> list[Message]:
+        return victim.received(RegistrationRefused) + forger.received(RegistrationRefused)
+
+    await eventually(lambda: bool(refusals()), what="the refusal delivered")
+    [refused] = refusals()
     assert isinstance(refused, RegistrationRefused)
     assert refused.reason is Reason.AGENT_ID_IN_USE and refused.incarnation == forger.incarnation
     assert refused.retry_after_ms is not None and refused.retry_after_ms > 0
