@@ -23,6 +23,7 @@ deadline and allowed degradations, and records a degradation applied (``TaskResu
 
 from mesh.agent.base import Agent, BoundCapability, CapabilitySpec, capability
 from mesh.agent.context import DegradationNotAllowed, TaskContext, current_task
+from mesh.agent.effects import EffectOutcomeUnknown, once
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
 from mesh.agent.http import AgentHttpServer, HttpServerError
 from mesh.agent.processing import process_task
@@ -38,6 +39,7 @@ __all__ = [
     "BoundCapability",
     "CapabilitySpec",
     "DegradationNotAllowed",
+    "EffectOutcomeUnknown",
     "HttpServerError",
     "RegistrationRefusedError",
     "RegistrationTimeoutError",
@@ -45,6 +47,7 @@ __all__ = [
     "backoff_delay",
     "capability",
     "current_task",
+    "once",
     "process_task",
     "run_agent",
 ]

@@ -48,15 +48,26 @@ class TaskContext:
     lease: InvocationLease | None = None
     """The invocation lease of the task's grant: what the handler presents to the tools it
     calls (each checks it with the manager's public key, :mod:`mesh.leases`)."""
+    idempotency_key: str = ""
+    """The same on every delivery of this task, and on no other task: ``admission:<id>`` on
+    the admission path (the grant's admission ID), ``task:<id>`` on the lease path. Key
+    effects by it (:func:`mesh.agent.effects.once` does)."""
+    attempt: int = 1
+    """Which delivery of the task this is (1: the first; from the broker's delivery count
+    on a pool queue, at least 2 when the broker marks it redelivered)."""
+    effects_replayed: int = 0  # effects once() answered from their record, not by running
 
     @classmethod
-    def of(cls, task: Task) -> TaskContext:
+    def of(cls, task: Task, attempt: int = 1) -> TaskContext:
+        key = f"admission:{task.grant.admission_id}" if task.grant else f"task:{task.task_id}"
         return cls(
             task.task_id,
             task.capability,
             task.deadline,
             frozenset(task.allowed_degradations),
             lease=task.grant.lease if task.grant is not None else None,
+            idempotency_key=key,
+            attempt=attempt,
         )
 
     def remaining_s(self, now: float | None = None) -> float:

@@ -19,7 +19,8 @@ no I/O, so it is tested by calling it.
   ``MISSED_HEARTBEATS_BEFORE_LOST`` silent intervals; a gap between heartbeats sent longer than
   :attr:`AgentCore.self_fence_after_s` (that, less half an interval, unless configured) fences
   every task claimed before it ended (:meth:`AgentCore.note_silence`,
-  :meth:`AgentCore.fenced`): the shell withholds their results and requeues them.
+  :meth:`AgentCore.fenced`): the shell asks the manager whether the agent was declared lost,
+  and withholds their results and requeues them unless it was not.
 * **Grants**: the pool's active descriptor epoch, its draining allowlist and the revocations
   seen, from the ``grant.<pool>.#`` feed (:meth:`AgentCore.on_event` says what an event changed);
   :meth:`AgentCore.grant_problem` is the whole check of a task's grant (and its invocation

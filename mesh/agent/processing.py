@@ -68,8 +68,10 @@ async def process_task(
     *,
     agent_id: str,
     clock: Callable[[], float] = time.time,
+    attempt: int = 1,
 ) -> TaskResult:
-    """Run ``task`` on the matching capability and return its result (never raises for it)."""
+    """Run ``task`` on the matching capability and return its result (never raises for it).
+    ``attempt``: which delivery of the task this is (the handler's context says it)."""
     started_at = clock()
     try:
         bound = capabilities.get(task.capability)
@@ -79,7 +81,7 @@ async def process_task(
                 Reason.CAPABILITY_NOT_HANDLED,
                 f"agent {agent_id} does not handle {task.capability} (it offers {offered})",
             )
-        context = TaskContext.of(task)
+        context = TaskContext.of(task, attempt)
         output = await _run(task, bound, context, agent_id, clock, started_at)
     except _Refused as refused:
         return _result(task, agent_id, started_at, clock(), error=refused)

@@ -60,10 +60,16 @@ tasks to others once its connection is gone. An agent that was frozen (``SIGSTOP
 VM, an event loop blocked) for that long must not deliver the work it held when it wakes: that
 work has moved on. So the runtime times the gaps between its own heartbeats (monotonic clock);
 a gap longer than ``self_fence_after_s`` (default: the manager's default rule,
-``MISSED_HEARTBEATS_BEFORE_LOST`` intervals, less half an interval of margin) fences every task
-claimed before it ended: its result is withheld (counted ``results_fenced``, logged) and the task
-is requeued — a no-op if the broker already took it back, and otherwise the way it reaches an
-agent the manager still counts. Fencing too eagerly costs a rerun, never a loss.
+``MISSED_HEARTBEATS_BEFORE_LOST`` intervals, less half an interval of margin) makes every task
+claimed before it ended suspect. Before delivering such a result the runtime asks the manager
+(``StandingRequest`` on ``agent.<id>.standing``, one question per silence): if this incarnation
+is still registered and the manager has not asked it to register again since the task was
+claimed, the silence was one the manager sat out too (a broker outage) and the result goes
+out; otherwise — declared lost, forgotten, or no answer within a few seconds — the result is
+withheld (counted ``results_fenced``, logged) and the task requeued: a no-op if the broker
+already took it back, else the way it reaches an agent the manager still counts. Fencing too
+eagerly costs a rerun, never a loss; effects a rerun must not repeat go through
+:func:`mesh.agent.effects.once`.
 
 Control messages (each acked; garbage dead-lettered):
 
@@ -97,6 +103,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 import uuid
@@ -142,6 +149,8 @@ from mesh.wire.models import (
     RegistrationAccepted,
     RegistrationRefused,
     ReRegisterRequest,
+    Standing,
+    StandingRequest,
     Task,
     TaskResult,
 )
@@ -161,6 +170,7 @@ _CONTROL_TYPES: tuple[type[Message], ...] = (
     Refusal,
     LeaseNotice,
     OrchestrationEvent,  # grant revocations from the events exchange
+    Standing,
 )
 _CONTROL_PREFETCH = 16
 _SETTLE_POLL_S = 0.2
@@ -287,6 +297,10 @@ class AgentRuntime:
         self._pool_lock = asyncio.Lock()
         self._registration: asyncio.Future[RegistrationReply] | None = None
         self._reregistration: asyncio.Task[None] | None = None
+        self._forgotten_at = -math.inf  # monotonic: the manager last asked us to re-register
+        self._standing: asyncio.Future[Standing] | None = None  # the answer awaited
+        self._standing_check: asyncio.Future[bool] | None = None  # after the last silence
+        self._checked_for = -math.inf  # the silence (fenced_before) that check is about
         self._shutdown_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._fatal: MeshError | None = None
@@ -593,6 +607,7 @@ class AgentRuntime:
         elif self.core.phase != "running" or self._registering():
             log.debug("re-register request ignored: registration in progress", extra=self._extra())
         else:
+            self._forgotten_at = time.monotonic()
             log.warning("manager asked us to re-register", extra=self._extra(reason=request.reason))
             self._ready.clear()
             self._reregistration = self._spawn(self._reregister(), "re-register")
@@ -646,6 +661,54 @@ class AgentRuntime:
             "fenced out (results withheld, tasks requeued)",
             extra=self._extra(silent_s=round(silent_s, 1), fence_after_s=self.self_fence_after_s),
         )
+
+    async def _still_registered(self, claimed: float) -> bool:
+        """After a silence: was this agent declared lost? The manager answers a
+        ``StandingRequest``; a task claimed before the silence may still deliver its result
+        only if this incarnation is registered now and the manager did not ask us to register
+        again since the task was claimed (it forgot us: lost, or restarted). No answer in time
+        counts as lost: withholding is the safe side. One check per silence, shared."""
+        if self._forgotten_at >= claimed:
+            return False
+        check = self._standing_check
+        if check is None or (check.done() and self.core.fenced_before > self._checked_for):
+            self._checked_for = self.core.fenced_before
+            check = self._standing_check = asyncio.ensure_future(self._ask_standing())
+        registered = await asyncio.shield(check)
+        if registered and self._forgotten_at < claimed:
+            self.counters["silences_survived"] += 1
+            return True
+        return False
+
+    async def _ask_standing(self) -> bool:
+        request = StandingRequest(agent_id=self.agent_id, incarnation=self._incarnation)
+        deadline = time.monotonic() + max(self.settings.registration_timeout_s * 3, 5.0)
+        while time.monotonic() < deadline:
+            answer: asyncio.Future[Standing] = asyncio.get_running_loop().create_future()
+            self._standing = answer
+            try:
+                await self.transport.publish(  # answered on our control queue
+                    self.topology.announce_exchange,
+                    names.agent_announce_key(self.agent_id, "standing"),
+                    request,
+                    timeout_s=self.settings.publish_timeout_s,
+                    user_id=self._user_id,
+                )
+                async with asyncio.timeout(self.settings.registration_timeout_s):
+                    standing = await answer
+            except (TimeoutError, TransportError) as exc:
+                log.info("no answer on our standing yet", extra=self._extra(error=str(exc)))
+                await asyncio.sleep(0.2)
+                continue
+            finally:
+                self._standing = None
+            log.warning(
+                "asked the manager after a silence",
+                extra=self._extra(registered=standing.registered, state=standing.state),
+            )
+            return standing.registered
+        self.counters["standing_unanswered"] += 1
+        return False
 
     async def _send_heartbeat(self) -> None:
         self._note_silence(time.monotonic())
@@ -711,6 +774,10 @@ class AgentRuntime:
             self._on_refusal(message)
         elif isinstance(message, OrchestrationEvent):
             self._on_event(message)
+        elif isinstance(message, Standing):
+            if self._standing is not None and not self._standing.done():
+                if message.incarnation == self._incarnation:
+                    self._standing.set_result(message)
         else:
             log.info("drain accepted by the manager", extra=self._extra())
 
@@ -940,9 +1007,13 @@ class AgentRuntime:
         claimed = time.monotonic()
         result = await self._run_handler(delivery, task, extra)
         self._note_silence(time.monotonic())
-        if self.core.fenced(claimed):
+        if self.core.fenced(claimed) and not await self._still_registered(claimed):
             self.counters["results_fenced"] += 1
-            log.warning("result withheld: claimed before a silence; requeued", extra=extra)
+            log.warning(
+                "result withheld: claimed before a silence in which this agent was declared "
+                "lost (or the manager could not say it was not); requeued",
+                extra=extra,
+            )
             await _requeue(delivery, extra)
             return
         result = self._at_consumption(task, result, extra)
@@ -978,7 +1049,9 @@ class AgentRuntime:
         if admission_id is not None and current is not None:
             self._running[admission_id] = current
         try:
-            return await process_task(task, self._capabilities, agent_id=self.agent_id)
+            return await process_task(
+                task, self._capabilities, agent_id=self.agent_id, attempt=_attempt(delivery)
+            )
         except asyncio.CancelledError:
             if admission_id in self._evicting and current is not None:
                 current.uncancel()  # stopped for a revocation: answer it, do not requeue
@@ -1372,3 +1445,12 @@ async def _reject(delivery: Delivery, extra: dict[str, Any]) -> None:
         await delivery.reject(requeue=False)
     except Exception as exc:
         log.warning("reject failed", extra={**extra, "error": str(exc)})
+
+
+def _attempt(delivery: Delivery) -> int:
+    """Which delivery of its message this is: a quorum queue counts the earlier ones in
+    ``x-delivery-count``; elsewhere the redelivered flag says only "not the first"."""
+    count = delivery.headers.get("x-delivery-count")
+    if isinstance(count, int) and count >= 0:
+        return count + 1
+    return 2 if delivery.redelivered else 1

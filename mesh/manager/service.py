@@ -101,6 +101,8 @@ from mesh.wire.models import (
     Refusal,
     RegistrationRefused,
     ReleaseRequest,
+    Standing,
+    StandingRequest,
     StatusReply,
     StatusRequest,
 )
@@ -112,7 +114,7 @@ _FENCE_ATTEMPTS = 4
 _FENCE_RETRY_S = 2.0  # 4 attempts over 6 s: past one statistics round of the management API
 T = TypeVar("T")
 
-_ANNOUNCE_TYPES = (AgentRegistration, Deregistration, DrainRequest)
+_ANNOUNCE_TYPES = (AgentRegistration, Deregistration, DrainRequest, StandingRequest)
 _RPC_TYPES = (
     FindRequest,
     AcquireRequest,
@@ -348,6 +350,8 @@ class ManagerService:
             event, claimed = DeregistrationReceived(message), message.agent_id
         elif isinstance(message, DrainRequest):
             event, claimed = DrainRequested(message.agent_id, message.reason), message.agent_id
+        elif isinstance(message, StandingRequest):
+            claimed = message.agent_id
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
         if self.settings.agent_identity and claimed != delivery.user_id:
@@ -359,12 +363,27 @@ class ManagerService:
                 f"{delivery.user_id!r}: agents speak only for themselves",
             )
         self.counters[f"received.{message.type}"] += 1
+        if isinstance(message, StandingRequest):
+            await self._send_to_agent(message.agent_id, self._standing(message))
+            return
         if isinstance(message, AgentRegistration) and not self.admission.understands_epochs(
             message
         ):
             await self._refuse_registration(message, delivery)
             return
         await self._feed(event, delivery)  # a drain request may carry reply_to
+
+    def _standing(self, request: StandingRequest) -> Standing:
+        """Whether this incarnation is registered now (it was not declared lost)."""
+        agent = self.core.agents.get(request.agent_id)
+        registered = agent is not None and agent.incarnation == request.incarnation
+        self.counters[f"standing.{'registered' if registered else 'unknown'}"] += 1
+        return Standing(
+            agent_id=request.agent_id,
+            incarnation=request.incarnation,
+            registered=registered,
+            state=agent.state.value if agent is not None and registered else None,
+        )
 
     async def _refuse_registration(
         self, registration: AgentRegistration, delivery: Delivery

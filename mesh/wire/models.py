@@ -212,6 +212,30 @@ class RegistrationRefused(Message):
     )
 
 
+class StandingRequest(Message):
+    """Agent -> manager (``rpc.standing``, ``reply_to`` its control queue): after a silence
+    (its connection lost for a while), is this incarnation still registered — or was it
+    declared lost? The answer decides whether the results of tasks it claimed before the
+    silence may still be delivered (:mod:`mesh.agent.core`, self-fencing)."""
+
+    TYPE = "mesh.standing-request.v1"
+    type: Literal["mesh.standing-request.v1"] = "mesh.standing-request.v1"
+    agent_id: AgentId
+    incarnation: Identifier
+
+
+class Standing(Message):
+    """Manager -> agent: ``registered`` true if the agent is registered with exactly that
+    incarnation now (it was not declared lost); ``state`` its lifecycle state then."""
+
+    TYPE = "mesh.standing.v1"
+    type: Literal["mesh.standing.v1"] = "mesh.standing.v1"
+    agent_id: AgentId
+    incarnation: Identifier
+    registered: bool
+    state: str | None = Field(default=None, max_length=32)
+
+
 class ReRegisterRequest(Message):
     """Manager -> agent: I do not know you (I restarted, or you were declared lost)."""
 
@@ -582,6 +606,8 @@ CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (
     RegistrationAccepted,
     RegistrationRefused,
     ReRegisterRequest,
+    StandingRequest,
+    Standing,
     DrainNotice,
     DrainComplete,
     LeaseNotice,

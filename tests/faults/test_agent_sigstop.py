@@ -9,9 +9,11 @@ it holds — through the freeze; the manager, which has the management API, clos
 agent's connections, and the broker redelivers at once. The test shows:
 
 1. every task completes exactly once for the producer: no failure, no second result, and no
-   *late* reply — the woken agent finished the handlers it held, but withheld their results
-   (its log: ``result withheld``; without the fence those results went out after the
-   reconnect and the producer counted them as late replies);
+   *late* reply — the woken agent asked the manager whether it had been declared lost (its
+   log: ``registered=False``) and withheld the results of the handlers it held (``result
+   withheld``), or had them cancelled with its closed connection meanwhile; without the
+   fence those results went out after the reconnect and the producer counted them as late
+   replies;
 2. the manager declared the victim lost once (journal: ``-> Terminated``, ``no heartbeat``);
 3. the tasks the victim held were redelivered and served by the survivor, once each, while
    the victim was still frozen (after the manager had declared it lost);
@@ -122,12 +124,15 @@ async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_o
     # (1) Exactly once for the producer; nothing late.
     exactly_once(load)
     assert client.counters["late_replies"] == 0, "a fenced result reached the producer"
+    told = log_lines(log_dir, victim, "asked the manager after a silence")
+    assert told and all("registered=False" in line for line in told), told
+    assert not log_lines(log_dir, victim, "registered=True"), "told it was not lost"
     withheld = log_lines(log_dir, victim, "result withheld")
-    assert withheld, f"{victim} held tasks when frozen but withheld no result"
     print(
-        f"froze {victim} for {FREEZE_S:g} s holding tasks; on waking it withheld "
-        f"{len(withheld)} result(s) (the rest of its handlers were cancelled with the closed "
-        f"connection); {len(load.submitted)} tasks, each answered once"
+        f"froze {victim} for {FREEZE_S:g} s holding tasks; on waking it asked, was told it had "
+        f"been declared lost, and withheld {len(withheld)} result(s) (the rest of its handlers "
+        f"were cancelled with the closed connection); {len(load.submitted)} tasks, each "
+        "answered once"
     )
 
     # (2) Declared lost once.

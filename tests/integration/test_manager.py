@@ -188,6 +188,7 @@ async def test_a_forged_registration_never_displaces_a_live_agent(
         lambda: manager.core.counters["registration_incarnation_live"] == 1,
         what="the refusal",
     )
+
     # The refusal went to the ID's control queue, which both consume: one of them has it.
     def refusals() -> list[Message]:
         return victim.received(RegistrationRefused) + forger.received(RegistrationRefused)

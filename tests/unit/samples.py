@@ -53,6 +53,8 @@ from mesh.wire import (
     ReleaseRequest,
     ReRegisterRequest,
     Sandbox,
+    Standing,
+    StandingRequest,
     StatusReply,
     StatusRequest,
     Task,
@@ -177,6 +179,8 @@ _samples: list[Message] = [
         detail="heartbeat_interval_s=1 is below the minimum of 5 s",
     ),
     ReRegisterRequest(agent_id="calc-7f9c", reason="unknown agent"),
+    StandingRequest(agent_id="calc-7f9c", incarnation="3b1f0c2d"),
+    Standing(agent_id="calc-7f9c", incarnation="3b1f0c2d", registered=True, state="Busy"),
     DrainNotice(agent_id="calc-7f9c", reason="rolling deploy"),
     DrainComplete(agent_id="calc-7f9c"),
     LeaseNotice(

@@ -46,7 +46,7 @@ from mesh.wire import (
     decode,
     encode,
 )
-from mesh.wire.models import OrchestrationEvent, TaskGrant
+from mesh.wire.models import OrchestrationEvent, Standing, StandingRequest, TaskGrant
 
 OBJECT_N = {
     "type": "object",
@@ -1117,10 +1117,33 @@ async def test_a_grant_revoked_while_the_task_runs_withholds_its_output() -> Non
         await runtime.stop()
 
 
-async def test_a_result_claimed_before_a_long_silence_is_withheld_and_the_task_requeued() -> None:
+def standing(registered: bool) -> Callable[[Message], list[Message]]:
+    """A manager that accepts registrations and answers a standing request as told."""
+
+    def manager(message: Message) -> list[Message]:
+        if isinstance(message, StandingRequest):
+            return [
+                Standing(
+                    agent_id=message.agent_id,
+                    incarnation=message.incarnation,
+                    registered=registered,
+                    state="Busy" if registered else None,
+                )
+            ]
+        return accepting(message)
+
+    return manager
+
+
+@pytest.mark.parametrize("declared_lost", [True, False], ids=["declared-lost", "not-lost"])
+async def test_a_result_claimed_before_a_long_silence_goes_out_only_if_the_agent_was_not_lost(
+    declared_lost: bool,
+) -> None:
     # Self-fencing: a gap between two of our heartbeats longer than self_fence_after_s (here:
-    # the previous beat made to look 100 s old while a handler runs, as after a SIGSTOP) means
-    # the manager has declared us lost and the broker has handed our tasks to others.
+    # the previous beat made to look 100 s old while a handler runs, as after a SIGSTOP) makes
+    # the agent ask the manager whether it was declared lost. Lost: the result is withheld
+    # and the task requeued (its work has moved on); not lost (a broker outage the manager
+    # sat out too): the finished result goes out, and the task is not run again.
     gate = asyncio.Event()
     started = asyncio.Event()
 
@@ -1133,7 +1156,7 @@ async def test_a_result_claimed_before_a_long_silence_is_withheld_and_the_task_r
             await gate.wait()
             return {"done": True}
 
-    transport = FakeTransport(manager=accepting)
+    transport = FakeTransport(manager=standing(registered=not declared_lost))
     runtime = runtime_with(transport, Frozen("frozen-1"))
     await runtime.start()
     try:
@@ -1146,9 +1169,18 @@ async def test_a_result_claimed_before_a_long_silence_is_withheld_and_the_task_r
         runtime.core.last_beat = time.monotonic() - 100.0  # the freeze
         gate.set()
         await handling
+        assert len(transport.of_type(StandingRequest)) == 1  # it asked, once
+        assert runtime.counters["silences"] == 1
+        if not declared_lost:
+            assert settled(first) == "ack"
+            [result] = transport.of_type(TaskResult)
+            assert result.correlation_id == "held"
+            assert runtime.counters["results_fenced"] == 0
+            assert runtime.counters["silences_survived"] == 1
+            return
         assert settled(first) == "requeue"
         assert transport.of_type(TaskResult) == [], "the fenced result went out"
-        assert runtime.counters["results_fenced"] == 1 and runtime.counters["silences"] == 1
+        assert runtime.counters["results_fenced"] == 1
 
         # A task claimed after the silence is not fenced.
         second = make_delivery(make_task("f.wait", {}, task_id="after"), reply_to="reply.q")

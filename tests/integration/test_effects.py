@@ -1,0 +1,119 @@
+"""Effects at most once over the real broker: a granted task delivered twice to a pool (as
+a broker redelivers after a lost ack) runs its handler twice, but the effect it wraps in
+``once`` runs once; both results carry the first run's outcome, and the handler sees the
+task's idempotency key and which delivery it is."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from mesh.agent import Agent, AgentRuntime, AgentSettings, capability, current_task, once
+from mesh.agent.effects import SqliteEffectLog
+from mesh.samples import SAMPLES
+from mesh.topology import names
+from mesh.transport import AmqpTransport, Delivery
+from mesh.wire import Task, TaskResult, decode_as
+
+from .harness import eventually
+from .test_backpressure import echo_requirements, pool_mesh
+
+OBJECT = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object"}
+
+
+class Charger(Agent):
+    """Pool ``echo``'s capability, with a side effect: one charge per task."""
+
+    deployment = "echo"
+
+    def __init__(self, agent_id: str, log: SqliteEffectLog) -> None:
+        super().__init__(agent_id, heartbeat_interval_s=5.0)
+        self.effects = log
+        self.charges: list[str] = []
+        self.seen: list[tuple[str, int]] = []
+
+    @capability("test.echo", version="1.0.0", input_schema=OBJECT, output_schema=OBJECT)
+    async def charge(self, payload: dict[str, Any]) -> dict[str, Any]:
+        task = current_task()
+        self.seen.append((task.idempotency_key, task.attempt))
+
+        async def effect() -> str:
+            self.charges.append(task.idempotency_key)
+            return f"receipt-{len(self.charges)}"
+
+        return {"receipt": await once("charge", effect, log=self.effects)}
+
+
+async def test_a_task_delivered_twice_charges_once(
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
+) -> None:
+    async with pool_mesh(amqp_url, namespace, tmp_path, management_api, slots=4, agents=0) as mesh:
+        agent = Charger("charger-1", SqliteEffectLog(tmp_path / "effects.sqlite3"))
+        runtime = AgentRuntime(agent, AgentSettings(amqp_url=amqp_url, namespace=namespace))
+        await runtime.start()
+        raw = await AmqpTransport.connect(amqp_url, name="duplicates")
+        try:
+            decision = await mesh.producer.admit(echo_requirements())
+            assert decision.grant is not None, decision
+            task = Task(
+                task_id=uuid.uuid4().hex,
+                capability="test.echo",
+                payload={"card": "4242"},
+                deadline=time.time() + 30,
+                submitted_at=time.time(),
+                grant=decision.grant,
+            )
+            reply_queue = await raw.declare_reply_queue(f"{namespace}.replies")
+            results: list[TaskResult] = []
+
+            async def on_reply(delivery: Delivery) -> None:
+                results.append(decode_as(delivery.body, TaskResult))
+
+            await raw.consume(reply_queue, on_reply, no_ack=True)
+            for n in (1, 2):  # the same task twice, as a redelivery would bring it
+                await raw.publish(
+                    mesh.topology.tasks_exchange,
+                    names.pool_task_key("echo"),
+                    task,
+                    reply_to=reply_queue,
+                    correlation_id=task.task_id,
+                )
+                await eventually(lambda n=n: len(results) >= n, what=f"result {n}")  # type: ignore[misc]
+
+            assert [r.status for r in results] == ["ok", "ok"]
+            assert [r.output for r in results] == [{"receipt": "receipt-1"}] * 2
+            assert agent.charges == [f"admission:{decision.grant.admission_id}"]
+            assert [key for key, _ in agent.seen] == agent.charges * 2
+        finally:
+            await raw.close()
+            await runtime.stop()
+
+
+async def test_a_silence_the_manager_did_not_count_as_lost_keeps_the_finished_result(
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
+) -> None:
+    """The agent's own clock says it was silent past its self-fence (here set to 1 s, while
+    a 2.5 s task blocks its next heartbeat, which is due only every 5 s), but the manager,
+    whose window is 15 s, never declared it lost: the agent asks, hears it is registered,
+    and delivers the result — the task runs once (it used to be withheld and run again)."""
+    async with pool_mesh(amqp_url, namespace, tmp_path, management_api, slots=4, agents=0) as mesh:
+        runtime = AgentRuntime(
+            SAMPLES["echo"]("echo-quiet", heartbeat_interval_s=5.0),
+            AgentSettings(amqp_url=amqp_url, namespace=namespace, self_fence_after_s=1.0),
+        )
+        await runtime.start()
+        try:
+            done = await mesh.producer.submit(
+                echo_requirements(), {"message": "once", "sleep_ms": 2500}, timeout_s=20
+            )
+
+            assert done.output == {"message": "once", "slept_ms": 2500}
+            assert runtime.counters["silences"] == 1
+            assert runtime.counters["silences_survived"] == 1
+            assert runtime.counters["results_fenced"] == 0
+            assert runtime.counters["tasks_ok"] == 1  # run once, not withheld and run again
+            assert mesh.manager.counters["standing.registered"] == 1
+        finally:
+            await runtime.stop()

@@ -1,0 +1,130 @@
+"""The effect logs behind ``mesh.agent.once``, each on its real store (SQLite file,
+PostgreSQL, memory): an effect runs at most once per task and name, its result is replayed,
+an effect that raised is never run again unless the exception proves it did not happen, and
+of concurrent claims exactly one runs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Iterator
+from contextvars import Context
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from mesh.agent import EffectOutcomeUnknown, once
+from mesh.agent.context import TaskContext, _current
+from mesh.agent.effects import EffectLog, MemoryEffectLog, PostgresEffectLog, SqliteEffectLog
+from mesh.errors import MeshError
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def log(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EffectLog]:
+    if request.param == "memory":
+        yield MemoryEffectLog()
+    elif request.param == "sqlite":
+        store = SqliteEffectLog(tmp_path / "effects.sqlite3")
+        yield store
+        store.close()
+    else:
+        dsn = request.getfixturevalue("postgres_dsn")
+        schema = f"effects_{uuid.uuid4().hex[:8]}"
+        pg = PostgresEffectLog(dsn, schema=schema)
+        yield pg
+        pg.close()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def in_task(key: str, attempt: int = 1) -> TaskContext:
+    """Enter a task's context, as the runtime does around a handler."""
+    context = TaskContext("t", "cap", None, frozenset(), idempotency_key=key, attempt=attempt)
+    _current.set(context)
+    return context
+
+
+async def test_an_effect_runs_once_and_later_deliveries_get_its_result(log: EffectLog) -> None:
+    runs: list[int] = []
+
+    async def charge() -> dict[str, Any]:
+        runs.append(1)
+        return {"receipt": "r-1", "cents": 500}
+
+    in_task("admission:a1")
+    first = await once("charge", charge, log=log)
+    again = in_task("admission:a1", attempt=2)
+    second = await once("charge", charge, log=log)
+
+    assert first == second == {"receipt": "r-1", "cents": 500}
+    assert runs == [1] and again.effects_replayed == 1
+    in_task("admission:a2")  # another task: its own effect
+    await once("charge", charge, log=log)
+    in_task("admission:a1")
+    await once("refund", charge, log=log)  # another effect of the same task
+    assert len(runs) == 3
+
+
+async def test_an_effect_that_raised_is_not_run_again(log: EffectLog) -> None:
+    runs: list[int] = []
+
+    async def flaky() -> str:
+        runs.append(1)
+        raise ConnectionError("the PSP hung up mid-call")
+
+    in_task("admission:b1")
+    with pytest.raises(ConnectionError):
+        await once("charge", flaky, log=log)
+    with pytest.raises(EffectOutcomeUnknown, match="PSP hung up"):
+        await once("charge", flaky, log=log)
+    assert runs == [1]
+
+
+async def test_an_exception_that_proves_nothing_happened_frees_the_key(log: EffectLog) -> None:
+    class Declined(Exception):
+        pass
+
+    outcomes = iter([Declined("card declined"), "r-2"])
+
+    async def charge() -> str:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    in_task("admission:c1")
+    with pytest.raises(Declined):
+        await once("charge", charge, log=log, retry_on=(Declined,))
+    assert await once("charge", charge, log=log, retry_on=(Declined,)) == "r-2"
+
+
+def test_of_concurrent_claims_exactly_one_runs(log: EffectLog) -> None:
+    winners: list[int] = []
+    barrier = threading.Barrier(8)
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        if log.claim("admission:d1/charge", 0.0) is None:
+            winners.append(i)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1
+
+
+async def test_outside_a_task_once_refuses() -> None:
+    async def effect() -> int:
+        return 1
+
+    # A fresh context (as outside any handler): no task is current.
+    task = asyncio.get_running_loop().create_task(
+        once("x", effect, log=MemoryEffectLog()), context=Context()
+    )
+    with pytest.raises(MeshError, match="inside a task handler"):
+        await task
