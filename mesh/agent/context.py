@@ -59,7 +59,7 @@ class TaskContext:
 
     @classmethod
     def of(cls, task: Task, attempt: int = 1) -> TaskContext:
-        key = f"admission:{task.grant.admission_id}" if task.grant else f"task:{task.task_id}"
+        key = idempotency_key(task)
         return cls(
             task.task_id,
             task.capability,
@@ -101,6 +101,12 @@ class TaskContext:
     @property
     def degradations(self) -> list[AppliedDegradation]:
         return list(self.applied.values())
+
+
+def idempotency_key(task: Task) -> str:
+    """``admission:<id>`` for a granted task, ``task:<id>`` for a leased one: the same on every
+    delivery of one task, and on no other."""
+    return f"admission:{task.grant.admission_id}" if task.grant else f"task:{task.task_id}"
 
 
 _current: ContextVar[TaskContext] = ContextVar("mesh_current_task")

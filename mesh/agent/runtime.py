@@ -69,7 +69,9 @@ out; otherwise — declared lost, forgotten, or no answer within a few seconds �
 withheld (counted ``results_fenced``, logged) and the task requeued: a no-op if the broker
 already took it back, else the way it reaches an agent the manager still counts. Fencing too
 eagerly costs a rerun, never a loss; effects a rerun must not repeat go through
-:func:`mesh.agent.effects.once`.
+:func:`mesh.agent.effects.once`. A task this agent already answered (its ack lost, the broker
+brought it back) is answered again from the result it published, not run again
+(``ANSWERS_KEPT`` most recent, by idempotency key).
 
 Control messages (each acked; garbage dead-lettered):
 
@@ -107,7 +109,7 @@ import math
 import random
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +118,7 @@ from urllib.parse import urlsplit
 
 from mesh import constants as c
 from mesh.agent.base import Agent
+from mesh.agent.context import idempotency_key
 from mesh.agent.core import AgentCore, Phase
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
 from mesh.agent.http import AgentHttpServer, default_drain_deadline_s
@@ -173,6 +176,9 @@ _CONTROL_TYPES: tuple[type[Message], ...] = (
     Standing,
 )
 _CONTROL_PREFETCH = 16
+ANSWERS_KEPT = 4096  # published results remembered for redeliveries of the same task
+# Results that are no answer to the task's work: a redelivery must run it after all.
+_NOT_DONE = frozenset({Reason.AGENT_SHUTDOWN, Reason.EVICTED, Reason.DEADLINE_EXCEEDED})
 _SETTLE_POLL_S = 0.2
 _WORK_REPORT_DELAY_S = 0.02  # pool-work changes within this are one report
 
@@ -299,7 +305,9 @@ class AgentRuntime:
         self._reregistration: asyncio.Task[None] | None = None
         self._forgotten_at = -math.inf  # monotonic: the manager last asked us to re-register
         self._standing: asyncio.Future[Standing] | None = None  # the answer awaited
-        self._standing_check: asyncio.Future[bool] | None = None  # after the last silence
+        # idempotency key -> the result published for it (ANSWERS_KEPT most recent)
+        self._answered: OrderedDict[str, TaskResult] = OrderedDict()
+        self._standing_check: asyncio.Future[float | None] | None = None  # last silence's
         self._checked_for = -math.inf  # the silence (fenced_before) that check is about
         self._shutdown_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -665,27 +673,32 @@ class AgentRuntime:
     async def _still_registered(self, claimed: float) -> bool:
         """After a silence: was this agent declared lost? The manager answers a
         ``StandingRequest``; a task claimed before the silence may still deliver its result
-        only if this incarnation is registered now and the manager did not ask us to register
-        again since the task was claimed (it forgot us: lost, or restarted). No answer in time
-        counts as lost: withholding is the safe side. One check per silence, shared."""
+        only if this incarnation's registration is older than the claim (registered before
+        it, and not forgotten and registered again since — the manager lost or restarted)
+        and the manager did not ask us to register again since. No answer in time counts as
+        lost: withholding is the safe side. One question per silence, shared."""
         if self._forgotten_at >= claimed:
             return False
         check = self._standing_check
         if check is None or (check.done() and self.core.fenced_before > self._checked_for):
             self._checked_for = self.core.fenced_before
             check = self._standing_check = asyncio.ensure_future(self._ask_standing())
-        registered = await asyncio.shield(check)
-        if registered and self._forgotten_at < claimed:
+        since = await asyncio.shield(check)
+        if since is not None and since <= claimed and self._forgotten_at < claimed:
             self.counters["silences_survived"] += 1
+            log.info("result delivered after a silence: still registered", extra=self._extra())
             return True
         return False
 
-    async def _ask_standing(self) -> bool:
+    async def _ask_standing(self) -> float | None:
+        """When (our monotonic clock) the manager's registration of this incarnation began,
+        by its answer; ``None``: not registered, or no answer."""
         request = StandingRequest(agent_id=self.agent_id, incarnation=self._incarnation)
         deadline = time.monotonic() + max(self.settings.registration_timeout_s * 3, 5.0)
         while time.monotonic() < deadline:
             answer: asyncio.Future[Standing] = asyncio.get_running_loop().create_future()
             self._standing = answer
+            asked = time.monotonic()
             try:
                 await self.transport.publish(  # answered on our control queue
                     self.topology.announce_exchange,
@@ -704,11 +717,19 @@ class AgentRuntime:
                 self._standing = None
             log.warning(
                 "asked the manager after a silence",
-                extra=self._extra(registered=standing.registered, state=standing.state),
+                extra=self._extra(
+                    registered=standing.registered,
+                    state=standing.state,
+                    registered_for_s=standing.registered_for_s,
+                ),
             )
-            return standing.registered
+            if not standing.registered or standing.registered_for_s is None:
+                return None
+            # The registration began at least this long before we asked (the answer's
+            # travel only makes it look younger: the safe side).
+            return asked - standing.registered_for_s
         self.counters["standing_unanswered"] += 1
-        return False
+        return None
 
     async def _send_heartbeat(self) -> None:
         self._note_silence(time.monotonic())
@@ -988,6 +1009,15 @@ class AgentRuntime:
         if problem is not None:  # at claim: the task never runs
             await self._refuse_at_claim(delivery, task, problem, extra)
             return
+        answered = self._answered.get(idempotency_key(task))
+        if answered is not None:  # done here before (its ack was lost): the same answer
+            self.counters["tasks_answered_again"] += 1
+            log.info("task done here before; answered from its recorded result", extra=extra)
+            if await self._send_result(delivery, answered, extra):
+                await _ack(delivery, extra)
+            else:
+                await _requeue(delivery, extra)
+            return
         counted = task.capability in self._in_flight
         if from_pool and counted and not await self._start_pool_task(delivery, task, extra):
             return
@@ -1021,6 +1051,7 @@ class AgentRuntime:
         if result.error is not None:
             log.info("task failed", extra={**extra, "code": result.error.code.value})
         if await self._send_result(delivery, result, extra):
+            self._remember_answer(task, result)
             await _ack(delivery, extra)
         else:
             if self.core.result_point is not None and task.grant and task.grant.lease:
@@ -1078,6 +1109,17 @@ class AgentRuntime:
         await self._answer_and_dead_letter(
             delivery, task, Reason.AGENT_SHUTDOWN, f"{self.agent_id}: {why}", None, extra
         )
+
+    def _remember_answer(self, task: Task, result: TaskResult) -> None:
+        """Keep a published result (bounded, most recent): a redelivery of the same task to
+        this agent — its ack lost in a broker restart or a cut connection — is answered with
+        it instead of running the handler again."""
+        if result.error is not None and result.error.code in _NOT_DONE:
+            return  # it did not run to an answer: a redelivery should run it
+        self._answered[idempotency_key(task)] = result
+        self._answered.move_to_end(idempotency_key(task))
+        while len(self._answered) > ANSWERS_KEPT:
+            self._answered.popitem(last=False)
 
     async def _send_result(
         self, delivery: Delivery, result: TaskResult, extra: dict[str, Any]

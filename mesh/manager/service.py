@@ -378,11 +378,16 @@ class ManagerService:
         agent = self.core.agents.get(request.agent_id)
         registered = agent is not None and agent.incarnation == request.incarnation
         self.counters[f"standing.{'registered' if registered else 'unknown'}"] += 1
+        if agent is None or not registered:
+            return Standing(
+                agent_id=request.agent_id, incarnation=request.incarnation, registered=False
+            )
         return Standing(
             agent_id=request.agent_id,
             incarnation=request.incarnation,
-            registered=registered,
-            state=agent.state.value if agent is not None and registered else None,
+            registered=True,
+            state=agent.state.value,
+            registered_for_s=max(0.0, self.clock.now().mono - agent.registered_at),
         )
 
     async def _refuse_registration(

@@ -226,7 +226,8 @@ class StandingRequest(Message):
 
 class Standing(Message):
     """Manager -> agent: ``registered`` true if the agent is registered with exactly that
-    incarnation now (it was not declared lost); ``state`` its lifecycle state then."""
+    incarnation now; ``state`` its lifecycle state then, ``registered_for_s`` since when (a
+    registration younger than the silence: it was declared lost and came back)."""
 
     TYPE = "mesh.standing.v1"
     type: Literal["mesh.standing.v1"] = "mesh.standing.v1"
@@ -234,6 +235,12 @@ class Standing(Message):
     incarnation: Identifier
     registered: bool
     state: str | None = Field(default=None, max_length=32)
+    registered_for_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="How long this registration has stood: a registration younger than a "
+        "task's claim means the agent was forgotten and registered again meanwhile.",
+    )
 
 
 class ReRegisterRequest(Message):

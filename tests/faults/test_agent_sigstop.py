@@ -124,9 +124,11 @@ async def test_a_frozen_agent_is_declared_lost_and_its_late_results_are_fenced_o
     # (1) Exactly once for the producer; nothing late.
     exactly_once(load)
     assert client.counters["late_replies"] == 0, "a fenced result reached the producer"
+    # It asked, and was told it was not registered — or (the answer overtaken by its
+    # re-registration) registered only since a moment ago: younger than its claims.
     told = log_lines(log_dir, victim, "asked the manager after a silence")
-    assert told and all("registered=False" in line for line in told), told
-    assert not log_lines(log_dir, victim, "registered=True"), "told it was not lost"
+    assert told, f"{victim} did not ask the manager after its silence"
+    assert not log_lines(log_dir, victim, "still registered"), "it took itself for not lost"
     withheld = log_lines(log_dir, victim, "result withheld")
     print(
         f"froze {victim} for {FREEZE_S:g} s holding tasks; on waking it asked, was told it had "

@@ -1,7 +1,7 @@
-"""Effects at most once over the real broker: a granted task delivered twice to a pool (as
-a broker redelivers after a lost ack) runs its handler twice, but the effect it wraps in
-``once`` runs once; both results carry the first run's outcome, and the handler sees the
-task's idempotency key and which delivery it is."""
+"""Effects at most once over the real broker: a granted task delivered again (as a broker
+redelivers after a lost ack) is answered from the record of the agent that answered it, and
+on another agent sharing the effect log it runs its handler but not its effect; and a
+silence the manager did not count as lost keeps a finished result."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ class Charger(Agent):
 
     deployment = "echo"
 
-    def __init__(self, agent_id: str, log: SqliteEffectLog) -> None:
+    def __init__(self, agent_id: str, log: SqliteEffectLog, charges: list[str]) -> None:
         super().__init__(agent_id, heartbeat_interval_s=5.0)
         self.effects = log
-        self.charges: list[str] = []
+        self.charges = charges  # every charge made, by any agent sharing the list
         self.seen: list[tuple[str, int]] = []
 
     @capability("test.echo", version="1.0.0", input_schema=OBJECT, output_schema=OBJECT)
@@ -49,10 +49,16 @@ class Charger(Agent):
 async def test_a_task_delivered_twice_charges_once(
     amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
 ) -> None:
+    """The same task three times: to the agent that answered it (answered from its record,
+    the handler not run), then — that agent gone — to another agent sharing its effect log
+    (the handler runs, the effect does not: its recorded receipt comes back)."""
+    charges: list[str] = []
+    log_path = tmp_path / "effects.sqlite3"
     async with pool_mesh(amqp_url, namespace, tmp_path, management_api, slots=4, agents=0) as mesh:
-        agent = Charger("charger-1", SqliteEffectLog(tmp_path / "effects.sqlite3"))
+        agent = Charger("charger-1", SqliteEffectLog(log_path), charges)
         runtime = AgentRuntime(agent, AgentSettings(amqp_url=amqp_url, namespace=namespace))
         await runtime.start()
+        other: AgentRuntime | None = None
         raw = await AmqpTransport.connect(amqp_url, name="duplicates")
         try:
             decision = await mesh.producer.admit(echo_requirements())
@@ -72,7 +78,8 @@ async def test_a_task_delivered_twice_charges_once(
                 results.append(decode_as(delivery.body, TaskResult))
 
             await raw.consume(reply_queue, on_reply, no_ack=True)
-            for n in (1, 2):  # the same task twice, as a redelivery would bring it
+
+            async def deliver(n: int) -> None:  # the same task, as a redelivery brings it
                 await raw.publish(
                     mesh.topology.tasks_exchange,
                     names.pool_task_key("echo"),
@@ -80,15 +87,28 @@ async def test_a_task_delivered_twice_charges_once(
                     reply_to=reply_queue,
                     correlation_id=task.task_id,
                 )
-                await eventually(lambda n=n: len(results) >= n, what=f"result {n}")  # type: ignore[misc]
+                await eventually(lambda: len(results) >= n, what=f"result {n}")
 
-            assert [r.status for r in results] == ["ok", "ok"]
-            assert [r.output for r in results] == [{"receipt": "receipt-1"}] * 2
-            assert agent.charges == [f"admission:{decision.grant.admission_id}"]
-            assert [key for key, _ in agent.seen] == agent.charges * 2
+            await deliver(1)
+            await deliver(2)
+            assert runtime.counters["tasks_answered_again"] == 1
+            assert len(agent.seen) == 1  # the handler ran once on charger-1
+            await runtime.stop()
+            second = Charger("charger-2", SqliteEffectLog(log_path), charges)
+            other = AgentRuntime(second, AgentSettings(amqp_url=amqp_url, namespace=namespace))
+            await other.start()
+            await deliver(3)
+
+            assert [r.status for r in results] == ["ok"] * 3
+            assert [r.output for r in results] == [{"receipt": "receipt-1"}] * 3
+            key = f"admission:{decision.grant.admission_id}"
+            assert charges == [key]  # one charge in all
+            assert second.seen == [(key, 1)]  # its handler ran, and once() answered it
         finally:
             await raw.close()
             await runtime.stop()
+            if other is not None:
+                await other.stop()
 
 
 async def test_a_silence_the_manager_did_not_count_as_lost_keeps_the_finished_result(

@@ -4,6 +4,7 @@ protocol driven through an in-memory fake transport that plays the manager."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import re
@@ -720,6 +721,35 @@ async def test_a_task_is_run_and_its_result_published_to_reply_to_before_the_ack
     await runtime.stop()
 
 
+async def test_a_task_redelivered_to_the_agent_that_answered_it_is_answered_again_not_rerun() -> (
+    None
+):
+    # Its ack was lost (a broker restart, a cut connection): the broker brings the same task
+    # back. The handler does not run again; the recorded result goes out again and is acked.
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    try:
+        first = make_delivery(make_task(payload={"n": 5}, task_id="t-9"), reply_to="reply.q")
+        await transport.deliver("t.agent.toy-1.tasks", first)
+        again = dataclasses.replace(
+            make_delivery(make_task(payload={"n": 5}, task_id="t-9"), reply_to="reply.q"),
+            redelivered=True,
+        )
+        await transport.deliver("t.agent.toy-1.tasks", again)
+
+        results = [p.decoded for p in transport.of_type(TaskResult)]
+        assert len(results) == 2 and results[0] == results[1]
+        assert settled(again) == "ack"
+        assert runtime.counters["tasks_ok"] == 1  # the handler ran once
+        assert runtime.counters["tasks_answered_again"] == 1
+        other = make_delivery(make_task(payload={"n": 5}, task_id="t-10"), reply_to="reply.q")
+        await transport.deliver("t.agent.toy-1.tasks", other)
+        assert runtime.counters["tasks_ok"] == 2  # another task runs
+    finally:
+        await runtime.stop()
+
+
 async def test_a_task_error_is_a_result_too() -> None:
     transport = FakeTransport(manager=accepting)
     runtime = runtime_with(transport)
@@ -1128,6 +1158,7 @@ def standing(registered: bool) -> Callable[[Message], list[Message]]:
                     incarnation=message.incarnation,
                     registered=registered,
                     state="Busy" if registered else None,
+                    registered_for_s=1_000.0 if registered else None,
                 )
             ]
         return accepting(message)
