@@ -49,9 +49,11 @@ class TaskContext:
     """The invocation lease of the task's grant: what the handler presents to the tools it
     calls (each checks it with the manager's public key, :mod:`mesh.leases`)."""
     idempotency_key: str = ""
-    """The same on every delivery of this task, and on no other task: ``admission:<id>`` on
-    the admission path (the grant's admission ID), ``task:<id>`` on the lease path. Key
-    effects by it (:func:`mesh.agent.effects.once` does)."""
+    """The same on every delivery of this task: ``admission:<id>`` on the admission path (the
+    grant's admission ID: ``submit`` sends one task per grant, and retries a lost answer
+    under the same one), ``task:<id>`` on the lease path. Key effects by it
+    (:func:`mesh.agent.effects.once` does); tasks a producer sends under one grant by hand
+    share it."""
     attempt: int = 1
     """Which delivery of the task this is (1: the first; from the broker's delivery count
     on a pool queue, at least 2 when the broker marks it redelivered)."""
@@ -105,7 +107,7 @@ class TaskContext:
 
 def idempotency_key(task: Task) -> str:
     """``admission:<id>`` for a granted task, ``task:<id>`` for a leased one: the same on every
-    delivery of one task, and on no other."""
+    delivery of one task (and shared by tasks sent under one grant)."""
     return f"admission:{task.grant.admission_id}" if task.grant else f"task:{task.task_id}"
 
 

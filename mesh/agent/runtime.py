@@ -71,7 +71,7 @@ already took it back, else the way it reaches an agent the manager still counts.
 eagerly costs a rerun, never a loss; effects a rerun must not repeat go through
 :func:`mesh.agent.effects.once`. A task this agent already answered (its ack lost, the broker
 brought it back) is answered again from the result it published, not run again
-(``ANSWERS_KEPT`` most recent, by idempotency key).
+(``ANSWERS_KEPT`` most recent, by task ID and idempotency key).
 
 Control messages (each acked; garbage dead-lettered):
 
@@ -305,7 +305,7 @@ class AgentRuntime:
         self._reregistration: asyncio.Task[None] | None = None
         self._forgotten_at = -math.inf  # monotonic: the manager last asked us to re-register
         self._standing: asyncio.Future[Standing] | None = None  # the answer awaited
-        # idempotency key -> the result published for it (ANSWERS_KEPT most recent)
+        # idempotency key and task ID -> the result published (ANSWERS_KEPT most recent)
         self._answered: OrderedDict[str, TaskResult] = OrderedDict()
         self._standing_check: asyncio.Future[float | None] | None = None  # last silence's
         self._checked_for = -math.inf  # the silence (fenced_before) that check is about
@@ -1009,7 +1009,7 @@ class AgentRuntime:
         if problem is not None:  # at claim: the task never runs
             await self._refuse_at_claim(delivery, task, problem, extra)
             return
-        answered = self._answered.get(idempotency_key(task))
+        answered = self._answered.get(_answer_key(task))
         if answered is not None:  # done here before (its ack was lost): the same answer
             self.counters["tasks_answered_again"] += 1
             log.info("task done here before; answered from its recorded result", extra=extra)
@@ -1116,8 +1116,9 @@ class AgentRuntime:
         it instead of running the handler again."""
         if result.error is not None and result.error.code in _NOT_DONE:
             return  # it did not run to an answer: a redelivery should run it
-        self._answered[idempotency_key(task)] = result
-        self._answered.move_to_end(idempotency_key(task))
+        key = _answer_key(task)
+        self._answered[key] = result
+        self._answered.move_to_end(key)
         while len(self._answered) > ANSWERS_KEPT:
             self._answered.popitem(last=False)
 
@@ -1487,6 +1488,12 @@ async def _reject(delivery: Delivery, extra: dict[str, Any]) -> None:
         await delivery.reject(requeue=False)
     except Exception as exc:
         log.warning("reject failed", extra={**extra, "error": str(exc)})
+
+
+def _answer_key(task: Task) -> str:
+    """A redelivery is the same message: the same task ID, under the same grant. (Two tasks a
+    producer sends under one grant share the idempotency key but are answered each.)"""
+    return f"{idempotency_key(task)}/{task.task_id}"
 
 
 def _attempt(delivery: Delivery) -> int:
