@@ -563,10 +563,13 @@ async def test_refused_producers_are_told_to_come_back_at_spread_out_times(
     spread = await refused_retry_instants(
         amqp_url, namespace, tmp_path / "on", management_api, PressurePolicy()
     )
-    constant = await refused_retry_instants(
-        amqp_url, namespace + "-off", tmp_path / "off", management_api,
-        PressurePolicy(enabled=False),
-    )  # fmt: skip
+    try:
+        constant = await refused_retry_instants(
+            amqp_url, namespace + "-off", tmp_path / "off", management_api,
+            PressurePolicy(enabled=False),
+        )  # fmt: skip
+    finally:  # the namespace fixture cleans up only its own prefix
+        management_api.delete_prefixed(namespace + "-off.")
 
     assert largest_cluster(spread, 0.1) <= 0.10, sorted(spread)
     assert statistics.pstdev(spread) > 0.1
