@@ -34,7 +34,13 @@ AGENT_FEATURES: Final = (  # what the SDK runtime implements
     FEATURE_WORK_REPORTS,
     FEATURE_LEASE_NOTICES,
 )
-AGENT_ANNOUNCE_VERBS: Final = ("register", "deregister", "drain", "standing")  # <verb> above
+AGENT_ANNOUNCE_VERBS: Final = (
+    "register",
+    "deregister",
+    "drain",
+    "standing",
+    "admission",
+)  # <verb> above
 RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>
 RK_LOG: Final = "log"  # log.<agent_id>.<kind>
 RK_CAPABILITY: Final = "capability"  # capability.<capability name>.<agent_id>

@@ -224,12 +224,16 @@ class PostgresEffectLog:
 
         self._conn = psycopg.connect(dsn, autocommit=True)
         self._table = f'"{schema}".mesh_effect'
-        self._conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-        self._conn.execute(
-            f"CREATE TABLE IF NOT EXISTS {self._table} (key TEXT PRIMARY KEY, state TEXT NOT "
-            "NULL CHECK (state IN ('started', 'done')), value TEXT NOT NULL, started_at "
-            "DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)"
-        )
+        # The pool's agents start together: concurrent IF NOT EXISTS creations can still
+        # collide (a unique violation in the catalog), so they take turns.
+        with self._conn.transaction():
+            self._conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self._table,))
+            self._conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            self._conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {self._table} (key TEXT PRIMARY KEY, state TEXT "
+                "NOT NULL CHECK (state IN ('started', 'done')), value TEXT NOT NULL, started_at "
+                "DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)"
+            )
         self._lock = threading.Lock()
 
     def claim(self, key: str, now: float) -> tuple[str, Any] | None:

@@ -139,6 +139,8 @@ from mesh.transport.ports import Subscription
 from mesh.transport.ports import Transport as AgentTransport
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.models import (
+    AdmissionState,
+    AdmissionStateRequest,
     Deregistration,
     DrainAccepted,
     DrainComplete,
@@ -174,12 +176,20 @@ _CONTROL_TYPES: tuple[type[Message], ...] = (
     LeaseNotice,
     OrchestrationEvent,  # grant revocations from the events exchange
     Standing,
+    AdmissionState,
 )
 _CONTROL_PREFETCH = 16
 ANSWERS_KEPT = 4096  # published results remembered for redeliveries of the same task
 # Results that are no answer to the task's work: a redelivery must run it after all.
 _NOT_DONE = frozenset({Reason.AGENT_SHUTDOWN, Reason.EVICTED, Reason.DEADLINE_EXCEEDED})
 _SETTLE_POLL_S = 0.2
+# How long a redelivered pool task waits for the ledger's word on its admission before it
+# runs anyway (its grant checked as always).
+ADMISSION_STATE_WAIT_S = 2.0
+_SETTLED = (
+    "its admission is settled in the ledger already ({state}, fence {fence}): the task was "
+    "answered, or its producer gave up on it"
+)
 _WORK_REPORT_DELAY_S = 0.02  # pool-work changes within this are one report
 
 
@@ -307,6 +317,8 @@ class AgentRuntime:
         self._standing: asyncio.Future[Standing] | None = None  # the answer awaited
         # idempotency key and task ID -> the result published (ANSWERS_KEPT most recent)
         self._answered: OrderedDict[str, TaskResult] = OrderedDict()
+        # admission ID -> the manager's answer awaited on a redelivered pool task
+        self._admission_states: dict[str, asyncio.Future[AdmissionState]] = {}
         self._standing_check: asyncio.Future[float | None] | None = None  # last silence's
         self._checked_for = -math.inf  # the silence (fenced_before) that check is about
         self._shutdown_task: asyncio.Task[None] | None = None
@@ -795,12 +807,21 @@ class AgentRuntime:
             self._on_refusal(message)
         elif isinstance(message, OrchestrationEvent):
             self._on_event(message)
-        elif isinstance(message, Standing):
-            if self._standing is not None and not self._standing.done():
-                if message.incarnation == self._incarnation:
-                    self._standing.set_result(message)
+        elif isinstance(message, Standing | AdmissionState):
+            self._on_answer(message)
         else:
             log.info("drain accepted by the manager", extra=self._extra())
+
+    def _on_answer(self, message: Standing | AdmissionState) -> None:
+        """The manager's answer to a question we asked (our standing, an admission's state)."""
+        if isinstance(message, Standing):
+            waiting: asyncio.Future[Any] | None = self._standing
+            if message.incarnation != self._incarnation:
+                return
+        else:
+            waiting = self._admission_states.get(message.admission_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(message)
 
     def _on_lease_notice(self, notice: LeaseNotice) -> None:
         now = asyncio.get_running_loop().time()
@@ -932,6 +953,46 @@ class AgentRuntime:
     def _grant_problem(self, task: Task) -> str | None:
         return self.core.grant_problem(task, time.time())
 
+    async def _settled_already(self, task: Task) -> str | None:
+        """For a redelivered pool task this agent has no answer for: has the ledger settled
+        its admission (released, or expired, at or past this grant's fence)? Then why it is
+        not run. An agent that was live heard the release as a revocation (the grant check
+        refused the task already); one started since asks the manager, waiting at most
+        ``ADMISSION_STATE_WAIT_S``. No answer: not known to be settled, and the task runs —
+        effects kept with :func:`mesh.agent.once` still happen once."""
+        grant = task.grant
+        if grant is None:
+            return None
+        admission_id = grant.admission_id
+        waiting = self._admission_states.get(admission_id)
+        asking = waiting is None
+        if waiting is None:
+            waiting = asyncio.get_running_loop().create_future()
+            self._admission_states[admission_id] = waiting
+        try:
+            if asking:
+                request = AdmissionStateRequest(
+                    agent_id=self.agent_id, incarnation=self._incarnation, admission_id=admission_id
+                )
+                await self.transport.publish(  # answered on our control queue
+                    self.topology.announce_exchange,
+                    names.agent_announce_key(self.agent_id, "admission"),
+                    request,
+                    timeout_s=self.settings.publish_timeout_s,
+                    user_id=self._user_id,
+                )
+            async with asyncio.timeout(ADMISSION_STATE_WAIT_S):
+                answer = await asyncio.shield(waiting)
+        except (TimeoutError, TransportError):
+            self.counters["admission_state_unanswered"] += 1
+            return None
+        finally:
+            if asking:
+                self._admission_states.pop(admission_id, None)
+        if answer.state in ("RELEASED", "EXPIRED") and (answer.fence or 0) >= grant.fence:
+            return _SETTLED.format(state=answer.state, fence=answer.fence)
+        return None
+
     def _grant_refused(
         self, task: Task, problem: str, where: str, started_at: float, extra: dict[str, Any]
     ) -> TaskResult:
@@ -1009,14 +1070,7 @@ class AgentRuntime:
         if problem is not None:  # at claim: the task never runs
             await self._refuse_at_claim(delivery, task, problem, extra)
             return
-        answered = self._answered.get(_answer_key(task))
-        if answered is not None:  # done here before (its ack was lost): the same answer
-            self.counters["tasks_answered_again"] += 1
-            log.info("task done here before; answered from its recorded result", extra=extra)
-            if await self._send_result(delivery, answered, extra):
-                await _ack(delivery, extra)
-            else:
-                await _requeue(delivery, extra)
+        if await self._done_before(delivery, task, from_pool, extra):
             return
         counted = task.capability in self._in_flight
         if from_pool and counted and not await self._start_pool_task(delivery, task, extra):
@@ -1031,6 +1085,29 @@ class AgentRuntime:
             if from_pool and counted:
                 self._pool_started[task.capability] -= 1
                 self._report_work()
+
+    async def _done_before(
+        self, delivery: Delivery, task: Task, from_pool: bool, extra: dict[str, Any]
+    ) -> bool:
+        """A task that ran to an answer before (its ack was lost) is not run again: answered
+        from our record if it ran here, refused at claim if the ledger settled its admission
+        (it ran elsewhere). ``True``: handled."""
+        answered = self._answered.get(_answer_key(task))
+        if answered is not None:  # done here before: the same answer
+            self.counters["tasks_answered_again"] += 1
+            log.info("task done here before; answered from its recorded result", extra=extra)
+            if await self._send_result(delivery, answered, extra):
+                await _ack(delivery, extra)
+            else:
+                await _requeue(delivery, extra)
+            return True
+        if from_pool and delivery.redelivered:
+            settled = await self._settled_already(task)
+            if settled is not None:  # done elsewhere
+                self.counters["tasks_settled_before_claim"] += 1
+                await self._refuse_at_claim(delivery, task, settled, extra)
+                return True
+        return False
 
     async def _run_and_answer(self, delivery: Delivery, task: Task, extra: dict[str, Any]) -> None:
         """Run the handler, revalidate, publish the result, then ack (or requeue)."""

@@ -35,6 +35,7 @@ from mesh.errors import (
     LocalProtocolError,
 )
 from mesh.leases import LeaseSigner
+from mesh.ledger.model import Reservation
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore, Usage
 from mesh.manager.admission import Admitter, DecisionRecord, Eviction, ExternalGrantor
@@ -173,6 +174,12 @@ class AdmissionService:
         must refuse older ones, and say so (``features``)."""
         described = registration.deployment in self.descriptors
         return not described or c.FEATURE_DESCRIPTOR_EPOCHS in registration.features
+
+    async def reservation(self, admission_id: str) -> Reservation | None:
+        """The ledger's reservation of ``admission_id`` (``None``: not held, or no ledger yet)."""
+        if self._ledger is None:
+            return None
+        return await self._on_ledger(self._ledger.get, admission_id)
 
     async def _in_ledger_thread(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()

@@ -91,6 +91,8 @@ from mesh.wire.admission import (
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.models import (
     AcquireRequest,
+    AdmissionState,
+    AdmissionStateRequest,
     AgentRegistration,
     Deregistration,
     DrainRequest,
@@ -114,7 +116,13 @@ _FENCE_ATTEMPTS = 4
 _FENCE_RETRY_S = 2.0  # 4 attempts over 6 s: past one statistics round of the management API
 T = TypeVar("T")
 
-_ANNOUNCE_TYPES = (AgentRegistration, Deregistration, DrainRequest, StandingRequest)
+_ANNOUNCE_TYPES = (
+    AgentRegistration,
+    Deregistration,
+    DrainRequest,
+    StandingRequest,
+    AdmissionStateRequest,
+)
 _RPC_TYPES = (
     FindRequest,
     AcquireRequest,
@@ -350,7 +358,7 @@ class ManagerService:
             event, claimed = DeregistrationReceived(message), message.agent_id
         elif isinstance(message, DrainRequest):
             event, claimed = DrainRequested(message.agent_id, message.reason), message.agent_id
-        elif isinstance(message, StandingRequest):
+        elif isinstance(message, StandingRequest | AdmissionStateRequest):
             claimed = message.agent_id
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
@@ -365,6 +373,9 @@ class ManagerService:
         self.counters[f"received.{message.type}"] += 1
         if isinstance(message, StandingRequest):
             await self._send_to_agent(message.agent_id, self._standing(message))
+            return
+        if isinstance(message, AdmissionStateRequest):
+            await self._send_to_agent(message.agent_id, await self._admission_state(message))
             return
         if isinstance(message, AgentRegistration) and not self.admission.understands_epochs(
             message
@@ -388,6 +399,23 @@ class ManagerService:
             registered=True,
             state=agent.state.value,
             registered_for_s=max(0.0, self.clock.now().mono - agent.registered_at),
+        )
+
+    async def _admission_state(self, request: AdmissionStateRequest) -> AdmissionState:
+        """The ledger's state of an admission of the asking agent's pool; nothing about
+        another pool's admissions, nor to an incarnation that is not registered."""
+        agent = self.core.agents.get(request.agent_id)
+        pool_id = agent.deployment if agent and agent.incarnation == request.incarnation else None
+        found = await self.admission.reservation(request.admission_id)
+        if found is None or pool_id is None or found.pool_id != pool_id:
+            self.counters["admission_state.unknown"] += 1
+            return AdmissionState(agent_id=request.agent_id, admission_id=request.admission_id)
+        self.counters[f"admission_state.{found.state.value.lower()}"] += 1
+        return AdmissionState(
+            agent_id=request.agent_id,
+            admission_id=request.admission_id,
+            state=found.state.value,
+            fence=found.fence,
         )
 
     async def _refuse_registration(

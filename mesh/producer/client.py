@@ -322,12 +322,14 @@ class MeshClient:
         *,
         agent_id: str | None = None,
         ttl_s: float | None = None,
+        timeout_s: float = 10.0,
     ) -> Lease | Refusal:
         """A lease on one slot, or a refusal with a reason code (a value, not an error)."""
         reply = await self.request(
             AcquireRequest(
                 capability=capability, version_spec=version_spec, agent_id=agent_id, ttl_s=ttl_s
-            )
+            ),
+            timeout_s=timeout_s,
         )
         if isinstance(reply, Refusal):
             return reply
@@ -542,14 +544,11 @@ class MeshClient:
         evicted = False
         try:
             try:
-                await self.transport.publish(
-                    self.topology.tasks_exchange,
+                await self._publish_task(
                     names.pool_task_key(grant.pool_id),
                     task,
-                    reply_to=self.reply_queue,
-                    correlation_id=task.task_id,
-                    headers={c.H_ADMISSION_ID: grant.admission_id},
-                    persistent=True,
+                    {c.H_ADMISSION_ID: grant.admission_id},
+                    deadline,
                 )
             except PublishNacked:
                 self.counters["queue_full"] += 1
@@ -619,9 +618,17 @@ class MeshClient:
         timeout_s: float = 30.0,
     ) -> TaskOutcome:
         """Acquire, send, await, release. Raises TaskRefused/TaskInputInvalid/TaskFailed/
-        TaskTimeout with the machine-readable code."""
+        TaskTimeout with the machine-readable code.
+
+        Gives up at ``timeout_s`` from now. A lease request that gets no answer in time, or
+        cannot be sent (the manager or the broker away), is asked again until then — a lease
+        granted to a request given up on is released when its late answer comes
+        (``counters["late_grants_released"]``) — and so is a task publish whose outcome is
+        unknown: the same task, under the same ID, which the agent answers once (see
+        :meth:`_publish_task`). Only when the deadline comes first does the last
+        :class:`~mesh.errors.TransportError` reach the caller."""
         deadline = time.time() + timeout_s
-        lease = await self.acquire(capability, version_spec, ttl_s=timeout_s + 5)
+        lease = await self._acquire_until(capability, version_spec, deadline)
         if isinstance(lease, Refusal):
             raise TaskRefused(lease.reason.value, lease.detail)
         try:
@@ -644,15 +651,7 @@ class MeshClient:
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[task.task_id] = fut
         try:
-            await self.transport.publish(
-                self.topology.tasks_exchange,
-                lease.agent_id,
-                task,
-                reply_to=self.reply_queue,
-                correlation_id=task.task_id,
-                headers={c.H_LEASE_ID: lease.lease_id},
-                persistent=True,
-            )
+            await self._publish_task(lease.agent_id, task, {c.H_LEASE_ID: lease.lease_id}, deadline)
             reply = await asyncio.wait_for(fut, max(0.0, deadline - time.time()))
         except PublishNacked:
             raise TaskRefused(
@@ -671,6 +670,56 @@ class MeshClient:
         finally:
             self._pending.pop(task.task_id, None)
         return _expect(reply, TaskResult)
+
+    async def _acquire_until(
+        self, capability: str, version_spec: str, deadline: float
+    ) -> Lease | Refusal:
+        """``acquire``, asked again after a timeout or a transport error until ``deadline``."""
+        retries = 0
+        while True:
+            remaining = max(0.1, deadline - time.time())
+            try:
+                return await self.acquire(
+                    capability, version_spec, ttl_s=remaining + 5, timeout_s=min(10.0, remaining)
+                )
+            except (RequestTimeout, TransportError):
+                delay = retry_delay_s(None, retries, Backoff(), random.random)
+                retries += 1
+                if time.time() + delay >= deadline:
+                    raise
+                self.counters["acquire_retries"] += 1
+                await asyncio.sleep(delay)
+
+    async def _publish_task(
+        self, key: str, task: Task, headers: dict[str, Any], deadline: float
+    ) -> None:
+        """Publish a task to the tasks exchange; a publish whose outcome is unknown (no
+        confirm in time, the connection lost mid-publish) is published again until
+        ``deadline``. The task may then arrive twice: one task ID and one idempotency key, so
+        the agent that answered it answers again from its record, and effects kept with
+        :func:`mesh.agent.once` happen once. A nack or a return is an answer: raised."""
+        retries = 0
+        while True:
+            try:
+                await self.transport.publish(
+                    self.topology.tasks_exchange,
+                    key,
+                    task,
+                    reply_to=self.reply_queue,
+                    correlation_id=task.task_id,
+                    headers=headers,
+                    persistent=True,
+                )
+                return
+            except (PublishNacked, PublishUnroutable):
+                raise
+            except TransportError:
+                delay = retry_delay_s(None, retries, Backoff(), random.random)
+                retries += 1
+                if time.time() + delay >= deadline:
+                    raise
+                self.counters["task_publish_retries"] += 1
+                await asyncio.sleep(delay)
 
     async def _release_quietly(self, lease_id: str) -> None:
         try:

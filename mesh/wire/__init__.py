@@ -28,6 +28,8 @@ from mesh.wire.catalog import MESSAGE_TYPES
 from mesh.wire.codec import REGISTRY, decode, decode_as, encode
 from mesh.wire.models import (
     AcquireRequest,
+    AdmissionState,
+    AdmissionStateRequest,
     AgentRegistration,
     AgentStatus,
     AgentSummary,
@@ -78,6 +80,8 @@ __all__ = [
     "AdmissionReleaseReply",
     "AdmissionRequest",
     "AdmissionRevoke",
+    "AdmissionState",
+    "AdmissionStateRequest",
     "AgentRegistration",
     "AgentStatus",
     "AgentSummary",

@@ -243,6 +243,34 @@ class Standing(Message):
     )
 
 
+class AdmissionStateRequest(Message):
+    """Agent -> manager (``agent.<id>.admission`` on the announce exchange, answered on its
+    control queue): a pool task came to this agent *redelivered* — another consumer took it
+    and did not ack — and this agent has no answer of its own for it. Has the ledger settled
+    its admission already? A released admission's task was answered (or given up on by its
+    producer), so it is not run again; the agents that were live heard the release as a
+    revocation, an agent started since did not, and asks."""
+
+    TYPE = "mesh.admission-state-request.v1"
+    type: Literal["mesh.admission-state-request.v1"] = "mesh.admission-state-request.v1"
+    agent_id: AgentId
+    incarnation: Identifier
+    admission_id: Identifier
+
+
+class AdmissionState(Message):
+    """Manager -> agent: the ledger's state of one admission of the agent's pool
+    (``PREPARING``, ``ACTIVE``, ``RELEASED``, ``EXPIRED``), with its fence; ``None`` when the
+    ledger does not hold it or it is another pool's (nothing is told about other pools)."""
+
+    TYPE = "mesh.admission-state.v1"
+    type: Literal["mesh.admission-state.v1"] = "mesh.admission-state.v1"
+    agent_id: AgentId
+    admission_id: Identifier
+    state: Literal["PREPARING", "ACTIVE", "RELEASED", "EXPIRED"] | None = None
+    fence: int | None = Field(default=None, ge=0)
+
+
 class ReRegisterRequest(Message):
     """Manager -> agent: I do not know you (I restarted, or you were declared lost)."""
 
@@ -615,6 +643,8 @@ CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (
     ReRegisterRequest,
     StandingRequest,
     Standing,
+    AdmissionStateRequest,
+    AdmissionState,
     DrainNotice,
     DrainComplete,
     LeaseNotice,

@@ -1,10 +1,13 @@
 """Effects at most once over the real broker: a granted task delivered again (as a broker
 redelivers after a lost ack) is answered from the record of the agent that answered it, and
-on another agent sharing the effect log it runs its handler but not its effect; and a
-silence the manager did not count as lost keeps a finished result."""
+on another agent sharing the effect log it runs its handler but not its effect; a
+redelivered task whose admission the ledger settled already is not run by an agent that
+started after the release; and a silence the manager did not count as lost keeps a finished
+result."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from pathlib import Path
@@ -137,3 +140,85 @@ async def test_a_silence_the_manager_did_not_count_as_lost_keeps_the_finished_re
             assert mesh.manager.counters["standing.registered"] == 1
         finally:
             await runtime.stop()
+
+
+async def test_a_redelivered_task_of_a_settled_admission_is_not_run_by_an_agent_started_since(
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
+) -> None:
+    """A consumer takes two granted tasks and dies before acking them (its connection
+    closes: the broker requeues them, marked redelivered); meanwhile one admission was
+    released — its task answered, as far as the producer knows. An agent started after the
+    release never heard its revocation: it asks the ledger about each redelivered task, runs
+    the task whose admission is still ACTIVE, and refuses the settled one at claim. (A
+    member that never consumes gives the pool its live capacity.)"""
+    charges: list[str] = []
+    async with pool_mesh(
+        amqp_url, namespace, tmp_path, management_api, slots=4, agents=0, members=1
+    ) as mesh:
+        granted = [await mesh.producer.admit(echo_requirements()) for _ in range(2)]
+        settled, active = (decision.grant for decision in granted)
+        assert settled is not None and active is not None, granted
+        watcher = await AmqpTransport.connect(amqp_url, name="replies")
+        runtime: AgentRuntime | None = None
+        try:
+            reply_queue = await watcher.declare_reply_queue(f"{namespace}.replies-kept")
+            results: list[TaskResult] = []
+
+            async def on_reply(delivery: Delivery) -> None:
+                results.append(decode_as(delivery.body, TaskResult))
+
+            await watcher.consume(reply_queue, on_reply, no_ack=True)
+            task_of: dict[str, str] = {}  # admission ID -> task ID
+            raw = await AmqpTransport.connect(amqp_url, name="dies-before-ack")
+            try:
+                for grant in (settled, active):
+                    task = Task(
+                        task_id=uuid.uuid4().hex,
+                        capability="test.echo",
+                        payload={"card": "4242"},
+                        deadline=time.time() + 30,
+                        submitted_at=time.time(),
+                        grant=grant,
+                    )
+                    task_of[grant.admission_id] = task.task_id
+                    await raw.publish(
+                        mesh.topology.tasks_exchange,
+                        names.pool_task_key("echo"),
+                        task,
+                        reply_to=reply_queue,
+                        correlation_id=task.task_id,
+                    )
+                taken: list[Delivery] = []
+
+                async def take(delivery: Delivery) -> None:
+                    taken.append(delivery)  # and never acked
+
+                await raw.consume(mesh.queue, take, prefetch=2)
+                await eventually(lambda: len(taken) == 2, what="both tasks taken")
+                released = await mesh.producer.release_admission(settled)
+                assert released.released, released
+            finally:
+                await raw.close()  # unacked: both go back to the pool queue, redelivered
+
+            agent = Charger("charger-late", SqliteEffectLog(tmp_path / "fx.sqlite3"), charges)
+            runtime = AgentRuntime(agent, AgentSettings(amqp_url=amqp_url, namespace=namespace))
+            await runtime.start()
+            await eventually(lambda: len(results) == 2, what="both redelivered tasks answered")
+            await asyncio.sleep(0.5)  # nothing else comes
+
+            by_task = {r.task_id: r for r in results}
+            refused = by_task[task_of[settled.admission_id]]
+            assert refused.status == "error" and refused.error is not None, refused
+            assert refused.error.code.value == "GRANT_INVALID"
+            assert "settled in the ledger already (RELEASED" in refused.error.message
+            assert by_task[task_of[active.admission_id]].status == "ok"
+            key = f"admission:{active.admission_id}"
+            assert [k for k, _ in agent.seen] == [key]  # the settled one never ran
+            assert charges == [key]
+            assert runtime.counters["tasks_settled_before_claim"] == 1
+            assert mesh.manager.counters["admission_state.released"] == 1
+            assert mesh.manager.counters["admission_state.active"] == 1
+        finally:
+            await watcher.close()
+            if runtime is not None:
+                await runtime.stop()

@@ -128,3 +128,36 @@ async def test_outside_a_task_once_refuses() -> None:
     )
     with pytest.raises(MeshError, match="inside a task handler"):
         await task
+
+
+def test_the_agents_of_a_pool_can_open_one_postgres_log_at_the_same_moment(
+    postgres_dsn: str,
+) -> None:
+    """Agents of one pool start together: each creates the schema and the table if missing,
+    and none of them may fail for another doing the same (concurrent ``IF NOT EXISTS``
+    creations collide in PostgreSQL's catalog unless they take turns)."""
+    schema = f"effects_{uuid.uuid4().hex[:8]}"
+    barrier = threading.Barrier(6)
+    opened: list[PostgresEffectLog] = []
+    failed: list[BaseException] = []
+
+    def open_log() -> None:
+        barrier.wait()
+        try:
+            opened.append(PostgresEffectLog(postgres_dsn, schema=schema))
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_log) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert failed == [] and len(opened) == 6
+        assert opened[0].claim("k", 0.0) is None and opened[5].claim("k", 0.0) is not None
+    finally:
+        for store in opened:
+            store.close()
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
