@@ -17,6 +17,8 @@ from mesh.wire import (
     AdmissionReleaseReply,
     AdmissionRequest,
     AdmissionRevoke,
+    AdmissionState,
+    AdmissionStateRequest,
     AgentRegistration,
     AgentStatus,
     AgentSummary,
@@ -181,6 +183,15 @@ _samples: list[Message] = [
     ReRegisterRequest(agent_id="calc-7f9c", reason="unknown agent"),
     StandingRequest(agent_id="calc-7f9c", incarnation="3b1f0c2d"),
     Standing(agent_id="calc-7f9c", incarnation="3b1f0c2d", registered=True, state="Busy"),
+    AdmissionStateRequest(
+        agent_id="echo-1", incarnation="3b1f0c2d", admission_id="01a236a9e93a772f9229eea15b5ecc1f"
+    ),
+    AdmissionState(
+        agent_id="echo-1",
+        admission_id="01a236a9e93a772f9229eea15b5ecc1f",
+        state="RELEASED",
+        fence=3,
+    ),
     DrainNotice(agent_id="calc-7f9c", reason="rolling deploy"),
     DrainComplete(agent_id="calc-7f9c"),
     LeaseNotice(
