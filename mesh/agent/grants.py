@@ -47,15 +47,16 @@ enforces.
 Epochs. The manager announces each pool's active descriptor epoch on the same feed
 (``grant.<pool_id>``, kind ``descriptor_active``, ``detail = {pool_id, descriptor_epoch,
 policy_generation}``) when a descriptor is accepted or adopted, and again every
-``epoch_announce_interval_s`` so agents that start later learn it. Epochs only grow, so the
-agent keeps the highest it has heard; a grant issued under an older epoch was admitted against
-a descriptor that no longer holds, and is refused — unless its admission is on the pool's
-*draining allowlist*: when the manager advances a pool's epoch, the admissions ACTIVE at that
-moment may finish under the old one (``detail["draining"]``, announced with the epoch until each
-is released or expires; nothing new is admitted under the old epoch). An announcement without
-the key leaves the agent's list as it was (another manager, which did not advance the epoch,
-does not know it). Before the first announcement the agent cannot judge epochs and checks the
-rest (the manager checked epoch and generation at admission).
+``epoch_announce_interval_s``; an agent that joins later gets the last announcement in its
+``RegistrationAccepted`` (``pool_epoch``), so it judges epochs from its first task. Epochs only
+grow, so the agent keeps the highest it has heard; a grant issued under an older epoch was
+admitted against a descriptor that no longer holds, and is refused — unless its admission is on
+the pool's *draining allowlist*: when the manager advances a pool's epoch, the admissions ACTIVE
+at that moment may finish under the old one (``detail["draining"]``, announced with the epoch
+until each is released or expires; nothing new is admitted under the old epoch). An announcement
+without the key leaves the agent's list as it was (another manager, which did not advance the
+epoch, does not know it). Before the first announcement the agent cannot judge epochs and checks
+the rest (the manager checked epoch and generation at admission).
 
 Security revocations. An operator's revocation (``mesh admission revoke``) carries
 ``detail["security"]`` (the reason): the agent stops the attempt if it runs — whatever it

@@ -576,6 +576,15 @@ class AgentRuntime:
             )
             await asyncio.sleep(delay)
         log.info("registration accepted", extra=self._extra(attempt=attempt))
+        if reply.pool_epoch is not None:  # our pool's epoch now, not at the next announcement
+            self._on_event(
+                OrchestrationEvent(
+                    at=time.time(),
+                    kind=c.EVENT_DESCRIPTOR_ACTIVE,
+                    reason="told in the registration's acceptance",
+                    detail=reply.pool_epoch.model_dump(exclude_none=True),
+                )
+            )
 
     def _check_attempts(
         self,

@@ -61,6 +61,7 @@ from mesh.wire.models import (
     Message,
     OrchestrationEvent,
     PoolCapacity,
+    PoolEpoch,
     Refusal,
 )
 from mesh.wire.reasons import Reason
@@ -94,6 +95,7 @@ class AdmissionService:
         self.admitter: Admitter | None = None
         self._ledger = ledger
         self._owns_ledger = ledger is None
+        self._epochs: dict[str, PoolEpoch] = {}  # pool -> its last descriptor_active detail
         self._grantors = grantors
         # Admissions are decided in batches (group commit: one ledger transaction per batch),
         # serialised in arrival order: on the loop itself for SQLite (``ledger_inline``), else
@@ -174,6 +176,10 @@ class AdmissionService:
         must refuse older ones, and say so (``features``)."""
         described = registration.deployment in self.descriptors
         return not described or c.FEATURE_DESCRIPTOR_EPOCHS in registration.features
+
+    def pool_epoch(self, pool_id: str) -> PoolEpoch | None:
+        """The pool's epoch as last announced (what a registration's acceptance carries)."""
+        return self._epochs.get(pool_id)
 
     async def reservation(self, admission_id: str) -> Reservation | None:
         """The ledger's reservation of ``admission_id`` (``None``: not held, or no ledger yet)."""
@@ -580,6 +586,7 @@ class AdmissionService:
                 detail["draining"] = announced[descriptor.pool_id] = draining[
                     :MAX_DRAINING_ANNOUNCED
                 ]
+            self._epochs[descriptor.pool_id] = PoolEpoch.model_validate(detail)
             event = OrchestrationEvent(
                 at=now.wall,
                 kind=c.EVENT_DESCRIPTOR_ACTIVE,

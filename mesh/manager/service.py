@@ -101,6 +101,7 @@ from mesh.wire.models import (
     Message,
     OrchestrationEvent,
     Refusal,
+    RegistrationAccepted,
     RegistrationRefused,
     ReleaseRequest,
     Standing,
@@ -577,7 +578,7 @@ class ManagerService:
 
     async def _carry_out(self, cmd: Command, request: Delivery | None) -> None:
         if isinstance(cmd, SendToAgent):
-            await self._send_to_agent(cmd.agent_id, cmd.message)
+            await self._send_to_agent(cmd.agent_id, self._with_pool_epoch(cmd.message))
         elif isinstance(cmd, Reply):
             if request is not None:
                 delivered = await self._reply(request, cmd.message)
@@ -696,6 +697,15 @@ class ManagerService:
         self.counters["leases_released_unclaimed"] += 1
         commands = self.core.release(lease_id, self.clock.now(), "requester gone")
         await self.execute([cmd for cmd in commands if not isinstance(cmd, Reply)])
+
+    def _with_pool_epoch(self, message: Message) -> Message:
+        """A registration's acceptance carries the agent's pool's active epoch (the core
+        that accepts it knows agents, not descriptors)."""
+        if not isinstance(message, RegistrationAccepted) or message.pool_epoch is not None:
+            return message
+        agent = self.core.agents.get(message.agent_id)
+        epoch = self.admission.pool_epoch(agent.deployment) if agent is not None else None
+        return message if epoch is None else message.model_copy(update={"pool_epoch": epoch})
 
     async def _send_to_agent(self, agent_id: str, message: Message) -> None:
         try:

@@ -186,13 +186,28 @@ class DrainRequest(Message):
     reason: str = Field(default="", max_length=500)
 
 
+class PoolEpoch(WireModel):
+    """A pool's active descriptor epoch, as the manager last announced it (the ``detail`` of
+    a ``descriptor_active`` event): grants of an older epoch are refused unless their
+    admission is on ``draining``. ``draining`` absent (``None``): this manager did not advance
+    the epoch and does not know the list — keep the one you have."""
+
+    pool_id: Identifier
+    descriptor_epoch: int = Field(ge=1)
+    policy_generation: int = Field(ge=1)
+    draining: list[Identifier] | None = Field(default=None, max_length=4096)
+
+
 class RegistrationAccepted(Message):
-    """Manager -> agent: you are Ready and will be handed work."""
+    """Manager -> agent: you are Ready and will be handed work. ``pool_epoch``: the agent's
+    pool's active epoch when its pool has a descriptor, so a new agent judges grants at once
+    instead of waiting for the next periodic ``descriptor_active`` announcement."""
 
     TYPE = "mesh.registration-accepted.v1"
     type: Literal["mesh.registration-accepted.v1"] = "mesh.registration-accepted.v1"
     agent_id: AgentId
     incarnation: Identifier
+    pool_epoch: PoolEpoch | None = None
 
 
 class RegistrationRefused(Message):

@@ -273,3 +273,24 @@ async def test_an_agent_that_starts_later_learns_the_epoch_from_the_periodic_ann
     finally:
         await runtime.stop()
         await manager.stop()
+
+
+async def test_an_agent_knows_its_pools_epoch_once_it_is_accepted(
+    amqp_url: str, namespace: str, tmp_path: Path, producer: MeshClient
+) -> None:
+    """The registration's acceptance carries the pool's active epoch: a new agent judges
+    older-epoch grants from its first task, not only after the next periodic announcement
+    (here an hour away)."""
+    policy = AdmissionPolicy(active_generation=DESCRIPTOR.policy_generation)
+    settings = settings_for(amqp_url, namespace, tmp_path, admission=policy)
+    manager = await start_manager(dataclasses.replace(settings, epoch_announce_interval_s=3600))
+    runtime = calc_runtime(amqp_url, namespace, "calc-new")
+    try:
+        await producer.publish_descriptor(CALC)  # announced once, before the agent exists
+        await runtime.start()
+
+        assert runtime.active_epoch == CALC.descriptor_epoch  # at once: no waiting
+        assert runtime.draining_allowlist == frozenset()
+    finally:
+        await runtime.stop()
+        await manager.stop()

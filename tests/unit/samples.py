@@ -46,6 +46,7 @@ from mesh.wire import (
     Message,
     ModelLimits,
     OrchestrationEvent,
+    PoolEpoch,
     PoolTool,
     Reason,
     Refusal,
@@ -173,7 +174,13 @@ _samples: list[Message] = [
         sent_at=T0,
     ),
     DrainRequest(agent_id="calc-7f9c", reason="rolling deploy"),
-    RegistrationAccepted(agent_id="calc-7f9c", incarnation="inc-0001"),
+    RegistrationAccepted(
+        agent_id="calc-7f9c",
+        incarnation="inc-0001",
+        pool_epoch=PoolEpoch(
+            pool_id="calc", descriptor_epoch=3, policy_generation=1, draining=["adm-old-1"]
+        ),
+    ),
     RegistrationRefused(
         agent_id="calc-7f9c",
         incarnation="inc-0001",
