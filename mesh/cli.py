@@ -674,6 +674,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _run(run_demo(settings))
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    import orjson
+
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is needed")
+    return value
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from mesh.conformance import CHECK_KEYS, KitSettings
+    from mesh.conformance import run as run_kit
+
+    settings = KitSettings(
+        agent_cmd=args.agent_cmd,
+        amqp_url=args.amqp_url,
+        pool=args.pool,
+        capability=args.capability,
+        payload=args.payload,
+        invalid_payload=args.invalid_payload,
+        slow_payload=args.slow_payload,
+        work_dir=Path(args.work_dir) if args.work_dir else None,
+        only=tuple(args.checks),
+    )
+    unknown = sorted(set(settings.only) - set(CHECK_KEYS))
+    if unknown:
+        print(f"mesh conformance: no check {', '.join(unknown)}; one of {', '.join(CHECK_KEYS)}")
+        return 2
+    if settings.work_dir is not None:
+        settings.work_dir.mkdir(parents=True, exist_ok=True)
+
+    # The kit's own manager and clients speak only when something is wrong: the output is
+    # the checks' lines.
+    for name in ("mesh", "aio_pika", "aiormq"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+    async def check() -> int:
+        results = await run_kit(settings, lambda line: print(line, flush=True))
+        return 0 if results and all(r.passed for r in results) else 1
+
+    return _run(check())
+
+
 # ---- parser ---------------------------------------------------------------------------------
 
 
@@ -947,6 +993,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--work-dir", default=".mesh/demo", help="journal and process logs")
     p.set_defaults(func=cmd_demo)
+
+    p = command(
+        "conformance",
+        help="check an agent command against the protocol (docs/protocol.md)",
+        description="Start a manager in a namespace of its own, run the agent command (told "
+        "MESH_AMQP_URL, MESH_NAMESPACE, AGENT_ID, MESH_POOL and HEARTBEAT_INTERVAL_S in its "
+        "environment) and check it against the protocol: one line per check, then a summary; "
+        "exit 1 if any check failed. The defaults fit `mesh agent echo`.",
+    )
+    p.add_argument(
+        "--agent-cmd",
+        required=True,
+        help='the command that runs one agent, e.g. "python -m mesh agent echo" or '
+        '"node examples/node-agent/agent.js"',
+    )
+    p.add_argument("--pool", default="echo", help="the pool it is told to join (MESH_POOL)")
+    p.add_argument(
+        "--capability", default="test.echo", help="the capability the checks send tasks to"
+    )
+    p.add_argument(
+        "--payload",
+        type=_json_object,
+        default={"message": "conformance"},
+        help="a valid task payload (JSON object)",
+    )
+    p.add_argument(
+        "--invalid-payload",
+        type=_json_object,
+        default={"message": 42},
+        help="a payload its input schema refuses (JSON object)",
+    )
+    p.add_argument(
+        "--slow-payload",
+        type=_json_object,
+        default={"message": "slow", "sleep_ms": 1500},
+        help="a valid payload its handler takes a second or more on (the drain checks)",
+    )
+    p.add_argument(
+        "--work-dir",
+        default="",
+        help="keep the kit's journal, ledger and the agent's logs here (default: a "
+        "temporary directory, removed)",
+    )
+    p.add_argument(
+        "--check",
+        dest="checks",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="run only this check (repeatable; the registration check always runs): "
+        "register, heartbeats, lease-path, input-schema, admission-path, grants, epochs, "
+        "reregister, drain, sigterm, short-interval",
+    )
+    p.set_defaults(func=cmd_conformance)
 
     p = command("status", help="agents, states, capabilities, in-flight")
     p.add_argument("--json", action="store_true", help="the manager's status reply as JSON")

@@ -22,17 +22,22 @@ TASKS_EXCHANGE: Final = "tasks"  # producer -> one agent: tasks
 DEAD_LETTER_EXCHANGE: Final = "dead-letter"
 
 # Routing-key prefixes.
-RK_AGENT: Final = "agent"  # agent.<agent_id>.<register|deregister|drain>
+RK_AGENT: Final = "agent"  # agent.<agent_id>.<verb>, a verb of AGENT_ANNOUNCE_VERBS
 FEATURE_DESCRIPTOR_EPOCHS: Final = "descriptor-epochs"
 # It reports its pool tasks (heartbeat ``pool_in_flight``, also sent when that count changes)
 # and says ``draining`` only once it stopped taking them: the manager waits for that report.
 FEATURE_WORK_REPORTS: Final = "work-reports"
 # It runs a lease-path task only under a lease the manager told it of (mesh.lease-notice.v1).
 FEATURE_LEASE_NOTICES: Final = "lease-notices"
+# It takes its pool's epoch in registration-accepted (``pool_epoch``): a v1 message gains an
+# optional field only for receivers that said they know it, since receivers refuse unknown
+# fields.
+FEATURE_POOL_EPOCH: Final = "pool-epoch"
 AGENT_FEATURES: Final = (  # what the SDK runtime implements
     FEATURE_DESCRIPTOR_EPOCHS,
     FEATURE_WORK_REPORTS,
     FEATURE_LEASE_NOTICES,
+    FEATURE_POOL_EPOCH,
 )
 AGENT_ANNOUNCE_VERBS: Final = (
     "register",

@@ -314,6 +314,7 @@ class AgentRuntime:
         self._registration: asyncio.Future[RegistrationReply] | None = None
         self._reregistration: asyncio.Task[None] | None = None
         self._forgotten_at = -math.inf  # monotonic: the manager last asked us to re-register
+        self._accepted = False  # the manager accepted a registration of this incarnation
         self._standing: asyncio.Future[Standing] | None = None  # the answer awaited
         # idempotency key and task ID -> the result published (ANSWERS_KEPT most recent)
         self._answered: OrderedDict[str, TaskResult] = OrderedDict()
@@ -576,6 +577,7 @@ class AgentRuntime:
             )
             await asyncio.sleep(delay)
         log.info("registration accepted", extra=self._extra(attempt=attempt))
+        self._accepted = True
         if reply.pool_epoch is not None:  # our pool's epoch now, not at the next announcement
             self._on_event(
                 OrchestrationEvent(
@@ -1463,7 +1465,13 @@ class AgentRuntime:
             await _cancel_quietly(consumer)
         self._pool_consumer = self._task_consumer = self._control_consumer = None
         if self._transport is not None:
-            await self._delete_task_queue_if_empty()  # never registered: nothing was leased
+            if self._accepted:
+                # Stopped (SIGTERM, a failure) after the manager accepted us, before start()
+                # was done: it would hand us work until it declared us lost; say goodbye. (A
+                # registration still unanswered is abandoned: if it is accepted later, the
+                # silence ends it.)
+                await self._deregister("stopped while starting")
+            await self._delete_task_queue_if_empty()
         await self._close()
 
     async def _close(self) -> None:

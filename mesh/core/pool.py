@@ -148,6 +148,7 @@ class AgentRecord:
     pool_work: dict[str, int] = field(default_factory=dict)  # reported pool tasks, by capability
     reports_work: bool = False  # it reports pool work and confirms drains (work-reports)
     hears_leases: bool = False  # it is told of each lease on it (lease-notices)
+    takes_pool_epoch: bool = False  # its acceptance may carry its pool's epoch (pool-epoch)
     reported_draining: bool = False  # its last heartbeat said it takes no more pool tasks
     drain_confirmed: bool = False  # the manager has journaled that, for this drain
     last_heartbeat_seq: int = -1
@@ -291,6 +292,7 @@ class PoolCore:
             idle_since=now.mono,
             reports_work=c.FEATURE_WORK_REPORTS in reg.features,
             hears_leases=c.FEATURE_LEASE_NOTICES in reg.features,
+            takes_pool_epoch=c.FEATURE_POOL_EPOCH in reg.features,
         )
         out += self._transition(agent, Trigger.REGISTER, now, "registration received")
         if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:

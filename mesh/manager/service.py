@@ -699,12 +699,15 @@ class ManagerService:
         await self.execute([cmd for cmd in commands if not isinstance(cmd, Reply)])
 
     def _with_pool_epoch(self, message: Message) -> Message:
-        """A registration's acceptance carries the agent's pool's active epoch (the core
-        that accepts it knows agents, not descriptors)."""
+        """A registration's acceptance carries the agent's pool's active epoch, for an agent
+        that lists the ``pool-epoch`` feature (an older one would refuse the field). The core
+        that accepts it knows agents, not descriptors."""
         if not isinstance(message, RegistrationAccepted) or message.pool_epoch is not None:
             return message
         agent = self.core.agents.get(message.agent_id)
-        epoch = self.admission.pool_epoch(agent.deployment) if agent is not None else None
+        if agent is None or not agent.takes_pool_epoch:
+            return message
+        epoch = self.admission.pool_epoch(agent.deployment)
         return message if epoch is None else message.model_copy(update={"pool_epoch": epoch})
 
     async def _send_to_agent(self, agent_id: str, message: Message) -> None:

@@ -13,8 +13,9 @@ exactly what it uses (see docs/security.md for the table and what each is for):
   ``N.dead-letter`` exchanges, and ``amq.default`` (results go to ``reply_to`` queues);
 - read: its two queues, its pool's queue ``N.pool.P.tasks``, and the exchanges its queues are
   bound from: ``N.agents``, ``N.tasks``, ``N.events``;
-- topic: on ``N.announce`` only ``agent.X.register|deregister|drain``; on ``N.heartbeat`` only
-  ``hb.X``. Another agent's routing key is refused by the broker (``ACCESS_REFUSED``).
+- topic: on ``N.announce`` only ``agent.X.<verb>`` for the verbs of ``AGENT_ANNOUNCE_VERBS``;
+  on ``N.heartbeat`` only ``hb.X``. Another agent's routing key is refused by the broker
+  (``ACCESS_REFUSED``).
 
 Names are matched whole (``^…$``) with every literal part escaped.
 """

@@ -26,10 +26,15 @@ REGISTRY: dict[str, type[Message]] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 def encode(message: Message) -> bytes:
     """Serialise a message to JSON bytes (orjson; pydantic's own serialiser for the rare
     integer outside 64 bits, which JSON allows and orjson refuses)."""
+    body = message.model_dump(mode="json", exclude_none=False)
+    added: frozenset[str] = getattr(message, "ADDED_FIELDS", frozenset())
+    for name in added:  # unset: left out, for receivers that predate them
+        if body.get(name, 0) is None:
+            del body[name]
     try:
-        return orjson.dumps(message.model_dump(mode="json", exclude_none=False))
+        return orjson.dumps(body)
     except TypeError:
-        return message.model_dump_json().encode()
+        return message.model_dump_json(exclude=set(added) - set(body)).encode()
 
 
 # Every message type as one union told apart by ``type``: a valid body is parsed and

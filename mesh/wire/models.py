@@ -96,9 +96,15 @@ class WireModel(BaseModel):
 
 
 class Message(WireModel):
-    """A top-level message: its ``type`` names the schema it follows."""
+    """A top-level message: its ``type`` names the schema it follows.
+
+    ``ADDED_FIELDS`` names optional fields a message gained after its version was first
+    released: they are left out of the body while unset, so a receiver that predates them
+    (receivers refuse unknown fields) still decodes the message, and they are set only for
+    receivers that said they know them (a registration's ``features``)."""
 
     TYPE: ClassVar[str]
+    ADDED_FIELDS: ClassVar[frozenset[str]] = frozenset()
     type: str
 
 
@@ -204,6 +210,7 @@ class RegistrationAccepted(Message):
     instead of waiting for the next periodic ``descriptor_active`` announcement."""
 
     TYPE = "mesh.registration-accepted.v1"
+    ADDED_FIELDS = frozenset({"pool_epoch"})
     type: Literal["mesh.registration-accepted.v1"] = "mesh.registration-accepted.v1"
     agent_id: AgentId
     incarnation: Identifier
@@ -228,10 +235,11 @@ class RegistrationRefused(Message):
 
 
 class StandingRequest(Message):
-    """Agent -> manager (``rpc.standing``, ``reply_to`` its control queue): after a silence
-    (its connection lost for a while), is this incarnation still registered — or was it
-    declared lost? The answer decides whether the results of tasks it claimed before the
-    silence may still be delivered (:mod:`mesh.agent.core`, self-fencing)."""
+    """Agent -> manager (``agent.<id>.standing`` on the announce exchange, answered on its
+    control queue): after a silence (its connection lost for a while), is this incarnation
+    still registered — or was it declared lost? The answer decides whether the results of
+    tasks it claimed before the silence may still be delivered (:mod:`mesh.agent.core`,
+    self-fencing)."""
 
     TYPE = "mesh.standing-request.v1"
     type: Literal["mesh.standing-request.v1"] = "mesh.standing-request.v1"

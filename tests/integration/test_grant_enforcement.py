@@ -20,10 +20,11 @@ from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.topology import Topology
+from mesh.transport import AmqpTransport
 from mesh.wire import CapabilityRange, Message, Reason, TaskResult
-from mesh.wire.models import Task, TaskGrant
+from mesh.wire.models import RegistrationAccepted, Task, TaskGrant
 
-from .harness import eventually, start_manager
+from .harness import RawAgent, eventually, start_manager
 from .test_admission import fresh, settings_for
 
 CALC = fresh(
@@ -285,12 +286,22 @@ async def test_an_agent_knows_its_pools_epoch_once_it_is_accepted(
     settings = settings_for(amqp_url, namespace, tmp_path, admission=policy)
     manager = await start_manager(dataclasses.replace(settings, epoch_announce_interval_s=3600))
     runtime = calc_runtime(amqp_url, namespace, "calc-new")
+    transport = await AmqpTransport.connect(amqp_url, name="older-agent")
     try:
         await producer.publish_descriptor(CALC)  # announced once, before the agent exists
         await runtime.start()
 
         assert runtime.active_epoch == CALC.descriptor_epoch  # at once: no waiting
         assert runtime.draining_allowlist == frozenset()
+
+        # An agent that does not list the feature gets an acceptance it can read: without it.
+        older = RawAgent(transport, manager.topology, "calc-older", deployment="calc")
+        await older.start()
+        await older.register()
+        await eventually(lambda: older.received(RegistrationAccepted), what="older accepted")
+        [accepted] = older.received(RegistrationAccepted)
+        assert isinstance(accepted, RegistrationAccepted) and accepted.pool_epoch is None
     finally:
         await runtime.stop()
+        await transport.close()
         await manager.stop()

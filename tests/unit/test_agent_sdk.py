@@ -4,6 +4,7 @@ protocol driven through an in-memory fake transport that plays the manager."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -1320,3 +1321,34 @@ async def test_a_runtime_stopped_before_it_started_just_stops() -> None:
     runtime = AgentRuntime(SAMPLES["calc"]("calc-never"), AgentSettings())
     await runtime.stop()
     assert runtime.phase == "stopped" and runtime.stopped.is_set()
+
+
+async def test_stopped_while_starting_after_its_registration_went_out_it_deregisters() -> None:
+    # SIGTERM a moment after start: the manager may have accepted the registration (and
+    # will hand the agent leases until it declares it lost, 15 s later) while start() was
+    # still subscribing. The abandoned start says goodbye (it used to exit silently).
+    blocked = asyncio.Event()
+
+    class SlowToSubscribe(FakeTransport):
+        async def consume(
+            self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False
+        ) -> FakeSubscription:
+            if queue.endswith(".tasks"):
+                blocked.set()
+                await asyncio.Event().wait()  # the task queue's subscription never completes
+            return await super().consume(queue, handler, prefetch=prefetch, no_ack=no_ack)
+
+    transport = SlowToSubscribe(manager=accepting)
+    runtime = runtime_with(transport)
+    starting = asyncio.create_task(runtime.start())
+    await blocked.wait()  # registered and accepted, still starting
+    starting.cancel()  # what run_agent does when the stop signal comes first
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting
+
+    assert transport.of_type(AgentRegistration)
+    goodbyes = [p.decoded for p in transport.of_type(Deregistration)]
+    assert len(goodbyes) == 1, transport.published
+    assert isinstance(goodbyes[0], Deregistration)
+    assert goodbyes[0].reason == "stopped while starting"
+    assert runtime.stopped.is_set()

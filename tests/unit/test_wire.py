@@ -21,7 +21,9 @@ from mesh.wire import (
     Capability,
     Heartbeat,
     Message,
+    PoolEpoch,
     Reason,
+    RegistrationAccepted,
     Task,
     decode,
     decode_as,
@@ -414,3 +416,19 @@ def test_a_message_with_an_integer_beyond_64_bits_still_round_trips() -> None:
     )
 
     assert decode(encode(message)) == message
+
+
+def test_a_field_added_to_a_released_message_is_left_out_while_unset() -> None:
+    """``pool_epoch`` came to ``mesh.registration-accepted.v1`` after its release: unset, it
+    is not in the body, so an agent that predates it (and refuses unknown fields) reads the
+    acceptance; set (only for agents listing ``pool-epoch``), it is there."""
+    bare = orjson.loads(encode(RegistrationAccepted(agent_id="a-1", incarnation="i-1")))
+    assert "pool_epoch" not in bare
+    told = RegistrationAccepted(
+        agent_id="a-1",
+        incarnation="i-1",
+        pool_epoch=PoolEpoch(pool_id="p", descriptor_epoch=2, policy_generation=1),
+    )
+    body = orjson.loads(encode(told))
+    assert body["pool_epoch"]["descriptor_epoch"] == 2
+    assert decode(encode(told)) == told

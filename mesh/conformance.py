@@ -1,0 +1,692 @@
+"""``mesh conformance``: run an agent command against a manager of the kit's own and check it
+speaks the protocol (docs/protocol.md).
+
+The kit starts a manager in a namespace of its own on the given broker (an SQLite ledger and
+journal in a temporary directory, the operator being the URL's user), then runs the agent
+command — any language — telling it where through the environment:
+
+==================  ===================================================
+``MESH_AMQP_URL``   the broker
+``MESH_NAMESPACE``  the kit's namespace (every exchange and queue name)
+``AGENT_ID``        the agent's ID
+``MESH_POOL``       the pool (deployment) it should join
+``HEARTBEAT_INTERVAL_S``  the heartbeat interval to use
+==================  ===================================================
+
+It watches what the agent publishes (a queue of its own bound to the announce and heartbeat
+exchanges for that agent ID), acts as producer and operator through :class:`MeshClient`, and
+publishes hand-made tasks (forged grants) where a check needs them. Each check prints one
+line, ``PASS`` or ``FAIL`` with what was seen, and the run ends with a summary; the exit code
+is 1 if any check failed.
+
+The agent must offer ``--capability`` (default ``test.echo``), accept ``--payload`` and
+answer ``INPUT_SCHEMA_VIOLATION`` for ``--invalid-payload``; ``--slow-payload`` is a payload
+its handler takes a second or more on (drain checks need tasks in flight). The defaults fit
+``mesh agent echo``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shlex
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mesh import constants as c
+from mesh.core.pool import PoolSettings
+from mesh.errors import MeshError
+from mesh.manager.admission import AdmissionPolicy
+from mesh.manager.service import ManagerService
+from mesh.manager.settings import ManagerSettings
+from mesh.producer import MeshClient
+from mesh.topology import names
+from mesh.topology.specs import BindingSpec, Declarations, QueueArguments, QueueSpec, Topology
+from mesh.transport import AmqpTransport, Delivery
+from mesh.wire import (
+    AgentRegistration,
+    CapabilityRange,
+    Heartbeat,
+    Message,
+    ReRegisterRequest,
+    TaskRequirements,
+    decode,
+)
+from mesh.wire.admission import (
+    CapabilityDescriptor,
+    HealthEvidence,
+    ModelLimits,
+    Sandbox,
+    TenantIsolation,
+)
+from mesh.wire.models import AdmissionGrant, Task, TaskResult
+
+HEARTBEAT_S = 5.0  # what the agent is told to use: the least the protocol allows
+BELOW_MINIMUM_S = 1.0  # what the "refuses a short interval" check tells it
+START_TIMEOUT_S = 30.0
+ANSWER_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class KitSettings:
+    """What ``mesh conformance`` is told."""
+
+    agent_cmd: str
+    amqp_url: str = c.DEFAULT_AMQP_URL
+    pool: str = "echo"
+    capability: str = "test.echo"
+    payload: dict[str, Any] = field(default_factory=lambda: {"message": "conformance"})
+    invalid_payload: dict[str, Any] = field(default_factory=lambda: {"message": 42})
+    slow_payload: dict[str, Any] = field(
+        default_factory=lambda: {"message": "slow", "sleep_ms": 1500}
+    )
+    namespace: str = ""  # "": a fresh one per run
+    work_dir: Path | None = None  # None: a temporary directory
+    only: tuple[str, ...] = ()  # check keys (CHECK_KEYS) to run; "register" always runs
+
+
+@dataclass
+class CheckResult:
+    key: str
+    name: str
+    passed: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}  [{self.key}] {self.name}: {self.detail}"
+
+
+class CheckFailed(Exception):
+    """A check saw something the protocol does not allow (the message says what)."""
+
+
+def expect(condition: bool, why: str) -> None:
+    if not condition:
+        raise CheckFailed(why)
+
+
+# ---- watching the agent -------------------------------------------------------------------------
+class Watch:
+    """What the agent publishes about itself (registrations, heartbeats, deregistrations,
+    drain requests), read from a queue of the kit's own bound next to the manager's."""
+
+    def __init__(self) -> None:
+        self.registrations: list[AgentRegistration] = []
+        self.heartbeats: list[tuple[float, Heartbeat]] = []  # (received, heartbeat)
+        self.other: list[Message] = []
+        self.undecodable: list[str] = []
+        self.changed = asyncio.Event()
+
+    async def on_message(self, delivery: Delivery) -> None:
+        try:
+            message = decode(delivery.body)
+        except MeshError as exc:
+            self.undecodable.append(str(exc))
+            return
+        if isinstance(message, AgentRegistration):
+            self.registrations.append(message)
+        elif isinstance(message, Heartbeat):
+            self.heartbeats.append((time.monotonic(), message))
+        else:
+            self.other.append(message)
+        self.changed.set()
+
+    async def until(self, check: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CheckFailed(f"no {what} within {timeout_s:g} s")
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(remaining, 0.5))
+
+
+class AgentProcess:
+    """One run of the agent command."""
+
+    def __init__(self, cmd: str, env: dict[str, str], log: Path) -> None:
+        self.cmd, self.env, self.log = cmd, env, log
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        out = self.log.open("ab")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *shlex.split(self.cmd),
+                env=self.env,
+                stdout=out,
+                stderr=out,
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            out.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    async def wait(self, timeout_s: float) -> int | None:
+        if self.proc is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(self.proc.wait(), timeout_s)
+        return None
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    async def stop(self) -> None:
+        self.signal(signal.SIGTERM)
+        if await self.wait(10) is None:
+            self.signal(signal.SIGKILL)
+            await self.wait(5)
+
+
+# ---- the kit ------------------------------------------------------------------------------------
+class Kit:
+    """A manager, a producer, a watch on the agent, and the checks."""
+
+    def __init__(self, settings: KitSettings, work_dir: Path) -> None:
+        self.s = settings
+        self.work_dir = work_dir
+        self.namespace = settings.namespace or f"conformance-{uuid.uuid4().hex[:8]}"
+        self.topology = Topology(namespace=self.namespace)
+        self.operator = (settings.amqp_url.split("://", 1)[-1].split(":", 1)[0]) or "guest"
+        self.manager: ManagerService | None = None
+        self.client: MeshClient | None = None
+        self.raw: AmqpTransport | None = None
+        self.reply_queue = ""
+        self.results: dict[str, asyncio.Future[TaskResult]] = {}
+        self.agent: AgentProcess | None = None
+        self.agent_id = ""
+        self.watch = Watch()
+        self.runs = 0
+        self.descriptor: CapabilityDescriptor | None = None
+
+    # -- set-up and tear-down -------------------------------------------------------------
+    async def open(self) -> None:
+        settings = ManagerSettings(
+            amqp_url=self.s.amqp_url,
+            namespace=self.namespace,
+            journal_path=self.work_dir / "journal.sqlite3",
+            ledger_url=f"sqlite:{self.work_dir / 'ledger.sqlite3'}",
+            manager_id="conformance-kit",
+            tick_interval_s=0.2,
+            pool=PoolSettings(),
+            operator_user=self.operator,
+            admission=AdmissionPolicy(grant_ttl_s=60),
+            epoch_announce_interval_s=2.0,
+        )
+        self.manager = ManagerService(settings)
+        await self.manager.start()
+        self.client = await MeshClient.connect(
+            self.s.amqp_url, namespace=self.namespace, name="conformance-producer"
+        )
+        self.raw = await AmqpTransport.connect(self.s.amqp_url, name="conformance-watch")
+        self.reply_queue = await self.raw.declare_reply_queue(
+            names.reply_queue(self.namespace, "conformance", uuid.uuid4().hex[:8])
+        )
+        await self.raw.consume(self.reply_queue, self._on_result, no_ack=True)
+
+    async def close(self) -> None:
+        if self.agent is not None:
+            await self.agent.stop()
+        if self.client is not None:
+            await self.client.close()
+        if self.raw is not None:
+            await self.raw.close()
+        if self.manager is not None:
+            await self.manager.stop()
+
+    async def _on_result(self, delivery: Delivery) -> None:
+        waiting = self.results.get(delivery.correlation_id or "")
+        if waiting is None or waiting.done():
+            return
+        try:
+            message = decode(delivery.body)
+        except MeshError as exc:
+            waiting.set_exception(CheckFailed(f"an answer that does not decode: {exc}"))
+            return
+        if isinstance(message, TaskResult):
+            waiting.set_result(message)
+        else:
+            waiting.set_exception(CheckFailed(f"answered a task with {message.type}"))
+
+    async def start_agent(self, heartbeat_s: float = HEARTBEAT_S) -> AgentProcess:
+        """A new run of the agent command under a new agent ID, watched."""
+        if self.agent is not None:
+            await self.agent.stop()
+        self.runs += 1
+        self.agent_id = f"conformance-{self.runs}-{uuid.uuid4().hex[:6]}"
+        self.watch = Watch()
+        assert self.raw is not None
+        queue = f"{self.namespace}.conformance.watch.{self.agent_id}"
+        await self.raw.declare(
+            Declarations(
+                queues=(
+                    QueueSpec(
+                        queue,
+                        durable=False,
+                        exclusive=True,
+                        auto_delete=True,
+                        arguments=QueueArguments(max_length=10_000),
+                    ),
+                ),
+                bindings=(
+                    BindingSpec(
+                        queue, self.topology.announce_exchange, f"{c.RK_AGENT}.{self.agent_id}.*"
+                    ),
+                    BindingSpec(
+                        queue, self.topology.heartbeat_exchange, names.heartbeat_key(self.agent_id)
+                    ),
+                ),
+            )
+        )
+        await self.raw.consume(queue, self.watch.on_message, no_ack=True)
+        env = {
+            **os.environ,
+            "MESH_AMQP_URL": self.s.amqp_url,
+            "MESH_NAMESPACE": self.namespace,
+            "AGENT_ID": self.agent_id,
+            "MESH_POOL": self.s.pool,
+            "HEARTBEAT_INTERVAL_S": f"{heartbeat_s:g}",
+        }
+        self.agent = AgentProcess(self.s.agent_cmd, env, self.work_dir / f"{self.agent_id}.log")
+        await self.agent.start()
+        return self.agent
+
+    async def ready_agent(self) -> AgentRegistration:
+        """Start the agent and wait until the manager holds it Ready."""
+        await self.start_agent()
+        await self.watch.until(
+            lambda: bool(self.watch.registrations) or self._exited(),
+            START_TIMEOUT_S,
+            "registration",
+        )
+        expect(not self._exited(), f"the agent exited with {self._exit_code()} before registering")
+        await self._until_live(START_TIMEOUT_S)
+        return self.watch.registrations[-1]
+
+    def _exited(self) -> bool:
+        return self.agent is not None and self.agent.returncode is not None
+
+    def _exit_code(self) -> int | None:
+        return None if self.agent is None else self.agent.returncode
+
+    async def _until_live(self, timeout_s: float) -> None:
+        assert self.manager is not None
+        manager = self.manager
+        await self.watch.until(
+            lambda: (
+                (a := manager.core.agents.get(self.agent_id)) is not None
+                and a.state.value in ("Ready", "Busy")
+            ),
+            timeout_s,
+            "Ready state in the manager",
+        )
+
+    async def described_pool(self, registration: AgentRegistration) -> CapabilityDescriptor:
+        """Publish (once per run, newer each time) a descriptor for the agent's pool."""
+        assert self.client is not None
+        now = time.time()
+        epoch = (self.descriptor.descriptor_epoch + 1) if self.descriptor else int(now)
+        descriptor = CapabilityDescriptor(
+            pool_id=registration.deployment,
+            descriptor_epoch=epoch,
+            runtime_digest="sha256:" + "0" * 64,
+            capabilities=[CapabilityRange(name=self.s.capability, version_spec=">=0")],
+            task_schema_range=">=1,<2",
+            result_schema_range=">=1,<2",
+            data_classifications=["public", "internal"],
+            tenant_isolation=TenantIsolation(mode="shared"),
+            regions=["local"],
+            model_limits=ModelLimits(context_tokens=8192, max_output_tokens=1024, slots=16),
+            sandbox=Sandbox(kind="none", count=0),
+            policy_generation=AdmissionPolicy().active_generation,
+            health=HealthEvidence(status="healthy", checked_at=now),
+            issued_at=now - 1,
+            expires_at=now + 3600,
+            issued_by=self.operator,
+        )
+        reply = await self.client.publish_descriptor(descriptor)
+        expect(reply.type == "mesh.descriptor-accepted.v1", f"the kit's descriptor: {reply}")
+        self.descriptor = descriptor
+        return descriptor
+
+    def requirements(self) -> TaskRequirements:
+        return TaskRequirements(
+            capability=CapabilityRange(name=self.s.capability, version_spec=">=0"),
+            task_schema_version="1.0.0",
+            result_schema_version="1.0.0",
+            input_classifications=["internal"],
+            estimated_tokens=10,
+            estimated_duration_s=1.0,
+            service_class="interactive",
+        )
+
+    async def grant(self) -> AdmissionGrant:
+        assert self.client is not None
+        if self.descriptor is None:
+            await self.described_pool(self.watch.registrations[-1])
+        decision = await self.client.admit(self.requirements())
+        expect(decision.grant is not None, f"the kit could not admit a task: {decision.detail}")
+        assert decision.grant is not None
+        return decision.grant
+
+    async def send_granted(
+        self, grant: AdmissionGrant, payload: dict[str, Any], pool: str | None = None
+    ) -> TaskResult:
+        """A task under ``grant`` on a pool's queue (``pool``, default the grant's), as a
+        producer sends it; its answer."""
+        assert self.raw is not None
+        pool = pool or grant.pool_id
+        task = Task(
+            task_id=uuid.uuid4().hex,
+            capability=self.s.capability,
+            payload=payload,
+            deadline=time.time() + ANSWER_TIMEOUT_S,
+            submitted_at=time.time(),
+            grant=grant,
+        )
+        answer: asyncio.Future[TaskResult] = asyncio.get_running_loop().create_future()
+        self.results[task.task_id] = answer
+        try:
+            await self.raw.publish(
+                self.topology.tasks_exchange,
+                names.pool_task_key(pool),
+                task,
+                reply_to=self.reply_queue,
+                correlation_id=task.task_id,
+                headers={c.H_ADMISSION_ID: grant.admission_id},
+                persistent=True,
+            )
+            try:
+                return await asyncio.wait_for(answer, ANSWER_TIMEOUT_S)
+            except TimeoutError:
+                raise CheckFailed(
+                    f"no answer to a task within {ANSWER_TIMEOUT_S:g} s (pool {pool})"
+                ) from None
+        finally:
+            self.results.pop(task.task_id, None)
+
+
+# ---- the checks ---------------------------------------------------------------------------------
+Check = Callable[[Kit], Awaitable[str]]
+
+
+async def registers_and_is_ready(kit: Kit) -> str:
+    registration = await kit.ready_agent()
+    expect(registration.agent_id == kit.agent_id, f"registered as {registration.agent_id!r}")
+    offered = {cap.name for cap in registration.capabilities}
+    expect(kit.s.capability in offered, f"offers {sorted(offered)}, not {kit.s.capability}")
+    expect(
+        registration.heartbeat_interval_s >= c.MIN_HEARTBEAT_INTERVAL_S,
+        f"heartbeat interval {registration.heartbeat_interval_s} s",
+    )
+    expect(not kit.watch.undecodable, f"undecodable messages: {kit.watch.undecodable[:2]}")
+    return (
+        f"registered {registration.agent_id} in pool {registration.deployment} with "
+        f"{sorted(offered)}, Ready"
+    )
+
+
+async def refuses_a_short_heartbeat_interval(kit: Kit) -> str:
+    agent = await kit.start_agent(heartbeat_s=BELOW_MINIMUM_S)
+    code = await agent.wait(START_TIMEOUT_S / 2)
+    short = [
+        r for r in kit.watch.registrations if r.heartbeat_interval_s < c.MIN_HEARTBEAT_INTERVAL_S
+    ]
+    expect(
+        not short, f"registered with a {short[0].heartbeat_interval_s if short else 0} s interval"
+    )
+    if code is None:
+        longer = [r for r in kit.watch.registrations]
+        expect(bool(longer), "told 1 s, it neither refused to start nor registered")
+        return f"told {BELOW_MINIMUM_S:g} s, it registered with {longer[0].heartbeat_interval_s} s"
+    expect(code != 0, "told a 1 s interval, it exited 0 as if nothing were wrong")
+    return f"told {BELOW_MINIMUM_S:g} s, it exited {code} without registering"
+
+
+async def heartbeats_on_time(kit: Kit) -> str:
+    await kit.watch.until(lambda: len(kit.watch.heartbeats) >= 3, 4 * HEARTBEAT_S, "3 heartbeats")
+    beats = kit.watch.heartbeats
+    seqs = [hb.seq for _, hb in beats]
+    expect(all(b > a for a, b in itertools.pairwise(seqs)), f"seq not increasing: {seqs}")
+    incarnation = kit.watch.registrations[-1].incarnation
+    expect(
+        all(hb.incarnation == incarnation for _, hb in beats),
+        "a heartbeat of another incarnation",
+    )
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(beats)]
+    expect(all(gap <= HEARTBEAT_S * 1.5 for gap in gaps), f"gaps {[round(g, 1) for g in gaps]} s")
+    return f"seq {seqs}, gaps {[round(g, 1) for g in gaps]} s (interval {HEARTBEAT_S:g} s)"
+
+
+async def serves_the_lease_path(kit: Kit) -> str:
+    assert kit.client is not None
+    outcome = await kit.client.run_task(kit.s.capability, kit.s.payload, timeout_s=ANSWER_TIMEOUT_S)
+    expect(outcome.result.agent_id == kit.agent_id, f"answered by {outcome.result.agent_id}")
+    return f"run_task answered ok by {outcome.lease.agent_id}"
+
+
+async def validates_task_input(kit: Kit) -> str:
+    assert kit.client is not None
+    try:
+        await kit.client.run_task(
+            kit.s.capability, kit.s.invalid_payload, timeout_s=ANSWER_TIMEOUT_S
+        )
+    except MeshError as exc:
+        code = getattr(exc, "code", None)
+        expect(code == "INPUT_SCHEMA_VIOLATION", f"answered {code or type(exc).__name__}")
+        return "an invalid payload is answered INPUT_SCHEMA_VIOLATION"
+    raise CheckFailed("an invalid payload was run")
+
+
+async def serves_the_admission_path(kit: Kit) -> str:
+    assert kit.client is not None
+    registration = kit.watch.registrations[-1]
+    if kit.descriptor is None:
+        await kit.described_pool(registration)
+    done = await kit.client.submit(kit.requirements(), kit.s.payload, timeout_s=ANSWER_TIMEOUT_S)
+    expect(done.result.agent_id == kit.agent_id, f"answered by {done.result.agent_id}")
+    return f"submit admitted to pool {registration.deployment} and answered ok"
+
+
+async def _refused(kit: Kit, grant: AdmissionGrant, what: str, pool: str) -> str:
+    """Send a task under ``grant`` to ``pool``'s queue: it must be refused, never run."""
+    result = await kit.send_granted(grant, kit.s.payload, pool=pool)
+    code = result.error.code.value if result.error else None
+    expect(
+        result.status == "error" and code == "GRANT_INVALID",
+        f"{what} was answered {result.status} {code or ''}".rstrip(),
+    )
+    return f"{what}: GRANT_INVALID"
+
+
+async def refuses_bad_grants(kit: Kit) -> str:
+    """Foreign (another pool's), expired and revoked grants are refused at claim."""
+    assert kit.client is not None
+    good = await kit.grant()
+    pool = good.pool_id
+    seen = [
+        await _refused(
+            kit, good.model_copy(update={"pool_id": f"{pool}-other"}), "a foreign grant", pool
+        ),
+        await _refused(
+            kit, good.model_copy(update={"expires_at": time.time() - 1}), "an expired grant", pool
+        ),
+    ]
+    released = await kit.client.release_admission(good)
+    expect(released.released, f"the kit could not release its grant: {released}")
+    await asyncio.sleep(0.5)  # the revocation's way to the agent
+    seen.append(await _refused(kit, good, "a revoked grant", pool))
+    return "; ".join(seen)
+
+
+async def judges_epochs(kit: Kit) -> str:
+    """After a newer descriptor: an older-epoch grant is refused unless its admission is on
+    the draining allowlist (ACTIVE when the epoch advanced), which is served."""
+    draining = await kit.grant()
+    await kit.described_pool(kit.watch.registrations[-1])  # a newer epoch: draining listed
+    await asyncio.sleep(0.5)  # the announcement's way to the agent
+    stale = draining.model_copy(update={"admission_id": f"conformance-{uuid.uuid4().hex[:12]}"})
+    refused = await _refused(kit, stale, "an older-epoch grant", draining.pool_id)
+    served = await kit.send_granted(draining, kit.s.payload)
+    expect(
+        served.status == "ok",
+        f"a grant on the draining allowlist was answered {served.status} "
+        f"{served.error.code.value if served.error else ''}",
+    )
+    return f"{refused}; a draining-allowlisted one of the old epoch served"
+
+
+async def reregisters_when_asked(kit: Kit) -> str:
+    assert kit.raw is not None
+    before = len(kit.watch.registrations)
+    await kit.raw.publish(
+        kit.topology.agents_exchange,
+        kit.agent_id,
+        ReRegisterRequest(agent_id=kit.agent_id, reason="conformance kit asks"),
+    )
+    started = time.monotonic()
+    await kit.watch.until(
+        lambda: len(kit.watch.registrations) > before, 3 * HEARTBEAT_S, "registration again"
+    )
+    took = time.monotonic() - started
+    await kit._until_live(START_TIMEOUT_S)
+    return f"registered again {took:.1f} s after the request, Ready"
+
+
+async def _in_flight(kit: Kit, count: int) -> list[asyncio.Task[Any]]:
+    """``count`` slow tasks on the lease path, started: wait until the agent holds them."""
+    assert kit.client is not None and kit.manager is not None
+    client, manager = kit.client, kit.manager
+    calls = [
+        asyncio.create_task(
+            client.run_task(kit.s.capability, kit.s.slow_payload, timeout_s=ANSWER_TIMEOUT_S * 2)
+        )
+        for _ in range(count)
+    ]
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    while time.monotonic() < deadline:
+        agent = manager.core.agents.get(kit.agent_id)
+        if agent is not None and len(agent.leases) >= count:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # delivered and started
+    return calls
+
+
+async def _all_answered(calls: list[asyncio.Task[Any]], what: str) -> int:
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    expect(
+        not failed,
+        f"{len(failed)} of {len(calls)} tasks {what} failed: {failed[0] if failed else ''}",
+    )
+    return len(calls)
+
+
+async def drains_on_request(kit: Kit) -> str:
+    assert kit.client is not None
+    calls = await _in_flight(kit, 2)
+    accepted = await kit.client.drain(kit.agent_id, reason="conformance kit")
+    expect(accepted.type == "mesh.drain-accepted.v1", f"the drain was refused: {accepted}")
+    served = await _all_answered(calls, "in flight at the drain")
+    assert kit.agent is not None
+    code = await kit.agent.wait(ANSWER_TIMEOUT_S * 2)
+    expect(code is not None, "still running after the drain completed")
+    return f"{served} tasks in flight all answered; exited {code} after the drain"
+
+
+async def drains_on_sigterm(kit: Kit) -> str:
+    await kit.ready_agent()
+    calls = await _in_flight(kit, 2)
+    assert kit.agent is not None
+    kit.agent.signal(signal.SIGTERM)
+    served = await _all_answered(calls, "in flight at SIGTERM")
+    code = await kit.agent.wait(ANSWER_TIMEOUT_S * 2)
+    expect(code == 0, f"exit code {code} after SIGTERM (a drain ends with 0)")
+    return f"{served} tasks in flight all answered; exited 0"
+
+
+# (key, what it checks, the check), in the order they run: each leaves the agent as the
+# next one needs it (the first starts it; the drains end it; the SIGTERM check starts a new one).
+CHECKS: tuple[tuple[str, str, Check], ...] = (
+    ("register", "registers and is Ready after acceptance", registers_and_is_ready),
+    ("heartbeats", "heartbeats on time with increasing seq", heartbeats_on_time),
+    ("lease-path", "serves a task on the lease path", serves_the_lease_path),
+    ("input-schema", "answers INPUT_SCHEMA_VIOLATION for an invalid payload", validates_task_input),
+    ("admission-path", "serves a task on the admission path", serves_the_admission_path),
+    ("grants", "refuses foreign, expired and revoked grants", refuses_bad_grants),
+    ("epochs", "refuses an older-epoch grant, honours the draining allowlist", judges_epochs),
+    ("reregister", "registers again when the manager asks", reregisters_when_asked),
+    ("drain", "drains on request without losing a task", drains_on_request),
+    ("sigterm", "drains on SIGTERM without losing a task", drains_on_sigterm),
+    (
+        "short-interval",
+        "refuses a heartbeat interval below the minimum",
+        refuses_a_short_heartbeat_interval,
+    ),
+)
+CHECK_KEYS = tuple(key for key, _, _ in CHECKS)
+
+
+async def run(settings: KitSettings, out: Callable[[str], None] = print) -> list[CheckResult]:
+    """Run every check in order, printing a line for each and a summary; the results."""
+    with contextlib.ExitStack() as stack:
+        work_dir = settings.work_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="mesh-conformance-"))
+        )
+        kit = Kit(settings, work_dir)
+        out(f"conformance of: {settings.agent_cmd}")
+        out(f"namespace {kit.namespace}, broker {_without_password(settings.amqp_url)}")
+        results: list[CheckResult] = []
+        await kit.open()
+        try:
+            for key, name, check in CHECKS:
+                if settings.only and key != "register" and key not in settings.only:
+                    continue
+                started = time.monotonic()
+                try:
+                    detail = await check(kit)
+                    result = CheckResult(key, name, True, detail)
+                except CheckFailed as exc:
+                    result = CheckResult(key, name, False, str(exc))
+                except MeshError as exc:
+                    result = CheckResult(key, name, False, f"{type(exc).__name__}: {exc}")
+                result.detail += f" ({time.monotonic() - started:.1f} s)"
+                results.append(result)
+                out(result.line())
+        finally:
+            await kit.close()
+        passed = sum(r.passed for r in results)
+        out(
+            f"{passed} of {len(results)} checks passed"
+            + (
+                ""
+                if passed == len(results)
+                else (f"; agent logs in {work_dir}" if settings.work_dir else "")
+            )
+        )
+        return results
+
+
+def _without_password(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"

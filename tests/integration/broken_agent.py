@@ -1,0 +1,61 @@
+"""``mesh agent echo`` with one protocol defect, for the conformance kit's own tests: each
+defect must fail the kit's matching check (``test_conformance.py``).
+
+Usage: ``python broken_agent.py DEFECT`` (the kit's environment names the agent and broker):
+
+* ``seq``: every heartbeat carries ``seq`` 0 (it must increase);
+* ``revocations``: ``grant_revoked`` events are ignored (a revoked grant's task runs);
+* ``drain``: results of tasks still running when a drain begins are never sent (the tasks
+  are acked: lost for their producers).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from mesh.agent.core import AgentCore
+from mesh.agent.runtime import AgentRuntime
+from mesh.cli import main
+from mesh.wire import Heartbeat, OrchestrationEvent
+
+
+def heartbeats_without_seq() -> None:
+    original = AgentCore.heartbeat
+
+    def heartbeat(self: AgentCore, *args: Any, **kwargs: Any) -> Heartbeat:
+        return original(self, *args, **kwargs).model_copy(update={"seq": 0})
+
+    AgentCore.heartbeat = heartbeat  # type: ignore[method-assign]
+
+
+def ignoring_revocations() -> None:
+    original = AgentRuntime._on_event
+
+    def on_event(self: AgentRuntime, event: OrchestrationEvent) -> None:
+        if event.kind != "grant_revoked":
+            original(self, event)
+
+    AgentRuntime._on_event = on_event  # type: ignore[method-assign]
+
+
+def dropping_tasks_on_drain() -> None:
+    original = AgentRuntime._send_result
+
+    async def send_result(self: AgentRuntime, delivery: Any, result: Any, extra: Any) -> bool:
+        if self._draining:
+            return True  # "sent": acked, and nobody hears of it
+        return await original(self, delivery, result, extra)
+
+    AgentRuntime._send_result = send_result  # type: ignore[method-assign]
+
+
+DEFECTS = {
+    "seq": heartbeats_without_seq,
+    "revocations": ignoring_revocations,
+    "drain": dropping_tasks_on_drain,
+}
+
+if __name__ == "__main__":
+    DEFECTS[sys.argv[1]]()
+    sys.exit(main(["agent", "echo"]))
