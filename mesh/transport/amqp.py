@@ -523,6 +523,11 @@ class AmqpTransport:
         self._queue_specs.pop(name, None)
         self._declared = {s for s in self._declared if getattr(s, "name", None) != name}
 
+    async def delete_exchange(self, name: str) -> None:
+        async with asyncio.timeout(_CONTROL_TIMEOUT_S):
+            await self._publish_channel.exchange_delete(name)
+        self._declared = {s for s in self._declared if getattr(s, "name", None) != name}
+
     async def declare_reply_queue(self, name: str) -> str:
         """An exclusive, auto-deleted queue for replies to this connection."""
         spec = reply_queue(name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ HERE = Path(__file__).parent
 
 
 async def test_the_python_sample_agent_passes_every_check(
-    amqp_url: str, namespace: str, tmp_path: Path
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
 ) -> None:
     lines: list[str] = []
     results = await run(
@@ -31,6 +32,9 @@ async def test_the_python_sample_agent_passes_every_check(
     assert [r.key for r in results] == list(CHECK_KEYS)
     assert [r.key for r in results if not r.passed] == [], "\n".join(lines)
     assert lines[-1] == f"{len(CHECK_KEYS)} of {len(CHECK_KEYS)} checks passed"
+    # The kit cleans up after itself: nothing of its namespace is left on the broker.
+    assert management_api.list_names("queues", f"{namespace}.") == []
+    assert management_api.list_names("exchanges", f"{namespace}.") == []
 
 
 @pytest.mark.parametrize(
