@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from jsonschema import Draft202012Validator
+
 from mesh import constants as c
 from mesh.core.pool import PoolSettings
 from mesh.errors import MeshError
@@ -493,7 +495,14 @@ async def serves_the_lease_path(kit: Kit) -> str:
     assert kit.client is not None
     outcome = await kit.client.run_task(kit.s.capability, kit.s.payload, timeout_s=ANSWER_TIMEOUT_S)
     expect(outcome.result.agent_id == kit.agent_id, f"answered by {outcome.result.agent_id}")
-    return f"run_task answered ok by {outcome.lease.agent_id}"
+    [offered] = [
+        cap for cap in kit.watch.registrations[-1].capabilities if cap.name == kit.s.capability
+    ]
+    errors = sorted(
+        e.message for e in Draft202012Validator(offered.output_schema).iter_errors(outcome.output)
+    )
+    expect(not errors, f"the output fails the capability's output_schema: {errors[:2]}")
+    return f"run_task answered ok by {outcome.lease.agent_id}, output valid against its schema"
 
 
 async def validates_task_input(kit: Kit) -> str:
