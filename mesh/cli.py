@@ -1044,7 +1044,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="run only this check (repeatable; the registration check always runs): "
         "register, heartbeats, lease-path, input-schema, admission-path, grants, epochs, "
-        "reregister, drain, sigterm, short-interval",
+        "reregister, fence, drain, sigterm, short-interval",
     )
     p.set_defaults(func=cmd_conformance)
 

@@ -593,6 +593,48 @@ async def reregisters_when_asked(kit: Kit) -> str:
     return f"registered again {took:.1f} s after the request, Ready"
 
 
+async def fences_itself_after_a_silence(kit: Kit) -> str:
+    """Frozen (SIGSTOP) with a task running until the manager declares it lost, then woken:
+    the result of the task it claimed before the silence must not be delivered (its work
+    may have moved on), and it registers again."""
+    assert kit.client is not None and kit.manager is not None and kit.agent is not None
+    manager, agent = kit.manager, kit.agent
+    before = len(kit.watch.registrations)
+    [held] = await _in_flight(kit, 1)
+    agent.signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        loss_s = manager.settings.pool.missed_heartbeats_before_lost * HEARTBEAT_S
+        await kit.watch.until(
+            lambda: kit.agent_id not in manager.core.agents,
+            loss_s + 2 * HEARTBEAT_S,
+            "loss of the frozen agent in the manager",
+        )
+        frozen_s = time.monotonic() - stopped
+    finally:
+        agent.signal(signal.SIGCONT)
+    done, _ = await asyncio.wait({held}, timeout=2 * HEARTBEAT_S)
+    if done:
+        outcome = held.exception() or held.result()
+        expect(
+            isinstance(outcome, BaseException),
+            "the result of a task claimed before the silence was delivered after the agent "
+            "was declared lost",
+        )
+        what = f"answered {getattr(outcome, 'code', type(outcome).__name__)}"
+    else:
+        held.cancel()
+        what = "withheld"
+    await kit.watch.until(
+        lambda: len(kit.watch.registrations) > before, 3 * HEARTBEAT_S, "registration again"
+    )
+    await kit._until_live(START_TIMEOUT_S)
+    return (
+        f"frozen {frozen_s:.0f} s until declared lost; the task it held was {what}, "
+        "not delivered; registered again, Ready"
+    )
+
+
 async def _in_flight(kit: Kit, count: int) -> list[asyncio.Task[Any]]:
     """``count`` slow tasks on the lease path, started: wait until the agent holds them."""
     assert kit.client is not None and kit.manager is not None
@@ -657,6 +699,11 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("grants", "refuses foreign, expired and revoked grants", refuses_bad_grants),
     ("epochs", "refuses an older-epoch grant, honours the draining allowlist", judges_epochs),
     ("reregister", "registers again when the manager asks", reregisters_when_asked),
+    (
+        "fence",
+        "fences itself after a silence it was declared lost in",
+        fences_itself_after_a_silence,
+    ),
     ("drain", "drains on request without losing a task", drains_on_request),
     ("sigterm", "drains on SIGTERM without losing a task", drains_on_sigterm),
     (

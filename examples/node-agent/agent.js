@@ -25,6 +25,8 @@ const DRAIN_TIMEOUT_MS = 60000;
 const SHUTDOWN_GRACE_MS = 30000;
 const LEASE_NOTICE_WAIT_MS = 2000;
 const ANSWERS_KEPT = 4096;
+const FENCE_AFTER_MS = (3 * HEARTBEAT_S - HEARTBEAT_S / 2) * 1000; // §7 step 11: 2.5 intervals
+const STANDING_WAIT_MS = 5000;
 const REVOCATIONS_KEPT = 10000;
 
 // ---- the capability ------------------------------------------------------------------------
@@ -111,6 +113,10 @@ const revoked = new Map(); // admission ID -> highest revoked fence (insertion o
 const leases = new Map(); // lease ID -> ms timestamp it ends (lease notices, §4.2)
 const answered = new Map(); // answer key -> result (§7 step 9)
 const inFlight = { count: 0, pool: 0 };
+let lastBeatAt = performance.now(); // the last heartbeat we sent (monotonic ms)
+let fencedBefore = -Infinity; // tasks claimed at or before this (monotonic ms) are suspect
+let forgottenAt = -Infinity; // the manager last asked us to register again
+let standingWaiter = null; // resolves with the manager's mesh.standing.v1
 let slotsFree = MAX_CONCURRENCY;
 const slotWaiters = [];
 
@@ -141,8 +147,44 @@ function publish(exchange, key, message, options = {}) {
   });
 }
 
-// ---- heartbeats (§7 step 5) ----------------------------------------------------------------
+// ---- heartbeats (§7 step 5) and silences (§7 step 11) --------------------------------------
+function noteSilence(now) {
+  if (now - lastBeatAt > FENCE_AFTER_MS && fencedBefore < lastBeatAt) {
+    fencedBefore = now;
+    log("silent long enough to be declared lost: results of earlier tasks wait for the manager");
+  }
+}
+
+// Is this incarnation's registration older than the claim (we were not declared lost since)?
+async function stillRegistered(claimedAt) {
+  if (forgottenAt >= claimedAt) return false;
+  const giveUp = performance.now() + 3 * STANDING_WAIT_MS;
+  while (performance.now() < giveUp) {
+    const asked = performance.now();
+    const answer = new Promise((resolve) => (standingWaiter = resolve));
+    try {
+      const request = { type: "mesh.standing-request.v1", agent_id: AGENT_ID, incarnation: INCARNATION };
+      await publish(X.announce, `agent.${AGENT_ID}.standing`, request);
+    } catch (err) {
+      await sleep(200);
+      continue;
+    }
+    const standing = await Promise.race([answer, sleep(STANDING_WAIT_MS).then(() => null)]);
+    standingWaiter = null;
+    if (standing === null) continue;
+    if (!standing.registered || standing.registered_for_s == null) {
+      leases.clear(); // declared lost: the leases of that registration went with it
+      return false;
+    }
+    return asked - standing.registered_for_s * 1000 <= claimedAt && forgottenAt < claimedAt;
+  }
+  return false;
+}
+
 function heartbeat() {
+  const now = performance.now();
+  noteSilence(now);
+  lastBeatAt = now;
   const message = {
     type: "mesh.heartbeat.v1",
     agent_id: AGENT_ID,
@@ -234,7 +276,12 @@ function handleControl(m) {
     case "mesh.registration-refused.v1":
       if (m.incarnation === INCARNATION && registration) registration.resolve(m);
       return;
+    case "mesh.standing.v1":
+      if (m.incarnation === INCARNATION && standingWaiter) standingWaiter(m);
+      return;
     case "mesh.reregister-request.v1":
+      forgottenAt = performance.now();
+      leases.clear(); // the manager forgot that registration, and the leases it told us of
       if (draining) {
         drainComplete.resolve(); // the manager holds nothing for us
       } else if (registered && !registration) {
@@ -425,8 +472,15 @@ async function onTask(msg, fromPool) {
   }
   inFlight.count++;
   if (fromPool) inFlight.pool++;
+  const claimedAt = performance.now();
   try {
     const done = await run(task, startedAt);
+    noteSilence(performance.now());
+    if (claimedAt <= fencedBefore && !(await stillRegistered(claimedAt))) {
+      log("result withheld: claimed before a silence we were declared lost in", { task_id: task.task_id });
+      ch.nack(msg, false, true); // its work has moved on; back to the queue
+      return;
+    }
     const late = task.grant ? grantProblem(task.grant) : null;
     const final = late ? failure(task, startedAt, "GRANT_INVALID", `before the result: ${late}`) : done;
     if (await answer(msg, final)) {

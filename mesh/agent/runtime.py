@@ -639,9 +639,23 @@ class AgentRuntime:
             log.debug("re-register request ignored: registration in progress", extra=self._extra())
         else:
             self._forgotten_at = time.monotonic()
+            self._forget_leases("the manager does not know us")
             log.warning("manager asked us to re-register", extra=self._extra(reason=request.reason))
             self._ready.clear()
             self._reregistration = self._spawn(self._reregister(), "re-register")
+
+    def _forget_leases(self, why: str) -> None:
+        """The manager forgot this registration (it declared us lost, or restarted): the
+        leases it told us of went with it, so a task of one — requeued after a withheld
+        result, or still queued — is refused, not run again for a producer that may have
+        given up on it."""
+        if self._issued:
+            log.info(
+                "leases of the earlier registration forgotten",
+                extra=self._extra(why=why, leases=len(self._issued)),
+            )
+            self.counters["leases_forgotten"] += len(self._issued)
+            self._issued.clear()
 
     def _registering(self) -> bool:
         background = self._reregistration is not None and not self._reregistration.done()
@@ -747,6 +761,7 @@ class AgentRuntime:
                 ),
             )
             if not standing.registered or standing.registered_for_s is None:
+                self._forget_leases("declared lost")
                 return None
             # The registration began at least this long before we asked (the answer's
             # travel only makes it look younger: the safe side).

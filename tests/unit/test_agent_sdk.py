@@ -1352,3 +1352,27 @@ async def test_stopped_while_starting_after_its_registration_went_out_it_deregis
     assert isinstance(goodbyes[0], Deregistration)
     assert goodbyes[0].reason == "stopped while starting"
     assert runtime.stopped.is_set()
+
+
+async def test_the_leases_of_a_registration_the_manager_forgot_are_forgotten_too() -> None:
+    # Declared lost (or the manager restarted), the agent is asked to register again: the
+    # leases the manager told it of went with that registration. A task of one — requeued
+    # after a withheld result, say — is refused, not run again for a producer that may have
+    # given up on it (the conformance kit's fence check found it delivered).
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport, **CLOSED)
+    await runtime.start()
+    try:
+        await transport.deliver("t.agent.toy-1.control", lease_notice("lease-1"))
+        ok = await answer_to(transport, "t.agent.toy-1.tasks", make_task(lease_id="lease-1"))
+        assert ok.status == "ok"
+
+        request = make_delivery(ReRegisterRequest(agent_id="toy-1", reason="unknown agent"))
+        await transport.deliver("t.agent.toy-1.control", request)
+        again = await answer_to(
+            transport, "t.agent.toy-1.tasks", make_task(task_id="t-2", lease_id="lease-1")
+        )
+        assert again.error is not None and again.error.code is Reason.NOT_AUTHORIZED
+        assert runtime.counters["leases_forgotten"] == 1
+    finally:
+        await runtime.stop()
