@@ -75,6 +75,7 @@ from mesh.wire.models import AdmissionGrant, Task, TaskResult
 HEARTBEAT_S = 5.0  # what the agent is told to use: the least the protocol allows
 BELOW_MINIMUM_S = 1.0  # what the "refuses a short interval" check tells it
 START_TIMEOUT_S = 30.0
+UNANSWERED_S = 3.0  # how long the first registration goes unanswered (no manager yet)
 ANSWER_TIMEOUT_S = 15.0
 
 
@@ -221,6 +222,20 @@ class Kit:
 
     # -- set-up and tear-down -------------------------------------------------------------
     async def open(self) -> None:
+        """The broker side: the kit's producer and its watch. The manager starts in the first
+        check, after the agent has registered (:func:`registers_and_is_ready`)."""
+        self.client = await MeshClient.connect(
+            self.s.amqp_url, namespace=self.namespace, name="conformance-producer"
+        )
+        self.raw = await AmqpTransport.connect(self.s.amqp_url, name="conformance-watch")
+        self.reply_queue = await self.raw.declare_reply_queue(
+            names.reply_queue(self.namespace, "conformance", uuid.uuid4().hex[:8])
+        )
+        await self.raw.consume(self.reply_queue, self._on_result, no_ack=True)
+        # The manager's queues, so a registration waits in the announce queue for it.
+        await self.raw.declare(self.topology.manager())
+
+    async def start_manager(self) -> None:
         settings = ManagerSettings(
             amqp_url=self.s.amqp_url,
             namespace=self.namespace,
@@ -235,14 +250,6 @@ class Kit:
         )
         self.manager = ManagerService(settings)
         await self.manager.start()
-        self.client = await MeshClient.connect(
-            self.s.amqp_url, namespace=self.namespace, name="conformance-producer"
-        )
-        self.raw = await AmqpTransport.connect(self.s.amqp_url, name="conformance-watch")
-        self.reply_queue = await self.raw.declare_reply_queue(
-            names.reply_queue(self.namespace, "conformance", uuid.uuid4().hex[:8])
-        )
-        await self.raw.consume(self.reply_queue, self._on_result, no_ack=True)
 
     async def close(self) -> None:
         if self.agent is not None:
@@ -446,7 +453,22 @@ Check = Callable[[Kit], Awaitable[str]]
 
 
 async def registers_and_is_ready(kit: Kit) -> str:
-    registration = await kit.ready_agent()
+    """The agent registers and, until the manager accepts it, neither heartbeats nor takes
+    tasks from its queue (no manager runs yet: its registration waits in the announce queue);
+    accepted, it is Ready."""
+    assert kit.raw is not None
+    await kit.start_agent()
+    await kit.watch.until(
+        lambda: bool(kit.watch.registrations) or kit._exited(), START_TIMEOUT_S, "registration"
+    )
+    expect(not kit._exited(), f"the agent exited with {kit._exit_code()} before registering")
+    await asyncio.sleep(UNANSWERED_S)  # what it does while nobody answers
+    expect(not kit.watch.heartbeats, "it heartbeats before its registration was accepted")
+    consumers = await kit.raw.queue_consumers(kit.topology.agent_task_queue(kit.agent_id))
+    expect(consumers == 0, "it consumes its task queue before its registration was accepted")
+    await kit.start_manager()
+    await kit._until_live(START_TIMEOUT_S)
+    registration = kit.watch.registrations[-1]
     expect(registration.agent_id == kit.agent_id, f"registered as {registration.agent_id!r}")
     offered = {cap.name for cap in registration.capabilities}
     expect(kit.s.capability in offered, f"offers {sorted(offered)}, not {kit.s.capability}")
@@ -457,7 +479,8 @@ async def registers_and_is_ready(kit: Kit) -> str:
     expect(not kit.watch.undecodable, f"undecodable messages: {kit.watch.undecodable[:2]}")
     return (
         f"registered {registration.agent_id} in pool {registration.deployment} with "
-        f"{sorted(offered)}, Ready"
+        f"{sorted(offered)}; no heartbeat and no task consumer in {UNANSWERED_S:g} s "
+        "unanswered; Ready once accepted"
     )
 
 

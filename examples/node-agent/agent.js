@@ -379,7 +379,9 @@ function failure(task, startedAt, code, message) {
   return result(task, startedAt, { status: "error", error: { code, message: message.slice(0, 4000) } });
 }
 
-async function answer(msg, result) {
+// Publish the result to the task's reply_to, then ack the task (``ack`` false: the caller
+// settles it, e.g. by dead-lettering it).
+async function answer(msg, result, ack = true) {
   const replyTo = msg.properties.replyTo;
   if (replyTo) {
     try {
@@ -393,7 +395,7 @@ async function answer(msg, result) {
       return false;
     }
   }
-  ch.ack(msg);
+  if (ack) ch.ack(msg);
   return true;
 }
 
@@ -456,8 +458,9 @@ async function onTask(msg, fromPool) {
     }
   } else if (fromPool || !task.lease_id || !(await leaseKnown(task.lease_id))) {
     const why = fromPool ? "a pool task without a grant" : "no lease this agent was told of";
-    await answer(msg, failure(task, startedAt, "NOT_AUTHORIZED", why));
-    await deadLetter(msg, queue, "NOT_AUTHORIZED", why).catch(() => {});
+    if (await answer(msg, failure(task, startedAt, "NOT_AUTHORIZED", why), false)) {
+      await deadLetter(msg, queue, "NOT_AUTHORIZED", why); // and acked there
+    }
     return;
   }
   const key = task.grant ? `admission:${task.grant.admission_id}/${task.task_id}` : `task:${task.task_id}`;

@@ -695,11 +695,19 @@ class AmqpTransport:
 
     async def queue_depth(self, queue: str) -> int:
         """Messages ready in ``queue`` (passive declare)."""
+        return (await self._queue_counts(queue))[0]
+
+    async def queue_consumers(self, queue: str) -> int:
+        """Consumers of ``queue`` now (passive declare)."""
+        return (await self._queue_counts(queue))[1]
+
+    async def _queue_counts(self, queue: str) -> tuple[int, int]:
         async with asyncio.timeout(_CONTROL_TIMEOUT_S):
             channel = await self._connection.channel()
             try:
                 q = await channel.declare_queue(queue, passive=True, robust=False)
-                return int(q.declaration_result.message_count or 0)
+                result = q.declaration_result
+                return int(result.message_count or 0), int(result.consumer_count or 0)
             finally:
                 await channel.close()
 

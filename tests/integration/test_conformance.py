@@ -15,6 +15,7 @@ from mesh.conformance import CHECK_KEYS, KitSettings, run
 HERE = Path(__file__).parent
 
 
+@pytest.mark.timeout(240)  # twelve checks, the fence's 15 s freeze among them
 async def test_the_python_sample_agent_passes_every_check(
     amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
 ) -> None:
