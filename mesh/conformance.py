@@ -63,13 +63,7 @@ from mesh.wire import (
     TaskRequirements,
     decode,
 )
-from mesh.wire.admission import (
-    CapabilityDescriptor,
-    HealthEvidence,
-    ModelLimits,
-    Sandbox,
-    TenantIsolation,
-)
+from mesh.wire.admission import CapabilityDescriptor, local_descriptor
 from mesh.wire.models import AdmissionGrant, Task, TaskResult
 
 HEARTBEAT_S = 5.0  # what the agent is told to use: the least the protocol allows
@@ -368,23 +362,14 @@ class Kit:
         assert self.client is not None
         now = time.time()
         epoch = (self.descriptor.descriptor_epoch + 1) if self.descriptor else int(now)
-        descriptor = CapabilityDescriptor(
-            pool_id=registration.deployment,
-            descriptor_epoch=epoch,
-            runtime_digest="sha256:" + "0" * 64,
-            capabilities=[CapabilityRange(name=self.s.capability, version_spec=">=0")],
-            task_schema_range=">=1,<2",
-            result_schema_range=">=1,<2",
-            data_classifications=["public", "internal"],
-            tenant_isolation=TenantIsolation(mode="shared"),
-            regions=["local"],
-            model_limits=ModelLimits(context_tokens=8192, max_output_tokens=1024, slots=16),
-            sandbox=Sandbox(kind="none", count=0),
-            policy_generation=AdmissionPolicy().active_generation,
-            health=HealthEvidence(status="healthy", checked_at=now),
-            issued_at=now - 1,
-            expires_at=now + 3600,
+        descriptor = local_descriptor(
+            registration.deployment,
+            CapabilityRange(name=self.s.capability, version_spec=">=0"),
+            epoch=epoch,
             issued_by=self.operator,
+            now=now,
+            policy_generation=AdmissionPolicy().active_generation,
+            ttl_s=3600,
         )
         reply = await self.client.publish_descriptor(descriptor)
         expect(reply.type == "mesh.descriptor-accepted.v1", f"the kit's descriptor: {reply}")

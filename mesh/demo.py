@@ -52,15 +52,12 @@ from mesh.wire import (
     AdmissionDecision,
     CapabilityDescriptor,
     CapabilityRange,
-    HealthEvidence,
-    ModelLimits,
     OrchestrationEvent,
     Refusal,
-    Sandbox,
     TaskRequirements,
-    TenantIsolation,
     decode,
 )
+from mesh.wire.admission import local_descriptor
 
 SHOWN_EVENTS = {
     "manager_started",
@@ -117,23 +114,14 @@ class DemoSettings:
         """What the operator allows ``pool``: its sample's capability, more model slots than
         its agents can run (so the live figure is what binds), a day to live. The epoch is
         the time, so a rerun on the same ledger is a newer epoch."""
-        return CapabilityDescriptor(
-            pool_id=pool,
-            descriptor_epoch=int(now),
-            runtime_digest="sha256:" + "0" * 64,
-            capabilities=[CapabilityRange(name=CAPABILITIES[pool], version_spec=">=1")],
-            task_schema_range=">=1,<2",
-            result_schema_range=">=1,<2",
-            data_classifications=["public", "internal"],
-            tenant_isolation=TenantIsolation(mode="shared"),
-            regions=["local"],
-            model_limits=ModelLimits(context_tokens=8192, max_output_tokens=1024, slots=16),
-            sandbox=Sandbox(kind="none", count=0),
-            policy_generation=AdmissionPolicy().active_generation,
-            health=HealthEvidence(status="healthy", checked_at=now),
-            issued_at=now - 1,
-            expires_at=now + 86_400,
+        return local_descriptor(
+            pool,
+            CapabilityRange(name=CAPABILITIES[pool], version_spec=">=1"),
+            epoch=int(now),
             issued_by=self.operator,
+            now=now,
+            policy_generation=AdmissionPolicy().active_generation,
+            ttl_s=86_400,
         )
 
     def scaling_file(self) -> dict[str, Any]:

@@ -229,6 +229,40 @@ class CapabilityDescriptor(Message):
 # ---- the task's requirements --------------------------------------------------------------
 
 
+def local_descriptor(
+    pool_id: str,
+    capability: CapabilityRange,
+    *,
+    epoch: int,
+    issued_by: str,
+    now: float,
+    policy_generation: int,
+    ttl_s: float,
+) -> CapabilityDescriptor:
+    """A descriptor for a pool on one machine (the demo's, the conformance kit's): its one
+    capability, public and internal data, shared tenancy, region ``local``, 16 model slots
+    (more than a few local agents run, so live capacity is what binds), no sandbox, healthy
+    now, valid for ``ttl_s``."""
+    return CapabilityDescriptor(
+        pool_id=pool_id,
+        descriptor_epoch=epoch,
+        runtime_digest="sha256:" + "0" * 64,
+        capabilities=[capability],
+        task_schema_range=">=1,<2",
+        result_schema_range=">=1,<2",
+        data_classifications=["public", "internal"],
+        tenant_isolation=TenantIsolation(mode="shared"),
+        regions=["local"],
+        model_limits=ModelLimits(context_tokens=8192, max_output_tokens=1024, slots=16),
+        sandbox=Sandbox(kind="none", count=0),
+        policy_generation=policy_generation,
+        health=HealthEvidence(status="healthy", checked_at=now),
+        issued_at=now - 1,
+        expires_at=now + ttl_s,
+        issued_by=issued_by,
+    )
+
+
 class ToolRequirement(WireModel):
     """A tool a task needs: a version range and how many permits it holds at once."""
 
