@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 from mesh import constants as c
 from mesh import logs
 from mesh.broker_admin import DEFAULT_MANAGEMENT_URL
-from mesh.errors import BrokerUnavailable, MeshError, RequestTimeout
+from mesh.errors import BrokerUnavailable, MeshError, MessageRejected, RequestTimeout
 from mesh.render import format_event, render_explain, render_status
 from mesh.scaler.base import Scaler
 from mesh.topology import names
-from mesh.wire.models import OrchestrationEvent, Refusal, StatusReply
+from mesh.wire.events import OrchestrationEvent
+from mesh.wire.models import Refusal, StatusReply
 
 if TYPE_CHECKING:
     from mesh.manager.admission import AdmissionPolicy
@@ -485,7 +486,11 @@ async def _follow_log(args: argparse.Namespace, flt: LogFilter) -> int:
 
     async def show(delivery: Any) -> None:
         nonlocal shown
-        ev = decode(delivery.body)
+        try:
+            ev = decode(delivery.body)
+        except MessageRejected as exc:  # e.g. a kind a newer manager emits: say so, go on
+            print(f"mesh log: an event this version cannot read: {exc}", file=sys.stderr)
+            return
         if stop.is_set() or not isinstance(ev, OrchestrationEvent) or not flt.matches(ev):
             return
         _print_event(ev, args.json)
@@ -541,7 +546,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_descriptor(args: argparse.Namespace) -> int:
-    from mesh.errors import MessageRejected
     from mesh.wire import CapabilityDescriptor, decode_as
 
     descriptor = None

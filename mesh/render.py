@@ -9,7 +9,8 @@ from datetime import datetime
 from typing import Any
 
 from mesh.wire.admission import AdmissionDecision, ExplainReply
-from mesh.wire.models import OrchestrationEvent, StatusReply
+from mesh.wire.events import OrchestrationEvent
+from mesh.wire.models import StatusReply
 
 
 def render_status(reply: StatusReply) -> str:

@@ -46,7 +46,8 @@ from mesh.agent.grants import (
 )
 from mesh.errors import LocalProtocolError
 from mesh.leases import ConsumptionPoint, LeaseVerifier
-from mesh.wire.models import ErrorInfo, Heartbeat, OrchestrationEvent, Task, TaskResult
+from mesh.wire.events import OrchestrationEvent
+from mesh.wire.models import ErrorInfo, Heartbeat, Task, TaskResult
 from mesh.wire.reasons import Reason
 
 Phase = Literal["new", "starting", "running", "stopping", "stopped"]

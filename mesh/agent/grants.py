@@ -24,7 +24,7 @@ A failed check is a ``TaskResult`` with status ``error`` and
 delivered).
 
 Revocations. When the manager releases a grant, or its expiry sweep moves reservations to
-EXPIRED, it publishes an :class:`~mesh.wire.models.OrchestrationEvent` of kind
+EXPIRED, it publishes an :class:`~mesh.wire.events.OrchestrationEvent` of kind
 ``grant_revoked`` on the events exchange, routing key ``grant.<pool_id>.<admission_id>``, with
 ``detail = {admission_id, pool_id, fence}``: every grant of that admission with a fence up to
 ``fence`` is no longer valid (a release names the released fence; an expiry names the new,

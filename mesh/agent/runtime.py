@@ -138,6 +138,7 @@ from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery
 from mesh.transport.ports import Subscription
 from mesh.transport.ports import Transport as AgentTransport
 from mesh.wire.codec import decode_as, encode
+from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import (
     AdmissionState,
     AdmissionStateRequest,
@@ -149,7 +150,6 @@ from mesh.wire.models import (
     ErrorInfo,
     LeaseNotice,
     Message,
-    OrchestrationEvent,
     Refusal,
     RegistrationAccepted,
     RegistrationRefused,
@@ -803,6 +803,13 @@ class AgentRuntime:
             if not isinstance(message, OrchestrationEvent):  # events are for the whole pool
                 self._check_addressee(message)
         except MessageRejected as exc:
+            if delivery.exchange == self.topology.events_exchange:
+                # The grant feed: an event of a kind (or a detail) this SDK does not know —
+                # a newer manager's — is ignored, as the kinds it does not act on are.
+                self.counters["events_ignored"] += 1
+                log.debug("event ignored", extra=self._extra(error=str(exc)[:200]))
+                await _ack(delivery, self._extra())
+                return
             self.counters["control_dead_lettered"] += 1
             await self._dead_letter(delivery, self._control_queue, exc)
             return

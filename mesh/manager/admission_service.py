@@ -56,10 +56,10 @@ from mesh.wire.admission import (
     ExplainReply,
     ExplainRequest,
 )
+from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import (
     AgentRegistration,
     Message,
-    OrchestrationEvent,
     PoolCapacity,
     PoolEpoch,
     Refusal,

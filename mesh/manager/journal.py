@@ -18,7 +18,7 @@ import orjson
 
 from mesh import sqlite_wal
 from mesh.errors import StoreError
-from mesh.wire.models import OrchestrationEvent
+from mesh.wire.events import OrchestrationEvent
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS orchestration_log (
@@ -175,6 +175,8 @@ class _Tx:
 
 
 def _row_to_event(row: tuple[object, ...]) -> OrchestrationEvent:
+    # As stored: a row another version of the manager wrote, whose kind or detail keys this
+    # version does not know, is still read back (and shown by `mesh log`).
     fields = dict(zip(_COLUMNS.split(", "), row, strict=True))
     fields["detail"] = orjson.loads(str(fields["detail"]))
-    return OrchestrationEvent.model_validate(fields)
+    return OrchestrationEvent.as_stored(fields)

@@ -31,7 +31,9 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
 
 from mesh import constants as c
 from mesh.core.events import (
@@ -89,6 +91,7 @@ from mesh.wire.admission import (
     ExplainRequest,
 )
 from mesh.wire.codec import decode_as, encode
+from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import (
     AcquireRequest,
     AdmissionState,
@@ -99,7 +102,6 @@ from mesh.wire.models import (
     FindRequest,
     LeaseGranted,
     Message,
-    OrchestrationEvent,
     Refusal,
     RegistrationAccepted,
     RegistrationRefused,
@@ -166,6 +168,7 @@ class ManagerService:
         self._owns_transport = transport is None
         self._journal = journal
         self._on_log = on_log
+        self._unfit_seqs: set[int] = set()  # journaled entries kept off the feed (bugs)
         self.scaler = scaler
         self.admission = AdmissionService(self, ledger=ledger, grantors=grantors)
         self._stopping = False
@@ -586,7 +589,9 @@ class ManagerService:
                     await self._release_unclaimed(cmd.message.lease.lease_id)
         elif isinstance(cmd, Announce):
             key = names.capability_key(cmd.capability, cmd.agent_id)
-            await self.publish_event(key, _to_wire(cmd.entry))
+            event, fits = self._wire_event(cmd.entry)
+            if fits:
+                await self.publish_event(key, event)
         elif isinstance(cmd, ScaleTo | DeletePod):
             await self._scale(cmd)
         elif isinstance(cmd, FenceAgent):
@@ -597,7 +602,11 @@ class ManagerService:
     def append(self, entries: list[LogEntry]) -> list[OrchestrationEvent]:
         if self._journal is None:
             raise LocalProtocolError("the manager is not started")
-        stored = self._journal.append_many(_to_wire(e) for e in entries)
+        made = [self._wire_event(e) for e in entries]
+        stored = self._journal.append_many(event for event, _ in made)
+        for (_, fits), event in zip(made, stored, strict=True):
+            if not fits and event.seq is not None:
+                self._unfit_seqs.add(event.seq)  # journaled, kept off the feed
         for event in stored:
             log.info(
                 "orchestration event",
@@ -607,9 +616,27 @@ class ManagerService:
                 self._on_log(event)
         return stored
 
+    def _wire_event(self, entry: LogEntry) -> tuple[OrchestrationEvent, bool]:
+        """The entry as an event, and whether it fits its kind's schema. One that does not is
+        a bug here: it is journaled as written (nothing is lost), counted and logged, and
+        kept off the live feed, whose readers would refuse it — and the commands after it (a
+        reply a requester waits for) still run."""
+        try:
+            return _to_wire(entry), True
+        except ValidationError as exc:
+            self.counters["events_unfit"] += 1
+            log.error(
+                "an orchestration entry does not fit its kind's schema; journaled, not published",
+                extra={"kind": entry.kind, "error": str(exc)[:500]},
+            )
+            return OrchestrationEvent.as_stored(_wire_fields(entry)), False
+
     async def publish_event(self, routing_key: str, event: OrchestrationEvent) -> None:
         # The journal holds the durable copy; the events exchange is a live feed, and a feed
         # entry lost while the broker is away must not stop the commands after it.
+        if event.seq is not None and event.seq in self._unfit_seqs:
+            self._unfit_seqs.discard(event.seq)
+            return
         try:
             await self.transport.publish_fast(
                 self.topology.events_exchange, routing_key, encode(event)
@@ -754,7 +781,21 @@ def _lease_id(request: Delivery) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, f"{request.reply_to}|{request.correlation_id}").hex
 
 
+def _wire_fields(entry: LogEntry) -> dict[str, Any]:
+    return {
+        "at": entry.at,
+        "kind": entry.kind,
+        "agent_id": entry.agent_id,
+        "from_state": entry.from_state,
+        "to_state": entry.to_state,
+        "capability": entry.capability,
+        "reason": entry.reason,
+        "detail": dict(entry.detail),
+    }
+
+
 def _to_wire(entry: LogEntry) -> OrchestrationEvent:
+    """The entry as an event, its detail checked against its kind's schema."""
     return OrchestrationEvent(
         at=entry.at,
         kind=entry.kind,

@@ -26,6 +26,7 @@ from mesh.wire.admission import (
 )
 from mesh.wire.catalog import MESSAGE_TYPES
 from mesh.wire.codec import REGISTRY, decode, decode_as, encode
+from mesh.wire.events import EVENT_DETAILS, OrchestrationEvent
 from mesh.wire.models import (
     AcquireRequest,
     AdmissionState,
@@ -50,7 +51,6 @@ from mesh.wire.models import (
     LeaseGranted,
     LeaseNotice,
     Message,
-    OrchestrationEvent,
     PoolCapacity,
     PoolEpoch,
     Refusal,
@@ -71,6 +71,7 @@ from mesh.wire.refusals import refusal_of
 
 __all__ = [
     "ADMISSION_MESSAGE_TYPES",
+    "EVENT_DETAILS",
     "MESSAGE_TYPES",
     "REGISTRY",
     "AcquireRequest",

@@ -4,6 +4,11 @@ generator both read it. Models import nothing from here, so there is no import c
 from __future__ import annotations
 
 from mesh.wire.admission import ADMISSION_MESSAGE_TYPES
+from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import CORE_MESSAGE_TYPES, Message
 
-MESSAGE_TYPES: tuple[type[Message], ...] = (*CORE_MESSAGE_TYPES, *ADMISSION_MESSAGE_TYPES)
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    *CORE_MESSAGE_TYPES,
+    OrchestrationEvent,
+    *ADMISSION_MESSAGE_TYPES,
+)

@@ -335,22 +335,6 @@ class LeaseNotice(Message):
     ended: bool = False
 
 
-class OrchestrationEvent(Message):
-    """One entry of the append-only orchestration log (also published on the events exchange)."""
-
-    TYPE = "mesh.orchestration-event.v1"
-    type: Literal["mesh.orchestration-event.v1"] = "mesh.orchestration-event.v1"
-    seq: int | None = Field(default=None, description="Position in the journal, once stored.")
-    at: Timestamp
-    kind: str = Field(max_length=64, examples=["registered", "ready", "acquired", "lost"])
-    agent_id: str = Field(default="", max_length=63)
-    from_state: str | None = None
-    to_state: str | None = None
-    capability: str | None = None
-    reason: str = Field(default="", max_length=1000)
-    detail: dict[str, Any] = Field(default_factory=dict)
-
-
 class InvocationLease(WireModel):
     """A short-lived credential for one admission, signed by the manager (Ed25519).
 
@@ -671,7 +655,6 @@ CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (
     DrainNotice,
     DrainComplete,
     LeaseNotice,
-    OrchestrationEvent,
     Task,
     TaskResult,
     FindRequest,

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from mesh.wire.catalog import MESSAGE_TYPES
+from mesh.wire.events import EVENT_DETAILS, detail_schema_name
 from mesh.wire.models import Capability
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
@@ -29,9 +30,13 @@ def _schema_for(model: Any, schema_id: str) -> dict[str, Any]:
 
 
 def generate() -> dict[str, dict[str, Any]]:
-    """File name -> JSON Schema for every wire message (and the embedded capability)."""
+    """File name -> JSON Schema for every wire message, the embedded capability, and the
+    ``detail`` of each orchestration event kind (``mesh.event.<kind>.v1``)."""
     out = {f"{cls.TYPE}.json": _schema_for(cls, cls.TYPE) for cls in MESSAGE_TYPES}
     out["mesh.capability.v1.json"] = _schema_for(Capability, "mesh.capability.v1")
+    for kind, model in EVENT_DETAILS.items():
+        name = detail_schema_name(kind)
+        out[f"{name}.json"] = _schema_for(model, name)
     return dict(sorted(out.items()))
 
 

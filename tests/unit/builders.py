@@ -1,7 +1,9 @@
 """Small builders for driving :class:`mesh.core.PoolCore` in unit tests.
 
 :class:`Pool` wraps a core and a fake clock: every helper feeds one event at the clock's
-current instant and returns what the core returned. Nothing here sleeps or does I/O.
+current instant and returns what the core returned. Nothing here sleeps or does I/O. Every
+log entry the core returns is checked against the wire contract, as the manager's journal
+and the events exchange would check it (:class:`CheckedPoolCore`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from mesh.core import (
     Command,
     DeregistrationReceived,
     DrainRequested,
+    Event,
     FindRequested,
     HeartbeatReceived,
     Instant,
@@ -31,6 +34,7 @@ from mesh.core import (
     SendToAgent,
     Tick,
 )
+from mesh.manager.service import _to_wire
 from mesh.wire import (
     AcquireRequest,
     AgentRegistration,
@@ -140,6 +144,19 @@ def transitions(commands: Iterable[Command]) -> list[tuple[str | None, str | Non
 # ---- the harness ---------------------------------------------------------------------------
 
 
+class CheckedPoolCore(PoolCore):
+    """A :class:`PoolCore` whose every log entry (journaled or announced) must make a valid
+    :class:`~mesh.wire.events.OrchestrationEvent`: the manager could not journal or publish
+    one that does not."""
+
+    def handle(self, event: Event, now: Instant) -> list[Command]:
+        commands = super().handle(event, now)
+        for cmd in commands:
+            if isinstance(cmd, AppendLog | Announce):
+                _to_wire(cmd.entry)  # raises ValidationError for a detail its kind forbids
+        return commands
+
+
 @dataclass
 class Pool:
     """A :class:`PoolCore` driven at the instants of a :class:`FakeClock`."""
@@ -151,7 +168,7 @@ class Pool:
     _heartbeat_seq: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.core = PoolCore(self.settings)
+        self.core = CheckedPoolCore(self.settings)
 
     # -- events ---------------------------------------------------------------------------
     def register(

@@ -310,6 +310,71 @@ _samples: list[Message] = [
 
 SAMPLES: dict[type[Message], Message] = {type(m): m for m in _samples}
 
+EVENT_DETAIL_SAMPLES: dict[str, dict[str, Any]] = {
+    "registered": {},
+    "ready": {},
+    "refused": {"detail": "heartbeat_interval_s=1 is below the minimum of 5 s"},
+    "acquired": {"lease_id": "lease-1"},
+    "released": {"lease_id": "lease-1"},
+    "busy": {},
+    "draining": {},
+    "terminated": {},
+    "lost": {},
+    "illegal_transition": {},
+    "registration_refused": {"incarnation": "inc-0002", "live_incarnation": "inc-0001"},
+    "drain_confirmed": {"pool_in_flight": {"calc.add": 1}, "leases": 0},
+    "scale": {"deployment": "calc", "replicas": 3},
+    "capability_available": {"version": "1.2.0", "cost_class": "A"},
+    "capability_withdrawn": {"version": "1.2.0"},
+    "version_drift": {"versions": ["1.2.0", "1.3.0"]},
+    "manager_started": {},
+    "manager_stalled": {},
+    "connection_restored": {},
+    "admission": {
+        "admission_id": "adm-1",
+        "outcome": "admitted",
+        "tenant": "producer-a",
+        "pool_id": "rag-eu",
+        "fence": 41,
+    },
+    "admission_evicted": {
+        "admission_id": "adm-0",
+        "pool_id": "rag-eu",
+        "fence": 40,
+        "tenant": "producer-b",
+        "for_admission": "adm-1",
+    },
+    "admission_revoked": {
+        "admission_id": "adm-1",
+        "pool_id": "rag-eu",
+        "fence": 41,
+        "by": "mesh-operator",
+    },
+    "admission_expired": {"admission_id": "adm-1", "pool_id": "rag-eu"},
+    "pressure_stage": {
+        "pool_id": "rag-eu",
+        "from": "NORMAL",
+        "to": "SHED_SPECULATIVE",
+        "cause": "utilisation 6/8",
+    },
+    "descriptor": {"pool_id": "rag-eu", "epoch": 3, "draining": ["adm-old-1"]},
+    "descriptor_shadow": {"pool_id": "rag-eu", "epoch": 4},
+    "descriptor_active": {
+        "pool_id": "rag-eu",
+        "descriptor_epoch": 3,
+        "policy_generation": 7,
+        "draining": ["adm-old-1"],
+    },
+    "grant_revoked": {
+        "admission_id": "adm-1",
+        "pool_id": "rag-eu",
+        "fence": 41,
+        "evicted": True,
+        "security": "the pool's credentials leaked",
+    },
+}
+"""One ``detail`` of every orchestration event kind, as its emitter writes it (JSON)."""
+
 
 def sample_json(cls: type[Message]) -> dict[str, Any]:
     """The sample of ``cls`` as the JSON object a non-Python peer would put on the wire."""

@@ -9,7 +9,8 @@ from mesh import constants as c
 from mesh.agent.core import PHASES, AgentCore
 from mesh.errors import LocalProtocolError
 from mesh.wire import Reason
-from mesh.wire.models import OrchestrationEvent, Task, TaskGrant
+from mesh.wire.events import OrchestrationEvent
+from mesh.wire.models import Task, TaskGrant
 
 from .samples import GRANT, T0
 

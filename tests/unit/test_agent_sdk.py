@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import pytest
 
 from mesh.agent import (
@@ -48,7 +49,8 @@ from mesh.wire import (
     decode,
     encode,
 )
-from mesh.wire.models import OrchestrationEvent, Standing, StandingRequest, TaskGrant
+from mesh.wire.events import OrchestrationEvent
+from mesh.wire.models import Standing, StandingRequest, TaskGrant
 
 OBJECT_N = {
     "type": "object",
@@ -1374,5 +1376,31 @@ async def test_the_leases_of_a_registration_the_manager_forgot_are_forgotten_too
         )
         assert again.error is not None and again.error.code is Reason.NOT_AUTHORIZED
         assert runtime.counters["leases_forgotten"] == 1
+    finally:
+        await runtime.stop()
+
+
+async def test_an_event_of_a_kind_this_sdk_does_not_know_is_ignored_not_dead_lettered() -> None:
+    # A newer manager may publish a kind (or a detail key) on the grant feed that this SDK's
+    # schemas refuse: it is ignored and acked, as the kinds it does not act on are; only
+    # what comes to the control queue from elsewhere is dead-lettered.
+    from dataclasses import replace as with_
+
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    try:
+        newer = orjson.dumps(
+            {"type": "mesh.orchestration-event.v1", "at": 1.0, "kind": "pool_resized",
+             "detail": {"pool_id": "toy", "slots": 9}}
+        )  # fmt: skip
+        on_feed = with_(make_delivery(newer), exchange="t.events")
+        await transport.deliver("t.agent.toy-1.control", on_feed)
+        assert settled(on_feed) == "ack" and transport.dead_letters == []
+        assert runtime.counters["events_ignored"] == 1
+
+        elsewhere = make_delivery(newer)  # not from the events exchange: bad input
+        await transport.deliver("t.agent.toy-1.control", elsewhere)
+        assert transport.dead_letters == [("t.agent.toy-1.control", "SCHEMA_VIOLATION")]
     finally:
         await runtime.stop()

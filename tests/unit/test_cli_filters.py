@@ -11,7 +11,9 @@ import pytest
 
 from mesh.cli import LogFilter, build_parser, cmd_log, parse_duration, parse_when
 from mesh.manager.journal import SqliteJournal
-from mesh.wire.models import OrchestrationEvent
+from mesh.wire.events import OrchestrationEvent
+
+from .samples import EVENT_DETAIL_SAMPLES
 
 NOW = 1_764_500_000.0  # 2025-11-30T10:53:20Z
 
@@ -85,7 +87,10 @@ def test_a_bad_time_names_both_forms_it_could_have_been(text: str) -> None:
 def _event(
     at: float, kind: str, agent_id: str = "", capability: str | None = None
 ) -> OrchestrationEvent:
-    return OrchestrationEvent(at=at, kind=kind, agent_id=agent_id, capability=capability)
+    detail = EVENT_DETAIL_SAMPLES[kind]
+    return OrchestrationEvent(
+        at=at, kind=kind, agent_id=agent_id, capability=capability, detail=detail
+    )
 
 
 EVENTS = [

@@ -17,21 +17,24 @@ from jsonschema import Draft202012Validator
 
 from mesh.errors import MessageRejected
 from mesh.wire import (
+    EVENT_DETAILS,
     MESSAGE_TYPES,
     AgentRegistration,
     FindReply,
     Heartbeat,
     LeaseGranted,
     Message,
+    OrchestrationEvent,
     Refusal,
     StatusRequest,
     TaskResult,
     decode,
     encode,
 )
+from mesh.wire.events import detail_schema_name
 from mesh.wire.schemas import drift
 
-from .samples import SAMPLES, sample_json
+from .samples import EVENT_DETAIL_SAMPLES, SAMPLES, sample_json
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 
@@ -57,7 +60,7 @@ def test_the_committed_schemas_match_the_models() -> None:
     problems = drift(SCHEMAS)
 
     assert problems == [], (
-        "schemas/ is out of date with mesh/wire/models.py: run `mesh schemas export` "
+        "schemas/ is out of date with the models in mesh/wire/: run `mesh schemas export` "
         f"and commit the result ({', '.join(problems)})"
     )
 
@@ -82,7 +85,11 @@ def test_the_drift_check_notices_changed_missing_and_stale_files(tmp_path: Path)
 def test_there_is_a_committed_schema_for_every_message_and_nothing_else() -> None:
     committed = {p.stem for p in SCHEMAS.glob("*.json")}
 
-    assert committed == {cls.TYPE for cls in MESSAGE_TYPES} | {"mesh.capability.v1"}
+    assert committed == (
+        {cls.TYPE for cls in MESSAGE_TYPES}
+        | {"mesh.capability.v1"}
+        | {detail_schema_name(kind) for kind in EVENT_DETAILS}
+    )
 
 
 @pytest.mark.parametrize("path", sorted(SCHEMAS.glob("*.json")), ids=lambda p: p.stem)
@@ -198,3 +205,115 @@ def test_the_codec_refuses_what_the_committed_schema_refuses(
 
     with pytest.raises(MessageRejected):
         decode(json.dumps(bad).encode())
+
+
+# ---- orchestration events: the detail follows the kind ----------------------------------
+
+
+def event_json(kind: str, detail: dict[str, Any]) -> dict[str, Any]:
+    return {**sample_json(OrchestrationEvent), "kind": kind, "detail": detail}
+
+
+def test_every_event_kind_has_a_sample_detail() -> None:
+    assert set(EVENT_DETAIL_SAMPLES) == set(EVENT_DETAILS)
+
+
+def test_a_detail_schema_is_named_after_its_kind_with_hyphens() -> None:
+    assert detail_schema_name("grant_revoked") == "mesh.event.grant-revoked.v1"
+    assert detail_schema_name("lost") == "mesh.event.lost.v1"
+
+
+@pytest.mark.parametrize("kind", sorted(EVENT_DETAILS))
+def test_every_kinds_sample_detail_validates_against_its_committed_schemas(kind: str) -> None:
+    detail = EVENT_DETAIL_SAMPLES[kind]
+
+    assert schema_errors(detail_schema_name(kind), detail) == []
+    assert schema_errors(OrchestrationEvent.TYPE, event_json(kind, detail)) == []
+
+
+def test_the_event_schema_lists_the_kinds_and_holds_each_kinds_detail_schema() -> None:
+    schema = committed_schema(OrchestrationEvent.TYPE)
+    rules = {
+        rule["if"]["properties"]["kind"]["const"]: rule["then"]["properties"]["detail"]
+        for rule in schema["allOf"]
+    }
+
+    assert schema["properties"]["kind"]["enum"] == sorted(EVENT_DETAILS)
+    assert sorted(rules) == sorted(EVENT_DETAILS)
+    for kind, detail in rules.items():
+        own = committed_schema(detail_schema_name(kind))
+        assert detail == {k: v for k, v in own.items() if k not in ("$schema", "$id")}, kind
+
+
+def _revoked(**changes: Any) -> dict[str, Any]:
+    return {**EVENT_DETAIL_SAMPLES["grant_revoked"], **changes}
+
+
+# (kind, a detail that kind does not allow)
+BAD_EVENT_DETAILS: list[tuple[str, dict[str, Any]]] = [
+    ("acquired", {}),
+    ("acquired", {"lease_id": ""}),
+    ("acquired", EVENT_DETAIL_SAMPLES["grant_revoked"]),  # another kind's detail
+    ("grant_revoked", _revoked(fence="41")),
+    ("grant_revoked", _revoked(fence=0)),
+    ("grant_revoked", _revoked(evicted="yes")),
+    ("grant_revoked", _revoked(security="")),
+    ("grant_revoked", _revoked(pool_id="has.dots")),
+    ("pressure_stage", {**EVENT_DETAIL_SAMPLES["pressure_stage"], "to": "PANIC"}),
+    ("version_drift", {"versions": ["1.2.0"]}),
+    ("version_drift", {"versions": ["1.2", "1.3"]}),
+    ("drain_confirmed", {"pool_in_flight": {"calc.add": -1}, "leases": 0}),
+    ("scale", {"deployment": "calc", "replicas": True}),
+    ("capability_available", {"version": "1.2.0", "cost_class": "D"}),
+    ("admission", {**EVENT_DETAIL_SAMPLES["admission"], "outcome": "maybe"}),
+    ("admission", {k: v for k, v in EVENT_DETAIL_SAMPLES["admission"].items() if k != "fence"}),
+    ("descriptor_active", {**EVENT_DETAIL_SAMPLES["descriptor_active"], "descriptor_epoch": 0}),
+    ("descriptor", {"pool_id": "rag-eu", "epoch": 3, "draining": "adm-1"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "detail"),
+    BAD_EVENT_DETAILS,
+    ids=[f"{kind}:{json.dumps(detail, sort_keys=True)}" for kind, detail in BAD_EVENT_DETAILS],
+)
+def test_a_detail_its_kind_does_not_allow_fails_the_committed_schemas_and_the_codec(
+    kind: str, detail: dict[str, Any]
+) -> None:
+    event = event_json(kind, detail)
+
+    assert schema_errors(detail_schema_name(kind), detail), f"{kind} accepted {detail}"
+    assert schema_errors(OrchestrationEvent.TYPE, event), f"the event accepted {detail}"
+    with pytest.raises(MessageRejected):
+        decode(json.dumps(event).encode())
+
+
+@pytest.mark.parametrize("kind", sorted(EVENT_DETAILS))
+def test_an_unknown_detail_key_fails_every_kind(kind: str) -> None:
+    detail = {**EVENT_DETAIL_SAMPLES[kind], "x_privileged": True}
+
+    assert schema_errors(detail_schema_name(kind), detail)
+    assert schema_errors(OrchestrationEvent.TYPE, event_json(kind, detail))
+    with pytest.raises(MessageRejected):
+        decode(json.dumps(event_json(kind, detail)).encode())
+
+
+@pytest.mark.parametrize(
+    "kind",
+    sorted(k for k, model in EVENT_DETAILS.items() if model.model_json_schema().get("required")),
+)
+def test_an_event_without_the_detail_its_kind_requires_fails(kind: str) -> None:
+    event = event_json(kind, {})
+    del event["detail"]
+
+    assert schema_errors(OrchestrationEvent.TYPE, event)
+    with pytest.raises(MessageRejected):
+        decode(json.dumps(event).encode())
+
+
+def test_an_event_of_an_unknown_kind_fails_the_committed_schema_and_the_codec() -> None:
+    event = event_json("teleported", {})
+
+    assert any("teleported" in e for e in schema_errors(OrchestrationEvent.TYPE, event))
+    with pytest.raises(MessageRejected, match="unknown event kind 'teleported'"):
+        decode(json.dumps(event).encode())

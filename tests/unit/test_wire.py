@@ -411,8 +411,8 @@ def test_a_mutated_sample_is_rejected_or_decoded_as_its_own_type(
 def test_a_message_with_an_integer_beyond_64_bits_still_round_trips() -> None:
     # Found by the mutation property above: JSON allows it, orjson cannot write it.
     message = decode(
-        b'{"type": "mesh.orchestration-event.v1", "at": 1.0, "kind": "x",'
-        b' "detail": {"n": -9223372036854775809}}'
+        b'{"type": "mesh.task.v1", "task_id": "t-1", "capability": "calc.add",'
+        b' "payload": {"n": -9223372036854775809}, "submitted_at": 1.0}'
     )
 
     assert decode(encode(message)) == message
