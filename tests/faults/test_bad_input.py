@@ -425,9 +425,14 @@ async def test_bad_input_is_refused_counted_and_never_stops_the_manager(
             await agent.start()
 
         queues = list(queue_of.values())
+        # Listed, and with their channels: the management API lists a new consumer before its
+        # channel's details (an empty name), which a later listing fills in.
         await eventually(
-            lambda: all(consumer_tags(management_api, queues).values()),
-            what="the manager's consumers listed by the broker",
+            lambda: all(
+                tags and all(channel for _, channel in tags)
+                for tags in consumer_tags(management_api, queues).values()
+            ),
+            what="the manager's consumers listed by the broker, with their channels",
         )
         consumers_before = consumer_tags(management_api, queues)
         counters_before = Counter(manager.counters)
