@@ -55,6 +55,8 @@ from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
+from mesh.topology import Topology
+from mesh.transport import AmqpTransport
 from mesh.wire import CapabilityDescriptor, CapabilityRange, TaskRequirements
 from mesh.wire.admission import (
     HealthEvidence,
@@ -252,7 +254,18 @@ async def one_run(
         for client in clients:
             await client.close()
         await manager.stop()
+        await leave_nothing(amqp_url, manager.topology, "echo-bench")
     return run
+
+
+async def leave_nothing(amqp_url: str, topology: Topology, agent_id: str) -> None:
+    """Delete the run's namespace from the broker: its queues and exchanges."""
+    transport = await AmqpTransport.connect(amqp_url, name="bench-cleanup")
+    try:
+        made = topology.manager() + topology.shared() + topology.pool("echo")
+        await transport.delete_declared(made + topology.agent_queues(agent_id, 1))
+    finally:
+        await transport.close()
 
 
 async def one_task(

@@ -264,10 +264,7 @@ class Kit:
             made = made + self.topology.pool(self.descriptor.pool_id)
         for agent_id in self.agent_ids:
             made = made + self.topology.agent_queues(agent_id, 1)
-        for queue in {q.name for q in made.queues}:
-            await transport.delete_queue(queue)
-        for exchange in {e.name for e in made.exchanges}:
-            await transport.delete_exchange(exchange)
+        await transport.delete_declared(made)
 
     async def _on_result(self, delivery: Delivery) -> None:
         waiting = self.results.get(delivery.correlation_id or "")

@@ -523,6 +523,14 @@ class AmqpTransport:
         self._queue_specs.pop(name, None)
         self._declared = {s for s in self._declared if getattr(s, "name", None) != name}
 
+    async def delete_declared(self, made: Declarations) -> None:
+        """Delete the queues and exchanges of ``made``: for a tool that ran in a namespace of
+        its own (the conformance kit, a benchmark) and leaves nothing behind."""
+        for queue in dict.fromkeys(q.name for q in made.queues):
+            await self.delete_queue(queue)
+        for exchange in dict.fromkeys(e.name for e in made.exchanges):
+            await self.delete_exchange(exchange)
+
     async def delete_exchange(self, name: str) -> None:
         async with asyncio.timeout(_CONTROL_TIMEOUT_S):
             await self._publish_channel.exchange_delete(name)
