@@ -58,12 +58,7 @@ from mesh.samples import SAMPLES
 from mesh.topology import Topology
 from mesh.transport import AmqpTransport
 from mesh.wire import CapabilityDescriptor, CapabilityRange, TaskRequirements
-from mesh.wire.admission import (
-    HealthEvidence,
-    ModelLimits,
-    Sandbox,
-    TenantIsolation,
-)
+from mesh.wire.admission import local_descriptor
 
 TARGET_GOODPUT_RATIO = 0.8
 POLICY_GENERATION = 1
@@ -75,23 +70,15 @@ RECOVERABILITY = {"interactive": "side_effects", "batch": "retryable", "speculat
 
 
 def descriptor(slots: int, now: float) -> CapabilityDescriptor:
-    return CapabilityDescriptor(
-        pool_id="echo",
-        descriptor_epoch=1,
-        runtime_digest="sha256:" + "ec" * 32,
-        capabilities=[ECHO],
-        task_schema_range=">=1,<2",
-        result_schema_range=">=1,<2",
-        data_classifications=["public", "internal"],
-        tenant_isolation=TenantIsolation(mode="shared"),
-        regions=["local"],
-        model_limits=ModelLimits(context_tokens=8_000, max_output_tokens=1_000, slots=slots),
-        sandbox=Sandbox(kind="none", count=0),
-        policy_generation=POLICY_GENERATION,
-        health=HealthEvidence(status="healthy", checked_at=now),
-        issued_at=now - 60,
-        expires_at=now + 3_600,
+    return local_descriptor(
+        "echo",
+        ECHO,
+        epoch=1,
         issued_by="bench",
+        now=now,
+        policy_generation=POLICY_GENERATION,
+        ttl_s=3_600,
+        slots=slots,
     )
 
 

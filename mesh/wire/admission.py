@@ -238,11 +238,12 @@ def local_descriptor(
     now: float,
     policy_generation: int,
     ttl_s: float,
+    slots: int = 16,
 ) -> CapabilityDescriptor:
-    """A descriptor for a pool on one machine (the demo's, the conformance kit's): its one
-    capability, public and internal data, shared tenancy, region ``local``, 16 model slots
-    (more than a few local agents run, so live capacity is what binds), no sandbox, healthy
-    now, valid for ``ttl_s``."""
+    """A descriptor for a pool on one machine (the demo's, the conformance kit's, the
+    overload bench's): its one capability, public and internal data, shared tenancy, region
+    ``local``, ``slots`` model slots (16: more than a few local agents run, so live capacity
+    is what binds), no sandbox, healthy now, valid for ``ttl_s``."""
     return CapabilityDescriptor(
         pool_id=pool_id,
         descriptor_epoch=epoch,
@@ -253,7 +254,7 @@ def local_descriptor(
         data_classifications=["public", "internal"],
         tenant_isolation=TenantIsolation(mode="shared"),
         regions=["local"],
-        model_limits=ModelLimits(context_tokens=8192, max_output_tokens=1024, slots=16),
+        model_limits=ModelLimits(context_tokens=8192, max_output_tokens=1024, slots=slots),
         sandbox=Sandbox(kind="none", count=0),
         policy_generation=policy_generation,
         health=HealthEvidence(status="healthy", checked_at=now),
