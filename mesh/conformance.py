@@ -58,7 +58,6 @@ from mesh.wire import (
     AgentRegistration,
     CapabilityRange,
     Heartbeat,
-    Message,
     ReRegisterRequest,
     TaskRequirements,
     decode,
@@ -113,13 +112,12 @@ def expect(condition: bool, why: str) -> None:
 
 # ---- watching the agent -------------------------------------------------------------------------
 class Watch:
-    """What the agent publishes about itself (registrations, heartbeats, deregistrations,
-    drain requests), read from a queue of the kit's own bound next to the manager's."""
+    """The registrations and heartbeats the agent publishes, read from a queue of the kit's
+    own bound next to the manager's (what does not decode is kept as ``undecodable``)."""
 
     def __init__(self) -> None:
         self.registrations: list[AgentRegistration] = []
         self.heartbeats: list[tuple[float, Heartbeat]] = []  # (received, heartbeat)
-        self.other: list[Message] = []
         self.undecodable: list[str] = []
         self.changed = asyncio.Event()
 
@@ -133,8 +131,6 @@ class Watch:
             self.registrations.append(message)
         elif isinstance(message, Heartbeat):
             self.heartbeats.append((time.monotonic(), message))
-        else:
-            self.other.append(message)
         self.changed.set()
 
     async def until(self, check: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -328,21 +324,21 @@ class Kit:
         """Start the agent and wait until the manager holds it Ready."""
         await self.start_agent()
         await self.watch.until(
-            lambda: bool(self.watch.registrations) or self._exited(),
+            lambda: bool(self.watch.registrations) or self.exited(),
             START_TIMEOUT_S,
             "registration",
         )
-        expect(not self._exited(), f"the agent exited with {self._exit_code()} before registering")
-        await self._until_live(START_TIMEOUT_S)
+        expect(not self.exited(), f"the agent exited with {self.exit_code()} before registering")
+        await self.until_live(START_TIMEOUT_S)
         return self.watch.registrations[-1]
 
-    def _exited(self) -> bool:
+    def exited(self) -> bool:
         return self.agent is not None and self.agent.returncode is not None
 
-    def _exit_code(self) -> int | None:
+    def exit_code(self) -> int | None:
         return None if self.agent is None else self.agent.returncode
 
-    async def _until_live(self, timeout_s: float) -> None:
+    async def until_live(self, timeout_s: float) -> None:
         assert self.manager is not None
         manager = self.manager
         await self.watch.until(
@@ -441,15 +437,15 @@ async def registers_and_is_ready(kit: Kit) -> str:
     assert kit.raw is not None
     await kit.start_agent()
     await kit.watch.until(
-        lambda: bool(kit.watch.registrations) or kit._exited(), START_TIMEOUT_S, "registration"
+        lambda: bool(kit.watch.registrations) or kit.exited(), START_TIMEOUT_S, "registration"
     )
-    expect(not kit._exited(), f"the agent exited with {kit._exit_code()} before registering")
+    expect(not kit.exited(), f"the agent exited with {kit.exit_code()} before registering")
     await asyncio.sleep(UNANSWERED_S)  # what it does while nobody answers
     expect(not kit.watch.heartbeats, "it heartbeats before its registration was accepted")
     consumers = await kit.raw.queue_consumers(kit.topology.agent_task_queue(kit.agent_id))
     expect(consumers == 0, "it consumes its task queue before its registration was accepted")
     await kit.start_manager()
-    await kit._until_live(START_TIMEOUT_S)
+    await kit.until_live(START_TIMEOUT_S)
     registration = kit.watch.registrations[-1]
     expect(registration.agent_id == kit.agent_id, f"registered as {registration.agent_id!r}")
     offered = {cap.name for cap in registration.capabilities}
@@ -594,7 +590,7 @@ async def reregisters_when_asked(kit: Kit) -> str:
         lambda: len(kit.watch.registrations) > before, 3 * HEARTBEAT_S, "registration again"
     )
     took = time.monotonic() - started
-    await kit._until_live(START_TIMEOUT_S)
+    await kit.until_live(START_TIMEOUT_S)
     return f"registered again {took:.1f} s after the request, Ready"
 
 
@@ -633,7 +629,7 @@ async def fences_itself_after_a_silence(kit: Kit) -> str:
     await kit.watch.until(
         lambda: len(kit.watch.registrations) > before, 3 * HEARTBEAT_S, "registration again"
     )
-    await kit._until_live(START_TIMEOUT_S)
+    await kit.until_live(START_TIMEOUT_S)
     return (
         f"frozen {frozen_s:.0f} s until declared lost; the task it held was {what}, "
         "not delivered; registered again, Ready"
