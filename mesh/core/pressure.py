@@ -82,11 +82,14 @@ Pure: time and randomness are parameters; nothing here does I/O.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 
 class Stage(IntEnum):
@@ -162,6 +165,37 @@ def evict_order(recoverability: str | None) -> int | None:
     return EVICTION_ORDER.index(recoverability) if recoverability in EVICTION_ORDER else None
 
 
+class _Youngest:
+    """Evictable grants of one kind (one pool, eviction order and rank; or the same for one
+    tenant), youngest first: a heap keyed by ``-since`` with lazy removal. An ended grant's
+    entry is marked dead and dropped when it reaches the top, or when dead entries outnumber
+    the live ones (compaction), so each grant costs O(log n) to add and O(1) amortised to
+    remove, and the youngest is found without looking at the others."""
+
+    __slots__ = ("heap", "live")
+
+    def __init__(self) -> None:
+        self.heap: list[list[Any]] = []  # [-since, seq, admission_id, alive]
+        self.live = 0
+
+    def push(self, entry: list[Any]) -> None:
+        heapq.heappush(self.heap, entry)
+        self.live += 1
+
+    def dropped(self) -> None:
+        """One of its entries was marked dead."""
+        self.live -= 1
+        if len(self.heap) > 2 * self.live + 32:
+            self.heap = [e for e in self.heap if e[3]]
+            heapq.heapify(self.heap)
+
+    def youngest(self) -> str | None:
+        heap = self.heap
+        while heap and not heap[0][3]:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+
 @dataclass(frozen=True, slots=True)
 class StageChange:
     pool_id: str
@@ -200,6 +234,10 @@ class PoolPressure:
     run_demand: dict[str, float] = field(default_factory=dict)  # run -> last asked
     # tenant -> when its refused requests were told to come back (those still ahead wait)
     waiting: dict[str, list[float]] = field(default_factory=dict)
+    # Evictable grants youngest first, by (evict order, rank), and by tenant then the same:
+    # the victim is found without a walk over the pool's grants.
+    evictable: dict[tuple[int, int], _Youngest] = field(default_factory=dict)
+    evictable_of: dict[str, dict[tuple[int, int], _Youngest]] = field(default_factory=dict)
     # The stage limits, computed once per (capacity, thresholds): checked on every admission.
     _limits: tuple[int, int, int] = (0, 0, 0)
     _limits_capacity: int = -1
@@ -233,6 +271,9 @@ class PressureBoard:
     pools: dict[str, PoolPressure] = field(default_factory=dict)
     changes: list[StageChange] = field(default_factory=list)  # drained by the shell
     _holdings: dict[str, Holding] = field(default_factory=dict)
+    # admission ID -> its entry in the pool's eviction heaps (evictable holdings only)
+    _entries: dict[str, list[Any]] = field(default_factory=dict)
+    _seq: itertools.count[int] = field(default_factory=itertools.count)
 
     def pool(self, pool_id: str) -> PoolPressure:
         found = self.pools.get(pool_id)
@@ -281,6 +322,7 @@ class PressureBoard:
         if admission_id not in self._holdings:
             self._holdings[admission_id] = holding
             self._count(self.pool(holding.pool_id), holding, +1)
+            self._index(admission_id, holding)
 
     def ended(self, admission_id: str, now: float, *, completed: bool) -> Holding | None:
         """A grant released (``completed``: its hold time is a service-time sample), expired
@@ -291,6 +333,7 @@ class PressureBoard:
         p = self.pool(held.pool_id)
         p.used = max(0, p.used - 1)
         self._count(p, held, -1)
+        self._unindex(admission_id, held, p)
         if completed:
             sample = max(0.0, now - held.since)
             p.service_s.append(sample)
@@ -311,6 +354,7 @@ class PressureBoard:
         p = self.pool(holding.pool_id)
         p.used += 1
         self._count(p, holding, +1)
+        self._index(admission_id, holding)
         self._restage(holding.pool_id, p, now)
 
     @staticmethod
@@ -320,24 +364,51 @@ class PressureBoard:
         if holding.run is not None:
             _move(p.runs, holding.run, delta)
 
+    def _index(self, admission_id: str, holding: Holding) -> None:
+        """Put an evictable grant into its pool's eviction heaps (the pool's, its tenant's)."""
+        if holding.evict_order is None:
+            return
+        p = self.pool(holding.pool_id)
+        entry = [-holding.since, next(self._seq), admission_id, True]
+        self._entries[admission_id] = entry
+        kind = (holding.evict_order, holding.rank)
+        for heaps in (p.evictable, p.evictable_of.setdefault(holding.tenant, {})):
+            heap = heaps.get(kind)
+            if heap is None:
+                heap = heaps[kind] = _Youngest()
+            heap.push(entry)
+
+    def _unindex(self, admission_id: str, holding: Holding, p: PoolPressure) -> None:
+        entry = self._entries.pop(admission_id, None)
+        if entry is None or holding.evict_order is None:
+            return
+        entry[3] = False
+        kind = (holding.evict_order, holding.rank)
+        own = p.evictable_of[holding.tenant]
+        for heaps in (p.evictable, own):
+            heap = heaps[kind]
+            heap.dropped()
+            if heap.live == 0:
+                del heaps[kind]
+        if not own:
+            del p.evictable_of[holding.tenant]
+
     def victim(self, pool_id: str, tenant: str, rank: int, now: float) -> str | None:
         """The grant a request of ``rank`` from ``tenant`` may evict from the full
-        ``pool_id``, or ``None``: see *Eviction* above. Only interactive requests evict."""
+        ``pool_id``, or ``None``: see *Eviction* above. Only interactive requests evict.
+
+        The cheapest to lose is the first non-empty kind in (evict order, rank) order and
+        its youngest grant; a tenant at or over its share may only take back its own. The
+        cost is O(kinds), a handful, whatever the number of grants held."""
         p = self.pool(pool_id)
         if not (self.policy.enabled and self.policy.evict) or rank < 2 or p.blocked:
             return None
         below_share = p.holders.get(tenant, 0) < self.fair_share(pool_id, tenant, now)
-        best: tuple[int, int, float] | None = None
-        chosen = None
-        for admission_id, held in self._holdings.items():
-            if held.pool_id != pool_id or held.evict_order is None or held.rank >= rank:
-                continue
-            if not below_share and held.tenant != tenant:
-                continue
-            key = (held.evict_order, held.rank, -held.since)  # youngest first
-            if best is None or key < best:
-                best, chosen = key, admission_id
-        return chosen
+        heaps = p.evictable if below_share else p.evictable_of.get(tenant, {})
+        for kind in sorted(heaps):
+            if kind[1] < rank and (chosen := heaps[kind].youngest()) is not None:
+                return chosen
+        return None
 
     # ---- the gate ------------------------------------------------------------------------
     def check(
