@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -57,10 +58,15 @@ def board_with(grants: int, tenants: int = 10) -> PressureBoard:
 def test_choosing_a_victim_runs_as_many_lines_at_100k_grants_as_at_100() -> None:
     small, large = board_with(100), board_with(100_000)
     for tenant in ("t0", "newcomer"):  # at its share (own grants only) and below it (any)
-        lines_small, _ = lines_run(lambda: small.victim("p", tenant, rank=2, now=T0 + 200))
-        lines_large, chosen = lines_run(lambda: large.victim("p", tenant, rank=2, now=T0 + 200))
+        lines_small, _ = lines_run(partial(small.victim, "p", tenant, 2, T0 + 200))
+        lines_large, chosen = lines_run(partial(large.victim, "p", tenant, 2, T0 + 200))
         assert chosen is not None
         assert lines_large <= lines_small + 20, (tenant, lines_small, lines_large)
+
+
+def end_all(b: PressureBoard, admission_ids: list[str]) -> None:
+    for admission_id in admission_ids:
+        b.ended(admission_id, T0 + 500, completed=True)
 
 
 def test_ending_grants_costs_the_same_per_grant_at_100k_as_at_100() -> None:
@@ -70,7 +76,7 @@ def test_ending_grants_costs_the_same_per_grant_at_100k_as_at_100() -> None:
     for size in (1_000, 100_000):
         b = board_with(size)
         ending = [f"g{i}" for i in range(0, size, 10)]
-        lines, _ = lines_run(lambda: [b.ended(g, T0 + 500, completed=True) for g in ending])
+        lines, _ = lines_run(partial(end_all, b, ending))
         per_grant.append(lines / len(ending))
     assert per_grant[1] <= per_grant[0] * 1.5 + 5, per_grant
 
