@@ -32,7 +32,7 @@ from mesh.render import format_event, render_explain, render_status
 from mesh.scaler.base import Scaler
 from mesh.topology import names
 from mesh.wire.events import OrchestrationEvent
-from mesh.wire.models import Refusal, StatusReply
+from mesh.wire.models import MAX_STATUS_AGENTS, Refusal, StatusReply
 
 if TYPE_CHECKING:
     from mesh.manager.admission import AdmissionPolicy
@@ -55,6 +55,14 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _page_size(text: str) -> int:
+    """An argparse type: agent rows a status page, 1 to MAX_STATUS_AGENTS."""
+    value = _count(text)
+    if not 1 <= value <= MAX_STATUS_AGENTS:
+        raise argparse.ArgumentTypeError(f"{text!r}: from 1 to {MAX_STATUS_AGENTS:,} rows a page")
     return value
 
 
@@ -264,7 +272,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     async def show(client: Any) -> int:
-        reply: StatusReply = await client.status(timeout_s=args.timeout)
+        reply: StatusReply = await client.status(
+            timeout_s=args.timeout,
+            agents_offset=args.offset,
+            agents_limit=args.limit if args.agents else 0,
+        )
         if args.json:
             print(reply.model_dump_json(indent=2))
         else:
@@ -1052,8 +1064,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_conformance)
 
-    p = command("status", help="agents, states, capabilities, in-flight")
+    p = command(
+        "status",
+        help="the fleet by pool, state and capability; agent rows with --agents",
+        description="The fleet summarised by pool and lifecycle state, load by capability, "
+        "what each described pool can grant, and the manager's counters. The summary is the "
+        "manager's running tally, so it answers at once at any fleet size; agent rows come "
+        "a page at a time (--agents, --offset, --limit), in agent-ID order.",
+    )
     p.add_argument("--json", action="store_true", help="the manager's status reply as JSON")
+    p.add_argument("--agents", action="store_true", help="also list agents, one page of rows")
+    p.add_argument("--offset", type=_count, default=0, metavar="N", help="first row (default 0)")
+    p.add_argument(
+        "--limit",
+        type=_page_size,
+        default=100,
+        metavar="N",
+        help=f"rows a page, at most {MAX_STATUS_AGENTS:,} (default 100)",
+    )
     p.add_argument(
         "--timeout",
         type=float,

@@ -12,46 +12,107 @@ from mesh.wire.admission import AdmissionDecision, ExplainReply
 from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import StatusReply
 
+LIFECYCLE_ORDER = ("Spawning", "Registering", "Ready", "Busy", "Draining", "Terminated")
+
 
 def render_status(reply: StatusReply) -> str:
+    """``mesh status``: the summary (pools by state, capabilities), the page of agent rows the
+    reply carries, what each described pool can grant, and the counters. A reply from a
+    manager that predates the summary has only rows: the summary is counted from them."""
+    total = reply.agents_total if reply.agents_total is not None else len(reply.agents)
+    by_pool = _pools_by_state(reply)
+    by_state: dict[str, int] = {}
+    for states in by_pool.values():
+        for state, n in states.items():
+            by_state[state] = by_state.get(state, 0) + n
+    order = [s for s in LIFECYCLE_ORDER if s in by_state]
+    order += sorted(set(by_state) - set(LIFECYCLE_ORDER))
+    states_text = " · ".join(f"{s} {by_state[s]:,}" for s in order)
     lines = [
-        f"manager {reply.manager_id} · up {reply.uptime_s:.0f} s · {len(reply.agents)} agent(s)",
+        f"manager {reply.manager_id} · up {reply.uptime_s:.0f} s · {total:,} agent(s)"
+        + (f": {states_text}" if states_text else "")
+    ]
+    if by_pool:
+        lines += ["", f"{'POOL':<24} " + " ".join(f"{s.upper():>11}" for s in order)]
+        for pool_id, states in by_pool.items():
+            lines.append(f"{pool_id:<24} " + " ".join(f"{states.get(s, 0):>11,}" for s in order))
+    if reply.capability_loads:
+        lines += [
+            "",
+            f"{'CAPABILITY':<24} {'AGENTS':>9} {'TAKING WORK':>11} {'IN-FLIGHT':>10} "
+            f"{'CAPACITY':>9}",
+        ]
+        lines += [
+            f"{c.name:<24} {c.agents:>9,} {c.taking_work:>11,} {c.in_flight:>10,} {c.capacity:>9,}"
+            for c in reply.capability_loads
+        ]
+    lines += _agent_rows(reply, total)
+    lines += _pool_capacity_rows(reply)
+    counters = " ".join(f"{k}={v}" for k, v in reply.counters.items())
+    lines += ["", f"counters: {counters or '-'}"]
+    return "\n".join(lines)
+
+
+def _pools_by_state(reply: StatusReply) -> dict[str, dict[str, int]]:
+    if reply.pool_states is not None:
+        return {p.pool_id: p.states for p in reply.pool_states}
+    by_pool: dict[str, dict[str, int]] = {}
+    for agent in reply.agents:  # an older manager: count the rows
+        states = by_pool.setdefault(agent.deployment, {})
+        states[agent.state] = states.get(agent.state, 0) + 1
+    return by_pool
+
+
+def _agent_rows(reply: StatusReply, total: int) -> list[str]:
+    paged = reply.agents_total is not None
+    if not total:
+        return ["", "(no agents registered)"]
+    if paged and not reply.agents:
+        return ["", f"({total:,} agent(s): list them with --agents, a page at a time)"]
+    lines = [
         "",
         f"{'AGENT':<24} {'DEPLOYMENT':<12} {'STATE':<11} {'IN-FLIGHT':>9}  "
         f"{'HEARTBEAT':<10} CAPABILITIES",
     ]
     for agent in reply.agents:
-        hb = "-" if agent.last_heartbeat_age_s is None else f"{agent.last_heartbeat_age_s:.1f}s ago"
+        age = agent.last_heartbeat_age_s
+        hb = "-" if age is None else f"{age:.1f}s ago"
         caps = ", ".join(
-            f"{cap.name}@{cap.version} ({cap.cost_class}, {cap.in_flight}/{cap.max_concurrency})"
-            for cap in agent.capabilities
+            f"{c.name}@{c.version} ({c.cost_class}, {c.in_flight}/{c.max_concurrency})"
+            for c in agent.capabilities
         )
         lines.append(
             f"{agent.agent_id:<24} {agent.deployment:<12} {agent.state:<11} "
             f"{agent.in_flight:>9}  {hb:<10} {caps}"
         )
-    if not reply.agents:
-        lines.append("(no agents registered)")
-    if reply.pools:
-        lines += [
-            "",
-            f"{'POOL':<16} {'CAPABILITY':<20} {'LIVE AGENTS':>11} {'LIVE SLOTS':>10} "
-            f"{'GRANTED':>8} {'MODEL SLOTS':>12}",
-        ]
-        for pool in reply.pools:
-            granted = "-" if pool.granted is None else str(pool.granted)
-            model = (
-                "-"
-                if pool.model_slots is None
-                else f"{pool.model_slots_granted or 0}/{pool.model_slots}"
-            )
-            lines.append(
-                f"{pool.pool_id:<16} {pool.capability:<20} {pool.live_agents:>11} "
-                f"{pool.live_slots:>10} {granted:>8} {model:>12}"
-            )
-    counters = " ".join(f"{k}={v}" for k, v in reply.counters.items())
-    lines += ["", f"counters: {counters or '-'}"]
-    return "\n".join(lines)
+    if paged:
+        first = (reply.agents_offset or 0) + 1
+        last = first + len(reply.agents) - 1
+        more = f"; next page: --offset {last}" if last < total else ""
+        lines.append(f"(agents {first:,} to {last:,} of {total:,}{more})")
+    return lines
+
+
+def _pool_capacity_rows(reply: StatusReply) -> list[str]:
+    if not reply.pools:
+        return []
+    lines = [
+        "",
+        f"{'POOL':<16} {'CAPABILITY':<20} {'LIVE AGENTS':>11} {'LIVE SLOTS':>10} "
+        f"{'GRANTED':>8} {'MODEL SLOTS':>12}",
+    ]
+    for pool in reply.pools:
+        granted = "-" if pool.granted is None else str(pool.granted)
+        model = (
+            "-"
+            if pool.model_slots is None
+            else f"{pool.model_slots_granted or 0}/{pool.model_slots}"
+        )
+        lines.append(
+            f"{pool.pool_id:<16} {pool.capability:<20} {pool.live_agents:>11} "
+            f"{pool.live_slots:>10} {granted:>8} {model:>12}"
+        )
+    return lines
 
 
 def format_event(ev: OrchestrationEvent) -> str:

@@ -187,10 +187,14 @@ def _pools(doc: Mapping[str, Any], now: float) -> Table:
 
 
 def _states(doc: Mapping[str, Any]) -> Table:
+    by_state = doc.get("agents_by_state")
     counts: dict[str, int] = {}
-    for agent in _rows(doc, "agents"):
-        state = str(agent.get("state", "?"))
-        counts[state] = counts.get(state, 0) + 1
+    if isinstance(by_state, Mapping):  # every agent, from the manager's running tally
+        counts = {str(state): int(_number(n)) for state, n in by_state.items()}
+    else:  # an older manager: count the rows it sent
+        for agent in _rows(doc, "agents"):
+            state = str(agent.get("state", "?"))
+            counts[state] = counts.get(state, 0) + 1
     states = [*LIFECYCLE, *sorted(set(counts) - set(LIFECYCLE))]
     table = _table("agents by state", *states, "total", right=(*states, "total"))
     table.add_row(*(str(counts.get(s, 0)) for s in states), str(sum(counts.values())))

@@ -91,6 +91,7 @@ from mesh.core.index import (
 )
 from mesh.core.lifecycle import ACQUIRABLE, AgentState, Trigger, next_state
 from mesh.core.scaling import IdleAgent, ScalePlanner, ScalingPolicy
+from mesh.core.tally import FleetTally
 from mesh.wire.models import (
     AcquireRequest,
     AgentRegistration,
@@ -201,6 +202,10 @@ class PoolCore:
             CapacityMissed: self._on_capacity_missed,
         }
         self._deaf_since: float | None = None
+        # Agents by pool and state, load by capability: moved with every change, read by the
+        # metrics and the status summary without a walk over the agents.
+        self.tally = FleetTally()
+        self._sorted_ids: list[str] | None = None  # agent IDs in order, for paged rows
 
     # ---- the one entry point for changes ---------------------------------------------------
     def handle(self, event: Event, now: Instant) -> list[Command]:
@@ -240,9 +245,15 @@ class PoolCore:
         self._live_snapshot = LiveCapacity(offers, retry, self._live_version)
         return self._live_snapshot
 
-    def status(self, now: Instant) -> list[AgentStatus]:
+    def status(self, now: Instant, offset: int = 0, limit: int | None = None) -> list[AgentStatus]:
+        """Agent rows in agent-ID order: all of them, or the page ``[offset, offset+limit)``.
+        The order is sorted once per change of the agent set, not per page."""
+        if self._sorted_ids is None:
+            self._sorted_ids = sorted(self.agents)
+        end = None if limit is None else offset + limit
         out = []
-        for agent in sorted(self.agents.values(), key=lambda a: a.agent_id):
+        for agent_id in self._sorted_ids[offset:end]:
+            agent = self.agents[agent_id]
             caps = [
                 CapabilityStatus(
                     name=s.capability,
@@ -306,6 +317,8 @@ class PoolCore:
             self._deployments_by_capability.setdefault(cap.name, Counter())[agent.deployment] += 1
             if self.index.add(slot):
                 out += self._version_drift(cap.name, now)
+        self._tally(agent, +1)
+        self._sorted_ids = None
         out += self._transition(agent, Trigger.ACCEPT, now, "registration accepted")
         self._refresh_availability(agent, agent.in_flight, agent.in_flight)
         self._count_live(agent)
@@ -418,11 +431,13 @@ class PoolCore:
         before = agent.in_flight
         work = {cap: n for cap, n in reported.items() if n > 0 and cap in agent.slots}
         if work != agent.pool_work:
+            self._tally(agent, -1)
             for cap, slot in agent.slots.items():
                 delta = work.get(cap, 0) - agent.pool_work.get(cap, 0)
                 slot.in_flight += delta
                 agent.in_flight += delta
             agent.pool_work = work
+            self._tally(agent, +1)
             self._refresh_availability(agent, before, agent.in_flight)
         out: list[Command] = []
         if before == 0 and agent.in_flight > 0 and agent.state is AgentState.READY:
@@ -822,7 +837,12 @@ class PoolCore:
                     )
                 )
             ]
+        tracked = self.agents.get(agent.agent_id) is agent
+        if tracked:
+            self._tally(agent, -1)
         source, agent.state = agent.state, target
+        if tracked:
+            self._tally(agent, +1)
         entry = LogEntry(
             at=now.wall,
             kind=_LOG_KIND[trigger],
@@ -841,11 +861,16 @@ class PoolCore:
     def _change_load(self, agent: AgentRecord, slot: Slot, delta: int) -> None:
         """A lease taken (+1) or given back (-1)."""
         before = agent.in_flight
+        self._tally(agent, -1)
         slot.in_flight += delta
         slot.leased += delta
         agent.in_flight += delta
+        self._tally(agent, +1)
         self._refresh_availability(agent, before, agent.in_flight)
         self._count_live_slot(agent, slot, agent.state in ACQUIRABLE)
+
+    def _tally(self, agent: AgentRecord, sign: int) -> None:
+        self.tally.count(agent.deployment, agent.state.value, agent.slots.values(), sign)
 
     def _refresh_availability(self, agent: AgentRecord, old_level: int, new_level: int) -> None:
         for slot in agent.slots.values():
@@ -907,7 +932,9 @@ class PoolCore:
         for lease_id in agent.leases:
             self.leases.pop(lease_id, None)
             self._remember_finished(lease_id)
+        self._tally(agent, -1)
         del self.agents[agent.agent_id]
+        self._sorted_ids = None
         self._recently_terminated[agent.agent_id] = agent.incarnation
         if len(self._recently_terminated) > _RECENTLY_TERMINATED_MAX:
             self._recently_terminated.popitem(last=False)

@@ -10,9 +10,11 @@ Two kinds of series, one registry per manager (tests run several managers in one
   estimated-to-actual cost ratio and deadline misses (from what the holder reports when it
   releases: the manager does not see task results).
 * **Gauges of state**, computed at scrape time by :class:`_StateCollector` from a
-  :class:`MeshView` (the live pool core, the admitter's descriptors, the last ledger-usage and
-  queue snapshots the manager's tick took). Nothing is cached between scrapes, so when the last
-  agent of a capability terminates, its series simply stop being reported.
+  :class:`MeshView` (the pool core's running tally of agents by state and load by capability,
+  the admitter's descriptors, the last ledger-usage and queue snapshots the manager's tick
+  took). A scrape costs O(capabilities + pools + queues), never O(agents): the tally is moved
+  as agents change (:mod:`mesh.core.tally`). When the last agent of a capability terminates,
+  its series simply stop being reported.
 
 Label cardinality stays bounded: capabilities, pools, lifecycle states, reason codes, rule
 names, resources, tenants and queue names — never agent IDs or admission IDs. Capability labels
@@ -36,6 +38,7 @@ from prometheus_client.registry import Collector
 
 from mesh.core.eligibility import RULE_NAMES
 from mesh.core.pressure import PoolPressure, StageChange
+from mesh.core.tally import FleetTally
 from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
 from mesh.wire.models import AgentStatus
 
@@ -56,11 +59,12 @@ class QueueStat:
 class MeshView:
     """What the state gauges are computed from; the manager fills it in."""
 
-    agents: Callable[[], list[AgentStatus]]
+    # Agents by pool and state, load by capability: the pool core's running tally.
+    tally: Callable[[], FleetTally] = FleetTally
+    # One page of agent rows in agent-ID order, (offset, limit): only the status page asks.
+    agent_rows: Callable[[int, int], list[AgentStatus]] = lambda _offset, _limit: []
     # Whether a registered agent offers this capability (the pool core's index: O(1)).
     offers: Callable[[str], bool] = lambda _: False
-    # Agents Ready or Busy now, counted without building a status row per agent.
-    ready_agents: Callable[[], int] = lambda: 0
     descriptors: Callable[[], Mapping[str, CapabilityDescriptor]] = dict
     active_epochs: Callable[[], Mapping[str, int]] = dict
     active_generation: Callable[[], int] = lambda: 1
@@ -246,8 +250,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         view = self.view
-        agents = view.agents()
-        yield from _agent_gauges(agents)
+        yield from _agent_gauges(view.tally())
         yield _eligible_pools(
             view.descriptors(), view.active_epochs(), view.active_generation(), view.now()
         )
@@ -314,41 +317,11 @@ def _pressure_gauges(pools: Mapping[str, PoolPressure]) -> Iterator[Metric]:
     yield service
 
 
-@dataclass(slots=True)
-class CapabilityLoad:
-    """One capability across agents: how many offer it, and in-flight against concurrency
-    on those that take work (Ready or Busy)."""
-
-    agents: int = 0
-    taking_work: int = 0  # of them Ready or Busy
-    in_flight: int = 0
-    capacity: int = 0
-
-
-def load_by_capability(agents: Iterable[AgentStatus]) -> dict[str, CapabilityLoad]:
-    """:class:`CapabilityLoad` per capability, by name (the gauges and ``/api/status``)."""
-    loads: dict[str, CapabilityLoad] = {}
-    for agent in agents:
-        for cap in agent.capabilities:
-            load = loads.setdefault(cap.name, CapabilityLoad())
-            load.agents += 1
-            if agent.state in ("Ready", "Busy"):
-                load.taking_work += 1
-                load.in_flight += cap.in_flight
-                load.capacity += cap.max_concurrency
-    return dict(sorted(loads.items()))
-
-
-def _agent_gauges(agents: list[AgentStatus]) -> Iterator[Metric]:
-    by_state: dict[tuple[str, str], int] = {}
-    for agent in agents:
-        for cap in agent.capabilities:
-            key = (cap.name, agent.state)
-            by_state[key] = by_state.get(key, 0) + 1
+def _agent_gauges(tally: FleetTally) -> Iterator[Metric]:
     states = GaugeMetricFamily(
         "mesh_agents", "Agents by capability and lifecycle state.", labels=["capability", "state"]
     )
-    for (capability, state), n in sorted(by_state.items()):
+    for (capability, state), n in sorted(tally.by_capability_state.items()):
         states.add_metric([capability, state], n)
     yield states
     busy = GaugeMetricFamily(
@@ -357,7 +330,7 @@ def _agent_gauges(agents: list[AgentStatus]) -> Iterator[Metric]:
     room = GaugeMetricFamily(
         "mesh_capacity", "Concurrency of Ready and Busy agents.", labels=["capability"]
     )
-    for capability, load in load_by_capability(agents).items():
+    for capability, load in sorted(tally.loads.items()):
         if load.taking_work:
             busy.add_metric([capability], load.in_flight)
             room.add_metric([capability], load.capacity)

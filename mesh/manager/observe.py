@@ -25,7 +25,8 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import aiohttp
 
 from mesh.core.pressure import PoolPressure
-from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat, load_by_capability
+from mesh.core.tally import FleetTally
+from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat
 from mesh.manager.web import ManagerWeb, Sample, StatusHistory, management_queue_url
 from mesh.topology import names
 from mesh.topology.specs import PolicySpec
@@ -62,14 +63,14 @@ class Observer:
         manager_id: str,
         namespace: str,
         vhost: str,
-        agents: Callable[[], list[AgentStatus]],
+        tally: Callable[[], FleetTally],
+        agent_rows: Callable[[int, int], list[AgentStatus]],
         descriptors: Callable[[], Mapping[str, CapabilityDescriptor]],
         active_epochs: Callable[[], Mapping[str, int]],
         active_generation: int,
         counters: Counter[str],
         started_at: float,
         offers: Callable[[str], bool] = lambda _: False,
-        ready_agents: Callable[[], int] = lambda: 0,
         pressure: Callable[[], Mapping[str, PoolPressure]] = dict,
         management_url: str | None = None,
         queue_poll_interval_s: float = 5.0,
@@ -81,9 +82,9 @@ class Observer:
         self.started_at = started_at
         self.history = StatusHistory()
         self.view = MeshView(
-            agents=agents,
+            tally=tally,
+            agent_rows=agent_rows,
             offers=offers,
-            ready_agents=ready_agents,
             descriptors=descriptors,
             active_epochs=active_epochs,
             active_generation=lambda: active_generation,
@@ -223,7 +224,7 @@ class Observer:
                 admitted=self.counters["admission.admitted"],
                 refused=self.counters["admission.rejected"] + self.counters["admission.deferred"],
                 queue_messages=sum(q.messages for q in self.view.queues),
-                agents_ready=self.view.ready_agents(),
+                agents_ready=self.view.tally().taking_work,
             )
         )
 
@@ -245,10 +246,12 @@ class Observer:
         return queue_stats(rows, f"{self.namespace}.", time.time())
 
     # ---- the status document ----------------------------------------------------------------
-    def document(self) -> dict[str, Any]:
-        """Everything ``/api/status`` shows (and the page draws)."""
+    def document(self, agents_offset: int = 0, agents_limit: int = 200) -> dict[str, Any]:
+        """Everything ``/api/status`` shows (and the page draws): figures from running
+        aggregates, and one page of agent rows (``agents_total`` says how many there are)."""
         view = self.view
-        agents = view.agents()
+        tally = view.tally()
+        agents = view.agent_rows(agents_offset, agents_limit)
         descriptors = view.descriptors()
         epochs = view.active_epochs()
         ui = self._api  # the management UI lives where its API does
@@ -262,11 +265,11 @@ class Observer:
                 "capabilities": sorted({c.name for c in descriptor.capabilities}),
                 "agents": {},
             }
-        for agent in agents:
+        for deployment, states in tally.pools().items():
             pool = pools.setdefault(
-                agent.deployment,
+                deployment,
                 {
-                    "pool_id": agent.deployment,
+                    "pool_id": deployment,
                     "descriptor_epoch": None,
                     "active_epoch": None,
                     "expires_at": None,
@@ -274,7 +277,7 @@ class Observer:
                     "agents": {},
                 },
             )
-            pool["agents"][agent.state] = pool["agents"].get(agent.state, 0) + 1
+            pool["agents"] = states
         pressure = view.pressure()
         for pool_id, pool in pools.items():
             p = pressure.get(pool_id)
@@ -288,6 +291,9 @@ class Observer:
             "management_ui": ui,
             "pressure": {"stage": worst.name if worst is not None else None},
             "pools": list(pools.values()),
+            "agents_total": tally.agents,
+            "agents_by_state": dict(sorted(tally.by_state.items())),
+            "agents_offset": agents_offset,
             "agents": [
                 {
                     "agent_id": a.agent_id,
@@ -311,7 +317,7 @@ class Observer:
                     "capacity": load.capacity,
                     "agents": load.agents,
                 }
-                for name, load in load_by_capability(agents).items()
+                for name, load in sorted(tally.loads.items())
             ],
             "queues": [
                 {

@@ -97,11 +97,13 @@ from mesh.wire.models import (
     AdmissionState,
     AdmissionStateRequest,
     AgentRegistration,
+    CapabilityLoadStatus,
     Deregistration,
     DrainRequest,
     FindRequest,
     LeaseGranted,
     Message,
+    PoolStates,
     Refusal,
     RegistrationAccepted,
     RegistrationRefused,
@@ -181,11 +183,9 @@ class ManagerService:
             manager_id=settings.manager_id,
             namespace=settings.namespace,
             vhost=vhost_of(settings.amqp_url),
-            agents=lambda: self.core.status(self.clock.now()),
+            tally=lambda: self.core.tally,
+            agent_rows=lambda offset, limit: self.core.status(self.clock.now(), offset, limit),
             offers=lambda capability: capability in self.core.index,
-            ready_agents=lambda: sum(
-                1 for a in self.core.agents.values() if a.state in _TAKING_WORK
-            ),
             descriptors=lambda: self.admission.descriptors,
             active_epochs=lambda: self.admitter.active_epochs if self.admitter else {},
             pressure=lambda: self.admitter.pools_seen if self.admitter else {},
@@ -448,7 +448,7 @@ class ManagerService:
         message = decode_as(delivery.body, *_RPC_TYPES)
         self.counters[f"received.{message.type}"] += 1
         if isinstance(message, StatusRequest):
-            await self._reply(delivery, self.status())
+            await self._reply(delivery, self.status(message))
             return
         if isinstance(
             message,
@@ -536,16 +536,41 @@ class ManagerService:
             await self._reply(delivery, Refusal(reason=Reason(exc.reason), detail=exc.detail))
 
     # ---- the core and its commands --------------------------------------------------------
-    def status(self) -> StatusReply:
+    def status(self, request: StatusRequest | None = None) -> StatusReply:
+        """The status reply to ``request`` (none: every agent's row, no summary, as an older
+        client's request gets). The summary comes from the pool core's running tally."""
         now = self.clock.now()
         counters = Counter(self.core.counters)
         counters.update(self.counters)
+        common = {
+            "manager_id": self.settings.manager_id,
+            "uptime_s": now.mono - self._started_at,
+            "counters": dict(sorted(counters.items())),
+            "pools": self.admission.pool_capacities(now),
+        }
+        if request is None or request.agents_limit is None:
+            return StatusReply(agents=self.core.status(now), **common)
+        tally = self.core.tally
+        offset = request.agents_offset or 0
         return StatusReply(
-            manager_id=self.settings.manager_id,
-            uptime_s=now.mono - self._started_at,
-            agents=self.core.status(now),
-            counters=dict(sorted(counters.items())),
-            pools=self.admission.pool_capacities(now),
+            agents=self.core.status(now, offset, request.agents_limit),
+            agents_total=tally.agents,
+            agents_offset=offset,
+            pool_states=[
+                PoolStates(pool_id=pool_id, states=states)
+                for pool_id, states in tally.pools().items()
+            ],
+            capability_loads=[
+                CapabilityLoadStatus(
+                    name=name,
+                    agents=load.agents,
+                    taking_work=load.taking_work,
+                    in_flight=load.in_flight,
+                    capacity=load.capacity,
+                )
+                for name, load in sorted(tally.loads.items())
+            ],
+            **common,
         )
 
     async def _feed(self, event: Event, request: Delivery | None = None) -> None:

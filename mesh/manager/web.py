@@ -9,10 +9,12 @@ static files without hand-written parsing). Nothing here changes state: every ha
 * ``GET /metrics`` — :class:`~mesh.manager.metrics.ManagerMetrics` in the Prometheus text
   format.
 * ``GET /api/status`` — one JSON document with the whole picture an operator needs (see
-  :meth:`StatusHistory.document`): pools with their descriptors' epochs, agents per state,
-  in-flight against capacity per capability, queue depths with links into the RabbitMQ
-  management UI, the most recent refusals, and the last minutes of history (one point per
-  manager tick) for the charts.
+  :meth:`~mesh.manager.observe.Observer.document`): pools with their descriptors' epochs,
+  agents per state, in-flight against capacity per capability, queue depths with links into
+  the RabbitMQ management UI, the most recent refusals, and the last minutes of history (one
+  point per manager tick) for the charts. The figures come from running aggregates; agent
+  rows come one page at a time (``?agents_offset=0&agents_limit=200``, the default; at most
+  5,000 a page), with ``agents_total`` beside them.
 * ``GET /`` — the status page (``mesh/manager/static/status.html``): plain HTML and one
   script, no build step; it polls ``/api/status``.
 
@@ -88,13 +90,30 @@ def management_queue_url(management_ui: str | None, vhost: str, queue: str) -> s
     return f"{management_ui.rstrip('/')}/#/queues/{quote(vhost, safe='')}/{quote(queue, safe='')}"
 
 
+STATUS_AGENTS_LIMIT = 200
+"""Agent rows ``/api/status`` includes unless asked for another page (``agents_limit``)."""
+MAX_STATUS_AGENTS_LIMIT = 5_000
+
+
+def _count(text: str, name: str, most: int | None) -> int:
+    """A non-negative integer query parameter, at most ``most``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, not {text!r}") from None
+    if value < 0 or (most is not None and value > most):
+        bound = "" if most is None else f" and at most {most}"
+        raise ValueError(f"{name} must be at least 0{bound}, not {value}")
+    return value
+
+
 class ManagerWeb:
     """Serves ``/metrics``, ``/api/status`` and ``/`` for one manager."""
 
     def __init__(
         self,
         metrics: ManagerMetrics,
-        status: Callable[[], Mapping[str, Any]],
+        status: Callable[[int, int], Mapping[str, Any]],
         *,
         host: str = "0.0.0.0",
         port: int = 0,
@@ -147,7 +166,16 @@ class ManagerWeb:
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def _status(self, _: web.Request) -> web.Response:
-        document = dict(self.status())
+    async def _status(self, request: web.Request) -> web.Response:
+        try:
+            offset = _count(request.query.get("agents_offset", "0"), "agents_offset", None)
+            limit = _count(
+                request.query.get("agents_limit", str(STATUS_AGENTS_LIMIT)),
+                "agents_limit",
+                MAX_STATUS_AGENTS_LIMIT,
+            )
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        document = dict(self.status(offset, limit))
         document["served_at"] = time.time()
         return web.json_response(document, headers={"Cache-Control": "no-store"})

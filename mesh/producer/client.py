@@ -343,8 +343,13 @@ class MeshClient:
         reply = await self.request(DrainRequest(agent_id=agent_id, reason=reason))
         return reply if isinstance(reply, Refusal) else _expect(reply, DrainAccepted)
 
-    async def status(self, *, timeout_s: float = 10.0) -> StatusReply:
-        return _expect(await self.request(StatusRequest(), timeout_s=timeout_s), StatusReply)
+    async def status(
+        self, *, timeout_s: float = 10.0, agents_offset: int = 0, agents_limit: int = 1_000
+    ) -> StatusReply:
+        """The fleet's summary and one page of agent rows (``agents_limit`` from
+        ``agents_offset``, in agent-ID order; at most 5,000; 0: the summary alone)."""
+        request = StatusRequest(agents_offset=agents_offset, agents_limit=agents_limit)
+        return _expect(await self.request(request, timeout_s=timeout_s), StatusReply)
 
     # ---- admission --------------------------------------------------------------------------
     async def admit(

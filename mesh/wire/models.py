@@ -519,11 +519,23 @@ class ReleaseRequest(Message):
     lease_id: Identifier
 
 
+MAX_STATUS_AGENTS = 5_000
+"""Agent rows one status reply carries at most (the fleet is paged through, not sent whole)."""
+
+
 class StatusRequest(Message):
-    """Client -> manager: the agents, their states and the manager's counters."""
+    """Client -> manager: the fleet summarised by pool, state and capability, the manager's
+    counters, and one page of agent rows in agent-ID order (``agents_limit`` rows from
+    ``agents_offset``; 0 rows: the summary alone).
+
+    A request without ``agents_limit`` is one from a client that predates paging: it gets
+    every agent's row and no summary, as before (costly at a large fleet)."""
 
     TYPE = "mesh.status-request.v1"
+    ADDED_FIELDS = frozenset({"agents_offset", "agents_limit"})
     type: Literal["mesh.status-request.v1"] = "mesh.status-request.v1"
+    agents_offset: int | None = Field(default=None, ge=0)
+    agents_limit: int | None = Field(default=None, ge=0, le=MAX_STATUS_AGENTS)
 
 
 class AgentSummary(WireModel):
@@ -627,17 +639,42 @@ class PoolCapacity(WireModel):
     model_slots_granted: int | None = None
 
 
+class PoolStates(WireModel):
+    """One pool's agents by lifecycle state (``mesh status``)."""
+
+    pool_id: str
+    states: dict[str, int]
+
+
+class CapabilityLoadStatus(WireModel):
+    """One capability across the fleet (``mesh status``)."""
+
+    name: str
+    agents: int = Field(description="Agents offering it, in any state.")
+    taking_work: int = Field(description="Of them Ready or Busy.")
+    in_flight: int = Field(description="Tasks in flight on those.")
+    capacity: int = Field(description="Their concurrency.")
+
+
 class StatusReply(Message):
-    """Manager -> client: every agent the manager knows, its counters, and what each
-    described pool can grant."""
+    """Manager -> client: the fleet summarised (``agents_total``, ``pool_states``,
+    ``capability_loads``), one page of agent rows from ``agents_offset``, the manager's
+    counters, and what each described pool can grant. The summary fields are set only in
+    reply to a request that asked for a page (``agents_limit``); to an older client's
+    request ``agents`` holds every agent and they are left out."""
 
     TYPE = "mesh.status-reply.v1"
+    ADDED_FIELDS = frozenset({"agents_total", "agents_offset", "pool_states", "capability_loads"})
     type: Literal["mesh.status-reply.v1"] = "mesh.status-reply.v1"
     manager_id: str
     uptime_s: float
     agents: list[AgentStatus]
     counters: dict[str, int]
     pools: list[PoolCapacity] = Field(default_factory=list)
+    agents_total: int | None = None
+    agents_offset: int | None = None
+    pool_states: list[PoolStates] | None = None
+    capability_loads: list[CapabilityLoadStatus] | None = None
 
 
 CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (

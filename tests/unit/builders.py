@@ -34,6 +34,7 @@ from mesh.core import (
     SendToAgent,
     Tick,
 )
+from mesh.core.tally import FleetTally
 from mesh.manager.service import _to_wire
 from mesh.wire import (
     AcquireRequest,
@@ -47,6 +48,7 @@ from mesh.wire import (
     Message,
     Refusal,
 )
+from mesh.wire.models import AgentStatus
 
 M = TypeVar("M", bound=Message)
 
@@ -146,15 +148,29 @@ def transitions(commands: Iterable[Command]) -> list[tuple[str | None, str | Non
 
 class CheckedPoolCore(PoolCore):
     """A :class:`PoolCore` whose every log entry (journaled or announced) must make a valid
-    :class:`~mesh.wire.events.OrchestrationEvent`: the manager could not journal or publish
-    one that does not."""
+    :class:`~mesh.wire.events.OrchestrationEvent` (the manager could not journal or publish
+    one that does not), and whose running tally must equal a recount of its agents after
+    every event (the metrics and the status summary read the tally, never the agents)."""
 
     def handle(self, event: Event, now: Instant) -> list[Command]:
         commands = super().handle(event, now)
         for cmd in commands:
             if isinstance(cmd, AppendLog | Announce):
                 _to_wire(cmd.entry)  # raises ValidationError for a detail its kind forbids
+        assert_tally_matches(self)
         return commands
+
+
+def assert_tally_matches(core: PoolCore) -> None:
+    recount = FleetTally()
+    for agent in core.agents.values():
+        recount.count(agent.deployment, agent.state.value, agent.slots.values(), +1)
+    tally = core.tally
+    assert tally.agents == recount.agents == len(core.agents)
+    assert tally.by_state == recount.by_state
+    assert tally.by_pool_state == recount.by_pool_state
+    assert tally.by_capability_state == recount.by_capability_state
+    assert tally.loads == recount.loads
 
 
 @dataclass
@@ -307,3 +323,19 @@ class Pool:
     def state(self, agent_id: str) -> AgentState | None:
         agent = self.core.agents.get(agent_id)
         return None if agent is None else agent.state
+
+
+@dataclass(frozen=True)
+class _StatusSlot:
+    capability: str
+    in_flight: int
+    max_concurrency: int
+
+
+def tally_of(statuses: Iterable[AgentStatus]) -> FleetTally:
+    """The running tally a pool core holding these agents would have (for views in tests)."""
+    tally = FleetTally()
+    for agent in statuses:
+        slots = [_StatusSlot(c.name, c.in_flight, c.max_concurrency) for c in agent.capabilities]
+        tally.count(agent.deployment, agent.state, slots, +1)
+    return tally

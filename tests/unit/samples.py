@@ -24,6 +24,7 @@ from mesh.wire import (
     AgentSummary,
     Capability,
     CapabilityDescriptor,
+    CapabilityLoadStatus,
     CapabilityRange,
     CapabilityStatus,
     Deregistration,
@@ -47,6 +48,7 @@ from mesh.wire import (
     ModelLimits,
     OrchestrationEvent,
     PoolEpoch,
+    PoolStates,
     PoolTool,
     Reason,
     Refusal,
@@ -236,7 +238,7 @@ _samples: list[Message] = [
     FindRequest(capability="calc.add", version_spec=">=1,<2", limit=3),
     AcquireRequest(capability="calc.add", version_spec=">=1.2", agent_id="calc-7f9c", ttl_s=60),
     ReleaseRequest(lease_id="lease-1"),
-    StatusRequest(),
+    StatusRequest(agents_offset=0, agents_limit=100),
     FindReply(
         agents=[
             AgentSummary(
@@ -277,6 +279,12 @@ _samples: list[Message] = [
             )
         ],
         counters={"registered": 1},
+        agents_total=1,
+        agents_offset=0,
+        pool_states=[PoolStates(pool_id="calc", states={"Busy": 1})],
+        capability_loads=[
+            CapabilityLoadStatus(name="calc.add", agents=1, taking_work=1, in_flight=1, capacity=4)
+        ],
     ),
     DESCRIPTOR,
     REQUIREMENTS,

@@ -9,11 +9,17 @@ import random
 import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from mesh.core import HeartbeatReceived, RegistrationReceived
 from mesh.core.pressure import EVICTION_ORDER, PressureBoard, PressurePolicy, evict_order
+from mesh.manager.service import ManagerService
+from mesh.manager.settings import ManagerSettings
+from mesh.wire import Heartbeat, StatusRequest
 
+from .builders import capability, registration
 from .samples import T0
 
 NO_STAGES = PressurePolicy(thresholds=(1.0, 1.0, 1.0))
@@ -128,3 +134,70 @@ def test_the_indexed_victim_is_the_one_the_definition_picks_through_grants_endin
                 del live[admission_id]
         tenant = rng.choice(("t1", "t2", "t3", "t4"))
         assert b.victim("p", tenant, 2, now) == brute_force_victim(b, "p", tenant, 2, now)
+
+
+# ---- the manager's views at 100k agents ------------------------------------------------------
+
+POOLS = ("rag-eu", "rag-us", "calc", "echo")
+
+
+def manager_with(agents: int, tmp_path: Path) -> ManagerService:
+    """A manager (not started: no broker) whose pool core holds ``agents`` registered agents
+    over four pools, two capabilities each, every tenth one busy."""
+    service = ManagerService(
+        ManagerSettings(
+            namespace="scale",
+            journal_path=tmp_path / f"journal-{agents}.sqlite3",
+            ledger_url=f"sqlite:{tmp_path / f'ledger-{agents}.sqlite3'}",
+        )
+    )
+    core, now = service.core, service.clock.now()
+    caps = [capability("rag.search", "2.1.0", max_concurrency=4), capability("calc.add")]
+    for n in range(agents):
+        agent_id = f"agent-{n:06d}"
+        reg = registration(agent_id, *caps, deployment=POOLS[n % len(POOLS)])
+        core.handle(RegistrationReceived(reg, True), now)
+        if n % 10 == 0:
+            hb = Heartbeat(
+                agent_id=agent_id,
+                incarnation="inc-1",
+                seq=1,
+                sent_at=now.wall,
+                pool_in_flight={"rag.search": 2},
+            )
+            core.handle(HeartbeatReceived(hb), now)
+    return service
+
+
+def test_metrics_status_summary_and_a_status_page_cost_the_same_at_100k_agents_as_at_100(
+    tmp_path: Path,
+) -> None:
+    small, large = manager_with(100, tmp_path), manager_with(100_000, tmp_path)
+    views: list[tuple[str, Callable[[ManagerService], Callable[[], Any]]]] = [
+        ("/metrics", lambda s: s.observer.metrics.render),
+        ("/api/status", lambda s: partial(s.observer.document, 0, 50)),  # a page of 50 rows
+        ("status summary", lambda s: partial(s.status, StatusRequest(agents_limit=0))),
+        ("status page", lambda s: partial(s.status, StatusRequest(agents_limit=50))),
+    ]
+    for what, view in views:
+        lines_small, _ = lines_run(view(small))
+        lines_large, _ = lines_run(view(large))
+        assert lines_large <= lines_small * 1.1 + 200, (what, lines_small, lines_large)
+
+    summary = large.status(StatusRequest(agents_limit=0))
+    assert summary.agents_total == 100_000 and summary.agents == []
+    by_pool = {p.pool_id: p.states for p in summary.pool_states or []}
+    assert by_pool["rag-eu"] == {"Ready": 20_000, "Busy": 5_000}  # n % 20 == 0 is busy
+    assert by_pool["rag-us"] == {"Ready": 25_000}
+    (_, rag) = summary.capability_loads or []
+    assert (rag.name, rag.agents, rag.in_flight, rag.capacity) == (
+        "rag.search",
+        100_000,
+        20_000,
+        400_000,
+    )
+    page = large.status(StatusRequest(agents_offset=99_990, agents_limit=50))
+    assert [a.agent_id for a in page.agents] == [f"agent-{n:06d}" for n in range(99_990, 100_000)]
+    text = large.observer.metrics.render().decode()
+    assert 'mesh_agents{capability="rag.search",state="Busy"} 10000.0' in text
+    assert 'mesh_in_flight{capability="rag.search"} 20000.0' in text

@@ -12,6 +12,7 @@ from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat
 from mesh.wire import AdmissionDecision, AdmissionReason
 from mesh.wire.models import AgentStatus, CapabilityStatus
 
+from .builders import tally_of
 from .samples import DESCRIPTOR
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "agent-mesh.json"
@@ -39,7 +40,8 @@ def exported() -> tuple[set[str], dict[str, set[str]]]:
         registered_age_s=10,
     )
     view = MeshView(
-        agents=lambda: [agent],
+        tally=lambda: tally_of([agent]),
+        agent_rows=lambda offset, limit: [agent][offset : offset + limit],
         descriptors=lambda: {DESCRIPTOR.pool_id: DESCRIPTOR},
         active_epochs=lambda: {DESCRIPTOR.pool_id: DESCRIPTOR.descriptor_epoch},
         usage={("calc", "model_slots"): (1, 4), ("*", "tenant_tokens:acme"): (10, 100)},

@@ -335,7 +335,7 @@ def test_a_fallback_alone_stands_in_for_nothing(ledger: SqliteLedger) -> None:
 def test_fallback_grants_are_counted_for_prometheus(ledger: SqliteLedger) -> None:
     from mesh.manager.metrics import ManagerMetrics, MeshView
 
-    metrics = ManagerMetrics(MeshView(agents=list, offers=lambda _: True))
+    metrics = ManagerMetrics(MeshView(offers=lambda _: True))
     a = admitter(ledger, PRIMARY, backup())
     for n in range(3):
         metrics.admission(requirements(), admit(a, f"adm-{n}"), None)

@@ -17,6 +17,7 @@ from mesh.manager.observe import Observer
 from mesh.top import StatusUnavailable, fetch_status, render, run_top, status_url
 from mesh.wire import StatusReply
 
+from .builders import tally_of
 from .samples import DESCRIPTOR, SAMPLES
 
 NOW = 1_764_500_000.0
@@ -236,7 +237,8 @@ def test_the_real_status_document_draws() -> None:
         manager_id="manager-7",
         namespace="mesh",
         vhost="/",
-        agents=lambda: status.agents,
+        tally=lambda: tally_of(status.agents),
+        agent_rows=lambda offset, limit: status.agents[offset : offset + limit],
         descriptors=lambda: {"rag-eu": DESCRIPTOR},
         active_epochs=lambda: {"rag-eu": 3},
         active_generation=7,

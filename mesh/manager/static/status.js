@@ -109,11 +109,12 @@ function renderHeader(doc) {
 }
 
 function renderSummary(doc) {
-  const live = doc.agents.filter((a) => a.state === "Ready" || a.state === "Busy");
+  const byState = doc.agents_by_state ?? {};
+  const live = (byState.Ready ?? 0) + (byState.Busy ?? 0);
   const inFlight = doc.capabilities.reduce((sum, c) => sum + c.in_flight, 0);
   const capacity = doc.capabilities.reduce((sum, c) => sum + c.capacity, 0);
   const last = doc.history.at(-1) ?? { admitted: 0, refused: 0 };
-  $("sum-ready").textContent = `${live.length} of ${doc.agents.length}`;
+  $("sum-ready").textContent = `${number(live)} of ${number(doc.agents_total ?? 0)}`;
   $("sum-in-flight").textContent = `${inFlight} / ${capacity}`;
   $("sum-queued").textContent = number(doc.queues.reduce((sum, q) => sum + q.messages, 0));
   $("sum-admitted").textContent = number(last.admitted);
@@ -134,6 +135,10 @@ function renderAgents(doc) {
     ),
   );
   fillTable("agents", rows, "No agents registered.");
+  const shown = doc.agents.length;
+  const total = doc.agents_total ?? shown;
+  $("agents-shown").textContent =
+    shown < total ? `: the first ${number(shown)} of ${number(total)} (the figures above count all)` : "";
 }
 
 function renderPools(doc) {
