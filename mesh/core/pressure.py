@@ -91,6 +91,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from mesh.core.tally import move_count
+
 
 class Stage(IntEnum):
     NORMAL = 0
@@ -360,9 +362,9 @@ class PressureBoard:
     @staticmethod
     def _count(p: PoolPressure, holding: Holding, delta: int) -> None:
         """Move the per-tenant (and per-run) grant counts of ``p`` by ``delta``."""
-        _move(p.holders, holding.tenant, delta)
+        move_count(p.holders, holding.tenant, delta)
         if holding.run is not None:
-            _move(p.runs, holding.run, delta)
+            move_count(p.runs, holding.run, delta)
 
     def _index(self, admission_id: str, holding: Holding) -> None:
         """Put an evictable grant into its pool's eviction heaps (the pool's, its tenant's)."""
@@ -688,12 +690,3 @@ class PressureBoard:
     def drain_changes(self) -> list[StageChange]:
         changes, self.changes = self.changes, []
         return changes
-
-
-def _move(counts: dict[str, int], key: str, delta: int) -> None:
-    """``counts[key] += delta``; a count that reaches 0 is removed."""
-    left = counts.get(key, 0) + delta
-    if left > 0:
-        counts[key] = left
-    else:
-        counts.pop(key, None)

@@ -57,12 +57,12 @@ class FleetTally:
     def count(self, deployment: str, state: str, slots: Iterable[SlotLike], sign: int) -> None:
         """Add (``sign=1``) or take away (``-1``) one agent as it stands now."""
         self.agents += sign
-        _move(self.by_state, state, sign)
-        _move(self.by_pool_state, (deployment, state), sign)
+        move_count(self.by_state, state, sign)
+        move_count(self.by_pool_state, (deployment, state), sign)
         taking_work = state in TAKING_WORK
         for slot in slots:
             name = slot.capability
-            _move(self.by_capability_state, (name, state), sign)
+            move_count(self.by_capability_state, (name, state), sign)
             load = self.loads.get(name)
             if load is None:
                 load = self.loads[name] = CapabilityLoad()
@@ -87,7 +87,8 @@ class FleetTally:
         return out
 
 
-def _move(counts: dict[K, int], key: K, delta: int) -> None:
+def move_count(counts: dict[K, int], key: K, delta: int) -> None:
+    """``counts[key] += delta``; a count that reaches 0 is removed."""
     left = counts.get(key, 0) + delta
     if left > 0:
         counts[key] = left
