@@ -75,6 +75,7 @@ from urllib.parse import urlsplit
 
 import aio_pika
 import psycopg
+from report import Report, Target, add_json_argument
 
 from mesh import constants as c
 from mesh.core.capacity import LiveCapacity, LiveOffer
@@ -842,6 +843,7 @@ def main() -> int:
     )
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--profile", action="store_true", help="profile one more round of ours")
+    add_json_argument(parser)
     args = parser.parse_args()
     logging.getLogger("mesh").setLevel(logging.ERROR)
     print(f"process {tune_gc()} (as mesh manager does)")
@@ -860,36 +862,60 @@ def main() -> int:
         runs = run_part_b(count, args.postgres_dsn, Path(tmp) / "b", args.concurrency)
         print_part_b(runs, end_to_end[0].rate if end_to_end else None)
 
-    targets: list[tuple[bool, str]] = []
-    if end_to_end is not None:
+    report = Report("admission")
+    for run in runs:
+        report.figure(
+            part="B", store=run.store, decisions=run.decisions, value=run.rate, unit="decisions/s"
+        )
+    if end_to_end is None:
+        report.skipped.append("end-to-end targets and the store headroom: no broker")
+    else:
         ours, echo = end_to_end
+        for path, summary in (("ours", ours), ("echo", echo)):
+            report.figure(
+                part="A",
+                path=path,
+                rate=summary.rate,
+                p50_ms=summary.p50_ms,
+                p99_ms=summary.p99_ms,
+                unit="requests/s (median of rounds)",
+            )
         throughput, p99 = ours.rate / echo.rate, ours.p99_ms / echo.p99_ms
         sqlite = runs[0].rate / ours.rate
-        targets = [
-            (
+        report.targets = [
+            Target(
+                "throughput_vs_echo",
                 throughput >= TARGET_THROUGHPUT_RATIO,
                 f"admissions run at {throughput:.2f}x the echo's throughput "
                 f"(target ≥ {TARGET_THROUGHPUT_RATIO:g}x)",
+                value=ours.rate,
+                baseline=echo.rate,
+                ratio=throughput,
+                bound=f">= {TARGET_THROUGHPUT_RATIO:g}",
             ),
-            (
+            Target(
+                "p99_vs_echo",
                 p99 <= TARGET_P99_RATIO,
                 f"admission p99 is {p99:.2f}x the echo's ({ours.p99_ms:.1f} vs "
                 f"{echo.p99_ms:.1f} ms; target ≤ {TARGET_P99_RATIO:g}x)",
+                value=ours.p99_ms,
+                baseline=echo.p99_ms,
+                ratio=p99,
+                bound=f"<= {TARGET_P99_RATIO:g}",
             ),
-            (
+            Target(
+                "sqlite_store_headroom",
                 sqlite >= TARGET_STORE_HEADROOM,
                 f"the SQLite ledger decides {sqlite:.1f}x the end-to-end admission rate, "
                 f"{args.concurrency} per commit as the manager batches them "
                 f"(target ≥ {TARGET_STORE_HEADROOM:g}x)",
+                value=runs[0].rate,
+                baseline=ours.rate,
+                ratio=sqlite,
+                bound=f">= {TARGET_STORE_HEADROOM:g}",
             ),
         ]
-    print()
-    print(f"targets ({time.perf_counter() - started:.0f} s in all)")
-    for passed, text in targets:
-        print(f"   {'PASS' if passed else 'FAIL'}  {text}")
-    if end_to_end is None:
-        print("   SKIP  end-to-end targets and the store headroom: no broker")
-    return 0 if all(passed for passed, _ in targets) else 1
+    return report.finish(started, args.json)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,20 @@ of a commit's cost, so frames per commit is the number to read; µs per decision
 
 from __future__ import annotations
 
+import argparse
 import collections
 import sqlite3
 import statistics
 import struct
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from admission import in_core  # this directory: the same admissions as admission.py's part B
+from report import Report, add_json_argument
 
 from mesh.gc_tuning import tune_gc
 from mesh.ids import new_admission_id
@@ -77,6 +80,11 @@ def measure(layout: str, kind: str, path: Path) -> tuple[float, float, dict[str,
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_json_argument(parser)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    report = Report("ledger_layout")
     print(f"process {tune_gc()}")
     print(
         f"{COUNT:,} admissions after {WARMUP} warm-up ones, {BATCH} per commit; µs/decision: "
@@ -100,7 +108,15 @@ def main() -> int:
         print(f"   {layouts[layout]:<30}{kind:<22}{us:>12.1f}{per_commit:>15.1f}")
         shares = ", ".join(f"{name} {n:.1f}" for name, n in tables.items())
         print(f"   {'':<30}{'':<22}   {shares}")
-    return 0
+        report.figure(
+            layout=layout,
+            admission_ids=kind,
+            value=us,
+            unit="µs per decision (median of rounds)",
+            frames_per_commit=per_commit,
+            frames_by_table=tables,
+        )
+    return report.finish(started, args.json)  # no targets: a diagnosis, not a check
 
 
 if __name__ == "__main__":

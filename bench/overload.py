@@ -46,6 +46,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from report import Report, Target, add_json_argument
+
 from mesh import constants as c
 from mesh.agent import AgentRuntime, AgentSettings
 from mesh.core.pressure import PressurePolicy
@@ -302,6 +304,7 @@ def main() -> int:
     parser.add_argument("--service-ms", type=int, default=400, help="each task's work")
     parser.add_argument("--deadline-s", type=float, default=2.0, help="after arrival")
     parser.add_argument("--seed", type=int, default=20261130)
+    add_json_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("mesh").setLevel(logging.CRITICAL)
@@ -362,39 +365,60 @@ def main() -> int:
             cells.append(f"{text}, starved {run.starved(cls)}")
         print(f"{run.label:<22}" + "".join(f"{cell:>30}" for cell in cells))
     full = runs[0].goodput
-    targets = []
+    report = Report("overload")
+    for run in runs:
+        report.figure(
+            run=run.label,
+            load=run.load,
+            shedding=run.shedding,
+            line=run.line,
+            arrived=run.arrived,
+            good=run.good,
+            value=run.goodput,
+            baseline=full,
+            ratio=run.goodput / full if full else None,
+            unit="tasks completed before their deadline per second (baseline: 1x, line)",
+            starved={cls: run.starved(cls) for cls, _ in MIX},
+        )
     for run in runs[1:]:
-        if run.shedding and run.line:
-            starved = sum(run.starved(cls) for cls, _ in MIX)
-            targets.append(
-                (
-                    starved == 0,
-                    f"at {run.load:g}x with the line, {starved} task(s) starved (target 0)",
-                )
+        if not (run.shedding and run.line):
+            continue
+        starved = sum(run.starved(cls) for cls, _ in MIX)
+        report.targets.append(
+            Target(
+                f"starved_at_{run.load:g}x",
+                starved == 0,
+                f"at {run.load:g}x with the line, {starved} task(s) starved (target 0)",
+                value=starved,
+                bound="== 0",
             )
-            p99 = percentile(run.waits("interactive"), 0.99)
-            targets.append(
-                (
-                    p99 is not None and p99 <= args.deadline_s,
-                    f"at {run.load:g}x with the line, the interactive admission wait's p99 is "
-                    + (f"{p99:.2f} s" if p99 is not None else "unmeasured")
-                    + f" (target ≤ the {args.deadline_s:g} s deadline)",
-                )
+        )
+        p99 = percentile(run.waits("interactive"), 0.99)
+        report.targets.append(
+            Target(
+                f"interactive_wait_p99_at_{run.load:g}x",
+                p99 is not None and p99 <= args.deadline_s,
+                f"at {run.load:g}x with the line, the interactive admission wait's p99 is "
+                + (f"{p99:.2f} s" if p99 is not None else "unmeasured")
+                + f" (target ≤ the {args.deadline_s:g} s deadline)",
+                value=p99,
+                bound=f"<= {args.deadline_s:g}",
             )
-        if run.shedding and run.line:
-            ratio = run.goodput / full if full else 0.0
-            targets.append(
-                (
-                    ratio >= TARGET_GOODPUT_RATIO,
-                    f"goodput at {run.load:g}x with shedding is {ratio:.2f}x full load's "
-                    f"(target ≥ {TARGET_GOODPUT_RATIO:g}x)",
-                )
+        )
+        ratio = run.goodput / full if full else 0.0
+        report.targets.append(
+            Target(
+                f"goodput_at_{run.load:g}x_vs_1x",
+                ratio >= TARGET_GOODPUT_RATIO,
+                f"goodput at {run.load:g}x with shedding is {ratio:.2f}x full load's "
+                f"(target ≥ {TARGET_GOODPUT_RATIO:g}x)",
+                value=run.goodput,
+                baseline=full,
+                ratio=ratio,
+                bound=f">= {TARGET_GOODPUT_RATIO:g}",
             )
-    print()
-    print(f"targets ({time.perf_counter() - started:.0f} s in all)")
-    for passed, text in targets:
-        print(f"   {'PASS' if passed else 'FAIL'}  {text}")
-    return 0 if all(passed for passed, _ in targets) else 1
+        )
+    return report.finish(started, args.json)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import aio_pika
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from report import Report, Target, add_json_argument
 
 from mesh import constants as c
 from mesh.core import Command, Instant, PoolCore, RegistrationReceived
@@ -383,7 +384,7 @@ def check_same_choice(plans: list[AgentPlan]) -> None:
     ], "PoolCore and the baseline disagree on the ranking"
 
 
-def run_part_a(quick: bool) -> list[tuple[bool, str]]:
+def run_part_a(quick: bool, report: Report) -> None:
     ours_budget = Budget(seconds=0.15 if quick else 0.5, min_batches=15)
     baseline_budget = Budget(seconds=0.6 if quick else 2.0, min_batches=3 if quick else 5)
     print(
@@ -412,30 +413,50 @@ def run_part_a(quick: bool) -> list[tuple[bool, str]]:
         for operation, ours_us in ours.items():
             row = Row(size, operation, ours_us, baseline[operation])
             rows.append(row)
+            report.figure(
+                part="A",
+                agents=size,
+                operation=operation,
+                value=row.ours_us,
+                baseline=row.baseline_us,
+                ratio=row.ratio,
+                unit="µs per call",
+                baseline_is="TextbookManager",
+            )
             print(
                 f"   {size:>7,}  {eligible_count(fleets[size]):>8,}  {operation:<17}"
                 f"{row.ours_us:>10.2f}  {row.baseline_us:>13,.1f}  {row.ratio:>13,.0f}x",
                 flush=True,
             )
     print("   (find(limit=1) of ours is timed in batches alternating across the three sizes)")
-    return targets_a(rows)
+    report.targets += targets_a(rows)
 
 
-def targets_a(rows: list[Row]) -> list[tuple[bool, str]]:
+def targets_a(rows: list[Row]) -> list[Target]:
     by_key = {(r.agents, r.operation): r for r in rows}
     largest, smallest = SIZES[-1], SIZES[0]
     at_largest = by_key[(largest, "find(limit=1)")]
     growth = at_largest.ours_us / by_key[(smallest, "find(limit=1)")].ours_us
     return [
-        (
+        Target(
+            "find_limit1_speedup_at_largest",
             at_largest.ratio >= TARGET_SPEEDUP_AT_50K,
             f"find(limit=1) at {largest:,} agents is {at_largest.ratio:,.0f}x faster than "
             f"the baseline (target ≥ {TARGET_SPEEDUP_AT_50K:,.0f}x)",
+            value=at_largest.ours_us,
+            baseline=at_largest.baseline_us,
+            ratio=at_largest.ratio,
+            bound=f">= {TARGET_SPEEDUP_AT_50K:g}",
         ),
-        (
+        Target(
+            "find_limit1_growth",
             growth < TARGET_MAX_GROWTH,
             f"our find(limit=1) cost grows {growth:.2f}x from {smallest:,} to {largest:,} "
             f"agents (target < {TARGET_MAX_GROWTH:g}x)",
+            value=at_largest.ours_us,
+            baseline=by_key[(smallest, "find(limit=1)")].ours_us,
+            ratio=growth,
+            bound=f"< {TARGET_MAX_GROWTH:g}",
         ),
     ]
 
@@ -587,7 +608,7 @@ def heartbeat_fleet() -> list[AgentPlan]:
     return [AgentPlan(f"rag-{n:06d}", "2.1.0", "B", 4, 0) for n in range(HEARTBEAT_AGENTS)]
 
 
-async def run_part_b(url: str, count: int, rounds: int) -> list[tuple[bool, str]] | None:
+async def run_part_b(url: str, count: int, rounds: int) -> list[Target] | None:
     async with contextlib.AsyncExitStack() as connections:
         try:
             admin = await AmqpTransport.connect(url, name="bench-pool-admin", connect_timeout_s=5)
@@ -635,7 +656,7 @@ async def ingest_rounds(bench: Bench, count: int, rounds: int) -> dict[str, list
     return results
 
 
-def ingestion_target(results: dict[str, list[Round]], count: int) -> list[tuple[bool, str]]:
+def ingestion_target(results: dict[str, list[Round]], count: int) -> list[Target]:
     raw_rate = statistics.median(r.rate(count) for r in results["raw"])
     ours_rate = statistics.median(r.rate(count) for r in results["ours"])
     raw_cpu = statistics.median(r.cpu_seconds / count * 1e6 for r in results["raw"])
@@ -647,10 +668,15 @@ def ingestion_target(results: dict[str, list[Round]], count: int) -> list[tuple[
     )
     ratio = ours_rate / raw_rate
     return [
-        (
+        Target(
+            "heartbeat_ingestion_ratio",
             ratio >= TARGET_INGEST_RATIO,
             f"heartbeat ingestion runs at {ratio:.2f}x the bare aio-pika rate "
             f"(target ≥ {TARGET_INGEST_RATIO:g}x)",
+            value=ours_rate,
+            baseline=raw_rate,
+            ratio=ratio,
+            bound=f">= {TARGET_INGEST_RATIO:g}",
         )
     ]
 
@@ -662,25 +688,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller budgets (~1 minute)")
     parser.add_argument("--amqp-url", default=os.environ.get("MESH_AMQP_URL", c.DEFAULT_AMQP_URL))
+    add_json_argument(parser)
     args = parser.parse_args()
     logging.getLogger("mesh").setLevel(logging.ERROR)  # version-drift warnings are expected
     for client in ("aio_pika", "aiormq"):  # their failures surface as exceptions too
         logging.getLogger(client).setLevel(logging.CRITICAL)
 
     started = time.perf_counter()
-    targets = run_part_a(args.quick)
+    report = Report("pool")
+    run_part_a(args.quick, report)
     print()
     count, rounds = (5_000, 3) if args.quick else (20_000, 5)
     broker_targets = asyncio.run(run_part_b(args.amqp_url, count, rounds))
-    if broker_targets is not None:
-        targets += broker_targets
-    print()
-    print(f"targets ({time.perf_counter() - started:.0f} s in all)")
-    for passed, text in targets:
-        print(f"   {'PASS' if passed else 'FAIL'}  {text}")
     if broker_targets is None:
-        print("   SKIP  heartbeat ingestion: no broker")
-    return 0 if all(passed for passed, _ in targets) else 1
+        report.skipped.append("heartbeat ingestion: no broker")
+    else:
+        report.targets += broker_targets
+    return report.finish(started, args.json)
 
 
 if __name__ == "__main__":
