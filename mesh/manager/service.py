@@ -58,7 +58,6 @@ from mesh.core.events import (
     SendToAgent,
     Tick,
 )
-from mesh.core.lifecycle import AgentState
 from mesh.core.pool import PoolCore
 from mesh.errors import (
     LocalProtocolError,
@@ -141,9 +140,6 @@ _RPC_TYPES = (
     DescriptorShadow,
     ExplainRequest,
 )
-
-
-_TAKING_WORK = frozenset({AgentState.READY, AgentState.BUSY})
 
 
 class ManagerService:
