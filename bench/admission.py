@@ -12,25 +12,27 @@ A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to
    ledger thread (eligibility, ``ledger.prepare``, ``ledger.activate`` against SQLite),
    journals the decision, publishes it on the events feed and replies with publisher
    confirms. The question is what all of that costs on top of the request/reply round trip
-   itself, so the baseline is a raw aio-pika request/reply *echo* on the same broker, shaped
-   like the manager's: the server consumes a queue bound to a topic exchange (prefetch as
-   the manager's) on one channel and publishes the same body back to ``reply_to`` with the
-   ``correlation_id`` on a second channel with publisher confirms, then acks; the client
-   publishes with confirms and ``user_id`` and consumes an exclusive reply queue, each side
-   on its own connection. Its payload is the encoded ``AdmissionRequest`` (same size as
-   ours). Both sides keep C requests in flight for N requests; a round's throughput is N over
-   the wall time from the first send to the last reply, and every request's latency (send to
-   reply, as the caller sees it) feeds the round's p50/p99. Rounds alternate ABBA, the medians
-   of the rounds are compared. The manager runs in-process (unique ``bench-<uuid8>``
+   itself, so the baseline is a request/reply *echo* written on aiormq, the client the
+   project builds on, with the project's publish tuning (:class:`AiormqEcho`: the server
+   consumes a queue bound to a topic exchange with the manager's prefetch and publishes the
+   body back to ``reply_to`` with the ``correlation_id`` on a confirming channel, ``wait=False``
+   and the confirm awaited, then acks; the client publishes the same way with ``user_id`` and
+   reads an exclusive reply queue without acks; each side on its own connection). Its payload
+   is the encoded ``AdmissionRequest`` (same size as ours). The same echo on aio-pika's
+   high-level API is an extra row without a target (:class:`AioPikaEcho`). Each runs at 16
+   and at 64 in flight (``--concurrency``), ours too. Both sides keep C requests in flight
+   for N requests; a round's throughput is N over the wall time from the first send to the
+   last reply, and every request's latency (send to reply, as the caller sees it) feeds the
+   round's p50/p99. Rounds alternate (ours, echo, extra, then the reverse); the medians of
+   the rounds are compared. The manager runs in-process (unique ``bench-<uuid8>``
    namespace, SQLite ledger and journal in a temp dir, the broker user as operator) with a
    descriptor whose capacities and tenant budget are too large to run out, live agents in
    the pool (registered over the broker, as agents do, with more concurrency than the run
    can hold: the manager's default ``admission_capacity="live"`` decides against them) and
    grants that outlive the run, so every decision must be ``admitted`` (checked) and no
    expiry sweep does work during the rounds. CPU per request is printed too: the whole
-   process's (client and manager, or echo client and server), the manager's ledger thread's
-   alone, and the
-   local broker's (``beam.smp`` read from /proc; it includes whatever other clients made
+   process's (client and manager, or echo client and server) and the local broker's
+   (``beam.smp`` read from /proc; it includes whatever other clients made
    the broker do meanwhile). On this 2-core machine the broker, both our threads and any
    neighbour share the cores, so throughput follows total CPU per request: when wall-clock
    rates jump between rounds while CPU per request stays put, the noise is a neighbour.
