@@ -1,0 +1,98 @@
+"""Which shard a pool belongs to, and which manager should own each shard.
+
+How it works. With several managers, the registry is split into ``shard_count`` shards by
+pool (docs/architecture.md, "Several managers"). A pool's shard is a pure function of its
+name, the same in every language: CRC-32 (ISO-HDLC, as ``zlib.crc32`` and every CRC library
+compute it) of the pool ID's UTF-8 bytes, modulo the shard count. An agent computes it to
+route its announcements; a manager to know what it owns.
+
+Ownership itself lives in a lease table (:mod:`mesh.ledger.shard_leases`). This module only
+says who *should* own what: :func:`balanced_owners` is a deterministic function of the live
+managers and the current owners, so every manager that reads the same lease table computes the
+same target and acts only on its own part of it — it takes the free shards targeted to it and
+gives back the ones targeted elsewhere. No manager decides for another, and no two can both
+take a shard: taking one is a conditional write on its lease.
+
+The target is balanced — each live manager gets ``shard_count // managers`` shards or one more —
+and moves as little as possible: a manager keeps the shards it owns up to its share, and only
+the surplus and the shards of managers that are gone change hands. Which managers get the
+extra shard of an uneven split is decided by ID order, so it is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mesh.errors import LocalProtocolError
+
+MAX_SHARDS = 4_096
+
+
+def check_shard_count(shard_count: int) -> int:
+    """``shard_count`` if it is usable (1 to :data:`MAX_SHARDS`), else a clear error."""
+    if not 1 <= shard_count <= MAX_SHARDS:
+        raise LocalProtocolError(f"shard_count must be 1..{MAX_SHARDS}, got {shard_count}")
+    return shard_count
+
+
+def shard_of(pool_id: str, shard_count: int) -> int:
+    """The shard of ``pool_id``: CRC-32 of its UTF-8 bytes modulo ``shard_count``."""
+    return zlib.crc32(pool_id.encode()) % check_shard_count(shard_count)
+
+
+def balanced_owners(
+    shard_count: int, live_managers: Sequence[str], owners: Mapping[int, str | None]
+) -> dict[int, str]:
+    """The owner each shard should have: balanced over ``live_managers``, keeping today's
+    owners (``owners``: shard → its live lease holder, or ``None``) where the balance allows.
+
+    Empty when no manager is live. Pure and deterministic: the same inputs give the same
+    answer in every manager."""
+    check_shard_count(shard_count)
+    managers = sorted(set(live_managers))
+    if not managers:
+        return {}
+    base, extra = divmod(shard_count, len(managers))
+    quota = {m: base + (1 if i < extra else 0) for i, m in enumerate(managers)}
+    target: dict[int, str] = {}
+    for shard in range(shard_count):  # keep what live managers own, up to their quota
+        owner = owners.get(shard)
+        if owner in quota and quota[owner] > 0:
+            target[shard] = owner
+            quota[owner] -= 1
+    wanting = iter([m for m in managers for _ in range(quota[m])])
+    for shard in range(shard_count):  # the rest, in shard order, to whoever is below quota
+        if shard not in target:
+            target[shard] = next(wanting)
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class ShardMoves:
+    """What one manager should do to reach the balanced target."""
+
+    take: tuple[int, ...]  # targeted to it and free (no live holder): take their leases
+    give_back: tuple[int, ...]  # it holds them, the target names another: release them
+    wait_for: tuple[int, ...]  # targeted to it, still held by another: that one gives back
+
+
+def moves_for(
+    manager_id: str,
+    shard_count: int,
+    live_managers: Sequence[str],
+    owners: Mapping[int, str | None],
+) -> ShardMoves:
+    """:func:`balanced_owners`, seen from ``manager_id``."""
+    target = balanced_owners(shard_count, [*live_managers, manager_id], owners)
+    take, give_back, wait_for = [], [], []
+    for shard in range(shard_count):
+        holder, wanted = owners.get(shard), target[shard]
+        if wanted == manager_id and holder is None:
+            take.append(shard)
+        elif wanted == manager_id and holder != manager_id:
+            wait_for.append(shard)
+        elif holder == manager_id and wanted != manager_id:
+            give_back.append(shard)
+    return ShardMoves(tuple(take), tuple(give_back), tuple(wait_for))
