@@ -1,0 +1,303 @@
+"""Shard ownership in PostgreSQL: one lease row per shard, with a fencing number.
+
+How it works. When several managers share a namespace, each shard of the registry
+(:mod:`mesh.core.shards`) is owned by one manager at a time through its row in
+``"<schema>".shard_lease``: ``owner``, ``fence`` and ``expires_at``. Every time is the database
+server's (``clock_timestamp()``), so the managers' own clocks never have to agree.
+
+- **Take.** A manager takes a shard with one conditional ``UPDATE``: only if nobody holds it
+  (no owner, or the lease has expired). Taking increments the fence, so every tenure of a
+  shard has a fence larger than any before it.
+- **Renew.** The holder extends its leases well before they expire; a renewal names the fence
+  it holds and only succeeds while that lease is still its own and unexpired. A manager that
+  was stopped (SIGSTOP, a long pause, a cut network) past its lease finds on waking that its
+  renewal returns nothing: it has lost the shard and must not act on it.
+- **Fenced writes.** A write the owner makes on behalf of a shard (the live capacity of its
+  pools in the ledger) runs :func:`fenced` in the same transaction first: it locks the lease
+  row ``FOR SHARE`` and checks owner, fence and expiry. So a manager whose lease lapsed is
+  refused by the store, and a take by the next owner waits for a write already under way to
+  commit: nothing an old owner writes lands after the new owner has begun.
+- **Give back.** A manager hands a shard over (rebalancing, a clean stop) by clearing its
+  owner; the next take bumps the fence.
+
+Who is live is kept in ``"<schema>".manager_presence``: each manager renews its row as it renews
+its leases; a row past its expiry is a manager that is gone. The shard count is stored once in
+``"<schema>".shard_config``: a manager configured with another count is refused at open, since
+two counts would route the same pool to two shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import psycopg
+
+from mesh.core.shards import check_shard_count
+from mesh.errors import LocalProtocolError, StoreError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_SCHEMA: Final = "mesh_ledger"
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLease:
+    """A live holder of a shard and its fence."""
+
+    owner: str
+    fence: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardView:
+    """One read of the table: live managers, live leases, and the server's time then."""
+
+    managers: tuple[str, ...]
+    leases: Mapping[int, ShardLease]  # only unexpired leases with an owner
+    server_time: float  # Unix seconds, the database's clock
+
+    def owners(self) -> dict[int, str | None]:
+        return {shard: lease.owner for shard, lease in self.leases.items()}
+
+
+def _ddl(s: str) -> list[str]:
+    return [
+        f'CREATE SCHEMA IF NOT EXISTS "{s}"',
+        f"""CREATE TABLE IF NOT EXISTS "{s}".shard_config (
+            key   TEXT PRIMARY KEY,
+            value TEXT NOT NULL
+        )""",
+        f"""CREATE TABLE IF NOT EXISTS "{s}".shard_lease (
+            shard      INTEGER     PRIMARY KEY CHECK (shard >= 0),
+            owner      TEXT,
+            fence      BIGINT      NOT NULL DEFAULT 0,
+            expires_at TIMESTAMPTZ NOT NULL DEFAULT '-infinity'
+        )""",
+        f"""CREATE TABLE IF NOT EXISTS "{s}".manager_presence (
+            manager_id TEXT        PRIMARY KEY,
+            expires_at TIMESTAMPTZ NOT NULL
+        )""",
+    ]
+
+
+def fenced(cursor: psycopg.Cursor[Any], schema: str, shard: int, owner: str, fence: int) -> bool:
+    """Inside a write transaction: lock shard ``shard``'s lease row for share and say whether
+    ``owner`` still holds it at ``fence``. On ``False`` the caller must roll back."""
+    cursor.execute(
+        f'SELECT 1 FROM "{schema}".shard_lease WHERE shard = %s AND owner = %s AND fence = %s '
+        "AND expires_at > clock_timestamp() FOR SHARE",
+        (shard, owner, fence),
+    )
+    return cursor.fetchone() is not None
+
+
+class ShardLeases:
+    """The lease table of one namespace's shards in PostgreSQL schema ``schema``."""
+
+    def __init__(
+        self,
+        dsn: str,
+        shard_count: int,
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        application_name: str = "mesh-shards",
+        connect_timeout_s: int = 10,
+    ) -> None:
+        if not _SCHEMA_NAME.fullmatch(schema):
+            raise LocalProtocolError(f"schema must match {_SCHEMA_NAME.pattern}, got {schema!r}")
+        self.shard_count = check_shard_count(shard_count)
+        self.schema = schema
+        self._dsn = dsn
+        self._connect_kwargs: dict[str, Any] = {
+            "application_name": application_name,
+            "connect_timeout": connect_timeout_s,
+        }
+        self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._lock = threading.Lock()
+        try:
+            self._transaction(self._create)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the operations -----------------------------------------------------------------------
+    def announce(self, manager_id: str, ttl_s: float) -> None:
+        """Say ``manager_id`` is live for ``ttl_s`` more seconds (of the server's clock)."""
+        self._transaction(
+            lambda cur: cur.execute(
+                f'INSERT INTO "{self.schema}".manager_presence (manager_id, expires_at) '
+                "VALUES (%s, clock_timestamp() + make_interval(secs => %s)) "
+                "ON CONFLICT (manager_id) DO UPDATE SET expires_at = EXCLUDED.expires_at",
+                (manager_id, ttl_s),
+            )
+        )
+
+    def view(self) -> ShardView:
+        """Live managers and live leases, in one transaction."""
+
+        def read(cur: psycopg.Cursor[Any]) -> ShardView:
+            cur.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+            (now,) = cur.fetchone() or (0.0,)
+            cur.execute(
+                f'SELECT manager_id FROM "{self.schema}".manager_presence '
+                "WHERE expires_at > clock_timestamp() ORDER BY manager_id"
+            )
+            managers = tuple(str(m) for (m,) in cur.fetchall())
+            cur.execute(
+                f'SELECT shard, owner, fence FROM "{self.schema}".shard_lease '
+                "WHERE owner IS NOT NULL AND expires_at > clock_timestamp()"
+            )
+            leases = {int(s): ShardLease(str(o), int(f)) for s, o, f in cur.fetchall()}
+            return ShardView(managers, leases, float(now))
+
+        return self._transaction(read)
+
+    def take(self, manager_id: str, shard: int, ttl_s: float) -> int | None:
+        """Take ``shard`` if nobody holds it: the new fence, or ``None`` if it is held."""
+        self._check_shard(shard)
+
+        def take(cur: psycopg.Cursor[Any]) -> int | None:
+            cur.execute(
+                f'UPDATE "{self.schema}".shard_lease SET owner = %s, fence = fence + 1, '
+                "expires_at = clock_timestamp() + make_interval(secs => %s) "
+                "WHERE shard = %s AND (owner IS NULL OR expires_at <= clock_timestamp()) "
+                "RETURNING fence",
+                (manager_id, ttl_s, shard),
+            )
+            row = cur.fetchone()
+            return None if row is None else int(row[0])
+
+        return self._transaction(take)
+
+    def renew(self, manager_id: str, held: Mapping[int, int], ttl_s: float) -> dict[int, int]:
+        """Extend the leases ``manager_id`` holds (shard → fence) and its presence; the ones
+        still its own, extended. A shard missing from the answer is lost: do not act on it."""
+        if not held:
+            self.announce(manager_id, ttl_s)
+            return {}
+
+        def renew(cur: psycopg.Cursor[Any]) -> dict[int, int]:
+            cur.execute(
+                f'INSERT INTO "{self.schema}".manager_presence (manager_id, expires_at) '
+                "VALUES (%s, clock_timestamp() + make_interval(secs => %s)) "
+                "ON CONFLICT (manager_id) DO UPDATE SET expires_at = EXCLUDED.expires_at",
+                (manager_id, ttl_s),
+            )
+            cur.execute(
+                f'UPDATE "{self.schema}".shard_lease AS l '
+                "SET expires_at = clock_timestamp() + make_interval(secs => %s) "
+                "FROM unnest(%s::int[], %s::bigint[]) AS h(shard, fence) "
+                "WHERE l.shard = h.shard AND l.fence = h.fence AND l.owner = %s "
+                "AND l.expires_at > clock_timestamp() RETURNING l.shard, l.fence",
+                (ttl_s, list(held), list(held.values()), manager_id),
+            )
+            return {int(s): int(f) for s, f in cur.fetchall()}
+
+        return self._transaction(renew)
+
+    def give_back(self, manager_id: str, shard: int, fence: int) -> bool:
+        """Hand ``shard`` over: its lease is cleared if ``manager_id`` still holds it at
+        ``fence``. True if it did."""
+        self._check_shard(shard)
+
+        def give_back(cur: psycopg.Cursor[Any]) -> bool:
+            cur.execute(
+                f'UPDATE "{self.schema}".shard_lease SET owner = NULL, '
+                "expires_at = clock_timestamp() WHERE shard = %s AND owner = %s AND fence = %s",
+                (shard, manager_id, fence),
+            )
+            return cur.rowcount == 1
+
+        return self._transaction(give_back)
+
+    def leave(self, manager_id: str) -> int:
+        """A clean stop: give back every shard ``manager_id`` holds and drop its presence.
+        The number of shards given back."""
+
+        def leave(cur: psycopg.Cursor[Any]) -> int:
+            cur.execute(
+                f'UPDATE "{self.schema}".shard_lease SET owner = NULL, '
+                "expires_at = clock_timestamp() WHERE owner = %s",
+                (manager_id,),
+            )
+            given = cur.rowcount
+            cur.execute(
+                f'DELETE FROM "{self.schema}".manager_presence WHERE manager_id = %s',
+                (manager_id,),
+            )
+            return given
+
+        return self._transaction(leave)
+
+    def run_fenced(
+        self, shard: int, owner: str, fence: int, work: Callable[[psycopg.Cursor[Any]], T]
+    ) -> T | None:
+        """``work`` in one transaction, only while ``owner`` holds ``shard`` at ``fence``;
+        ``None`` (nothing written) when it no longer does."""
+
+        def guarded(cur: psycopg.Cursor[Any]) -> T | None:
+            if not fenced(cur, self.schema, shard, owner, fence):
+                return None
+            return work(cur)
+
+        return self._transaction(guarded)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    def _check_shard(self, shard: int) -> None:
+        if not 0 <= shard < self.shard_count:
+            raise LocalProtocolError(f"shard must be 0..{self.shard_count - 1}, got {shard}")
+
+    def _create(self, cur: psycopg.Cursor[Any]) -> None:
+        # Concurrent first opens take turns: CREATE … IF NOT EXISTS is not race-free.
+        cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"mesh-shards:{self.schema}",))
+        for statement in _ddl(self.schema):
+            cur.execute(statement)
+        cur.execute(
+            f'INSERT INTO "{self.schema}".shard_config (key, value) VALUES (%s, %s) '
+            "ON CONFLICT (key) DO NOTHING",
+            ("shard_count", str(self.shard_count)),
+        )
+        cur.execute(
+            f'SELECT value FROM "{self.schema}".shard_config WHERE key = %s', ("shard_count",)
+        )
+        (stored,) = cur.fetchone() or (str(self.shard_count),)
+        if int(stored) != self.shard_count:
+            raise LocalProtocolError(
+                f"this namespace's ledger (schema {self.schema}) is split into {stored} shards, "
+                f"this manager was started with {self.shard_count}: every manager of a "
+                "namespace must use the same shard count"
+            )
+        cur.execute(
+            f'INSERT INTO "{self.schema}".shard_lease (shard) '
+            "SELECT generate_series(0, %s - 1) ON CONFLICT (shard) DO NOTHING",
+            (self.shard_count,),
+        )
+
+    def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            if self._conn is not None:
+                log.warning("reconnecting to the shard lease table", extra={"schema": self.schema})
+            self._conn = psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs)
+        return self._conn
+
+    def _transaction(self, work: Callable[[psycopg.Cursor[Any]], T]) -> T:
+        with self._lock:
+            try:
+                conn = self._connection()
+                with conn.transaction(), conn.cursor() as cur:
+                    return work(cur)
+            except psycopg.Error as exc:
+                raise StoreError(f"shard lease transaction failed in {self.schema}: {exc}") from exc
