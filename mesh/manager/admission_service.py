@@ -130,7 +130,7 @@ class AdmissionService:
         """Open the ledger, recover its descriptors and grants, bind the pool queues."""
         s = self.settings
         if self._ledger is None:
-            self._ledger = await self._in_ledger_thread(open_ledger, s.ledger_url)
+            self._ledger = await self._in_ledger_thread(open_ledger, s.ledger_url, s.ledger_schema)
         self._ledger_inline = (
             isinstance(self._ledger, SqliteLedger) if s.ledger_inline is None else s.ledger_inline
         )

@@ -29,6 +29,9 @@ class ManagerSettings:
     # The reservation ledger: "sqlite:<path>" (embedded default) or a postgresql:// DSN
     # when several managers share one ledger.
     ledger_url: str = "sqlite:.mesh/ledger.sqlite3"
+    # The PostgreSQL schema of the ledger (and of the shard leases): namespaces, or tests,
+    # sharing one database keep apart by schema. Ignored for SQLite.
+    ledger_schema: str = "mesh_ledger"
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     # At most this many admissions are decided in one ledger transaction (group commit); a
     # batch holds what arrived while the previous one ran, so it never waits to fill up.
@@ -70,6 +73,12 @@ class ManagerSettings:
     # descriptor's limits alone — for several managers sharing one PostgreSQL ledger, each of
     # which sees only the agents that registered with it until the registry is sharded.
     admission_capacity: Literal["live", "descriptor"] = "live"
+    # Several managers (docs/architecture.md, "Several managers"): the registry's shards,
+    # owned through lease rows in the PostgreSQL ledger's database, renewed every third of
+    # ``shard_lease_s``. The same count for every manager of a namespace; None: no shards
+    # (one manager owns the whole registry, as with SQLite).
+    shard_count: int | None = None
+    shard_lease_s: float = 10.0
 
 
 _POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)
@@ -94,12 +103,13 @@ def load_scaling_policies(path: Path) -> tuple[ScalingPolicy, ...]:
     return tuple(policies)
 
 
-def open_ledger(url: str) -> LedgerStore:
-    """``sqlite:<path>`` or ``postgresql://…`` → a ledger store (blocking: call in a thread)."""
+def open_ledger(url: str, schema: str = "mesh_ledger") -> LedgerStore:
+    """``sqlite:<path>`` or ``postgresql://…`` (in ``schema``) → a ledger store (blocking:
+    call in a thread)."""
     if url.startswith(("postgresql://", "postgres://")):
         from mesh.ledger.postgres import PostgresLedger
 
-        return PostgresLedger(url)
+        return PostgresLedger(url, schema=schema)
     if url.startswith("sqlite:"):
         from mesh.ledger.sqlite import SqliteLedger
 
