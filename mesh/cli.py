@@ -200,6 +200,9 @@ def cmd_manager(args: argparse.Namespace) -> int:
             management_url=args.management_url or None,
             admission=_admission_policy(args),
             admission_capacity=args.admission_capacity,
+            ledger_schema=args.ledger_schema,
+            shard_count=args.shards,
+            shard_lease_s=args.shard_lease,
         )
         scaler = _build_scaler(args)
         stop = asyncio.Event()
@@ -806,6 +809,30 @@ def build_parser() -> argparse.ArgumentParser:
         "allows (no live agent, no grant: NO_LIVE_AGENT); descriptor: the descriptor alone, "
         "for several managers on one PostgreSQL ledger (env MESH_ADMISSION_CAPACITY, "
         "default live)",
+    )
+    p.add_argument(
+        "--ledger-schema",
+        default=_env("MESH_LEDGER_SCHEMA", "mesh_ledger"),
+        metavar="NAME",
+        help="PostgreSQL ledgers: the schema of the ledger and the shard leases, so several "
+        "namespaces can share one database (env MESH_LEDGER_SCHEMA, default mesh_ledger)",
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=int(_env("MESH_SHARDS", "0")) or None,
+        metavar="N",
+        help="several managers: split the registry into N shards, each owned by one manager "
+        "at a time through a lease in the PostgreSQL ledger's database; every manager of a "
+        "namespace uses the same N (env MESH_SHARDS; default: no shards, one manager)",
+    )
+    p.add_argument(
+        "--shard-lease",
+        type=_positive_seconds,
+        default=_env("MESH_SHARD_LEASE_S", "10"),
+        metavar="SECONDS",
+        help="how long a shard lease lasts unrenewed; renewed every third of it "
+        "(env MESH_SHARD_LEASE_S, default 10)",
     )
     p.add_argument(
         "--agent-identity",

@@ -96,3 +96,41 @@ def moves_for(
         elif holder == manager_id and wanted != manager_id:
             give_back.append(shard)
     return ShardMoves(tuple(take), tuple(give_back), tuple(wait_for))
+
+
+@dataclass(slots=True)
+class ShardKeeper:
+    """What one manager holds (shard → fence), and what it should do next.
+
+    Fed with what the lease table answered: :meth:`renewed` with the leases a renewal kept
+    (any other it held is lost — it must stop acting on those at once), :meth:`plan` with a
+    fresh read of the table, :meth:`took` and :meth:`gave_back` with the outcome of each move.
+    """
+
+    manager_id: str
+    shard_count: int
+    held: dict[int, int]
+
+    @classmethod
+    def new(cls, manager_id: str, shard_count: int) -> ShardKeeper:
+        return cls(manager_id, check_shard_count(shard_count), {})
+
+    def renewed(self, kept: Mapping[int, int]) -> tuple[int, ...]:
+        """The shards lost since the last renewal (held, not kept), forgotten from now on."""
+        lost = tuple(s for s in sorted(self.held) if kept.get(s) != self.held[s])
+        for shard in lost:
+            del self.held[shard]
+        return lost
+
+    def plan(self, live_managers: Sequence[str], owners: Mapping[int, str | None]) -> ShardMoves:
+        """The moves toward the balanced target, from a read of the lease table."""
+        return moves_for(self.manager_id, self.shard_count, live_managers, owners)
+
+    def took(self, shard: int, fence: int) -> None:
+        self.held[shard] = fence
+
+    def gave_back(self, shard: int) -> None:
+        self.held.pop(shard, None)
+
+    def owns(self, shard: int) -> bool:
+        return shard in self.held

@@ -31,7 +31,9 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -114,6 +116,9 @@ from mesh.wire.models import (
 )
 from mesh.wire.reasons import Reason
 
+if TYPE_CHECKING:
+    from mesh.manager.shards import ShardOwnership
+
 log = logging.getLogger(__name__)
 
 _FENCE_ATTEMPTS = 4
@@ -175,6 +180,8 @@ class ManagerService:
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._started_at = self.clock.now().mono
+        self.shards: ShardOwnership | None = None  # with settings.shard_count
+        self._shard_thread: ThreadPoolExecutor | None = None
         self.observer = Observer(
             manager_id=settings.manager_id,
             namespace=settings.namespace,
@@ -245,6 +252,7 @@ class ManagerService:
             url = await self.observer.serve(s.http_host, s.http_port)
             log.info("status page", extra={"url": url, "metrics": f"{url}metrics"})
         await self.transport.declare(self.topology.manager())
+        await self._start_shards()  # after the events exchange exists: transfers are logged
         await self.admission.bind_pool_queues()
         await self.execute(
             [
@@ -269,6 +277,49 @@ class ManagerService:
         self._ticker = asyncio.create_task(self._tick_forever(), name="manager-ticker")
         log.info("manager started", extra={"namespace": s.namespace, "manager_id": s.manager_id})
 
+    async def _start_shards(self) -> None:
+        """Hold this manager's share of the registry's shards (``settings.shard_count``)."""
+        s = self.settings
+        if s.shard_count is None:
+            return
+        if not s.ledger_url.startswith(("postgresql://", "postgres://")):
+            raise LocalProtocolError(
+                "shards need a PostgreSQL ledger (--ledger postgresql://…): with SQLite one "
+                "manager owns the whole registry"
+            )
+        from mesh.ledger.shard_leases import ShardLeases  # psycopg: only where it is used
+        from mesh.manager.shards import ShardOwnership
+
+        loop = asyncio.get_running_loop()
+        self._shard_thread = ThreadPoolExecutor(1, thread_name_prefix="shard-leases")
+
+        def run_blocking(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+            return loop.run_in_executor(self._shard_thread, fn, *args)
+
+        leases = await run_blocking(
+            partial(ShardLeases, schema=s.ledger_schema), s.ledger_url, s.shard_count
+        )
+        self.shards = ShardOwnership(
+            leases,
+            s.manager_id,
+            lease_s=s.shard_lease_s,
+            run_blocking=run_blocking,
+            wall_clock=lambda: self.clock.now().wall,
+            on_change=lambda entries: self.execute([AppendLog(e) for e in entries]),
+            counters=self.counters,
+        )
+        await self.shards.step()  # its first share before it consumes anything
+        self.shards.start()
+
+    async def _stop_shards(self) -> None:
+        if self.shards is not None:
+            await self.shards.stop(give_back=True)
+            self.shards.leases.close()
+            self.shards = None
+        if self._shard_thread is not None:
+            self._shard_thread.shutdown(wait=True)
+            self._shard_thread = None
+
     async def stop(self) -> None:
         """Stop everything started (also after a failed start); a second call does nothing."""
         if self._stopped:
@@ -288,6 +339,7 @@ class ManagerService:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.admission.close_intake()
+        await self._stop_shards()
         await self.observer.close()
         if self._owns_transport and self._transport is not None:
             await self._transport.close()

@@ -10,7 +10,8 @@ ties them to ``kind``. Reading back what a journal stored is the exception
 
 Who emits what: the pool core (:mod:`mesh.core.pool`) the lifecycle transitions and the
 registry's events, the manager (:mod:`mesh.manager.service`,
-:mod:`mesh.manager.admission_service`) admission and rollout. Most are journaled and published
+:mod:`mesh.manager.admission_service`) admission and rollout, :mod:`mesh.manager.shards`
+the ownership of shards. Most are journaled and published
 on ``log.<agent_id>.<kind>``; ``capability_*`` are published on
 ``capability.<name>.<agent_id>`` only, ``grant_revoked`` and ``descriptor_active`` on
 ``grant.<pool_id>…`` only (the agents' grant feed).
@@ -273,6 +274,19 @@ class GrantRevokedDetail(WireModel):
     security: str | None = Field(default=None, min_length=1, max_length=500)
 
 
+# ---- several managers (mesh.manager.shards) -------------------------------------------------
+
+
+class ShardDetail(WireModel):
+    """``shard``, from a manager: who owns a shard of the registry changed. The event's
+    ``reason`` says how (``taken``, ``given_back``, ``lost``: a renewal found the lease gone);
+    ``fence`` is the lease's fence (none for a loss)."""
+
+    shard: Count
+    manager_id: Identifier
+    fence: PositiveInt | None = None
+
+
 EVENT_DETAILS: dict[str, type[WireModel]] = {
     "registered": RegisteredDetail,
     "ready": ReadyDetail,
@@ -300,6 +314,7 @@ EVENT_DETAILS: dict[str, type[WireModel]] = {
     "pressure_stage": PressureStageDetail,
     "descriptor": DescriptorDetail,
     "descriptor_shadow": DescriptorShadowDetail,
+    "shard": ShardDetail,
     # The pool's active epoch, on grant.<pool_id> (and, to itself, by an agent whose
     # registration's acceptance carried it).
     c.EVENT_DESCRIPTOR_ACTIVE: PoolEpoch,

@@ -367,6 +367,7 @@ EVENT_DETAIL_SAMPLES: dict[str, dict[str, Any]] = {
     },
     "descriptor": {"pool_id": "rag-eu", "epoch": 3, "draining": ["adm-old-1"]},
     "descriptor_shadow": {"pool_id": "rag-eu", "epoch": 4},
+    "shard": {"shard": 3, "manager_id": "manager-b", "fence": 12},
     "descriptor_active": {
         "pool_id": "rag-eu",
         "descriptor_epoch": 3,

@@ -1,0 +1,151 @@
+"""The manager's hold on its shards: renew, notice a loss, rebalance — every third of a lease.
+
+How it works. :class:`ShardOwnership` drives a :class:`~mesh.core.shards.ShardKeeper` against
+the PostgreSQL lease table (:class:`~mesh.ledger.shard_leases.ShardLeases`), whose calls are
+blocking and run where the caller says (the manager's ledger thread). One step:
+
+1. renew every lease held (and the manager's presence); a lease the table did not keep is
+   **lost**: forgotten at once, logged, counted — the manager must not act on that shard;
+2. read the table (live managers, live leases) and plan toward the balanced target;
+3. give back the shards targeted to another manager, then take the free ones targeted here.
+
+A step runs every ``lease_s / 3``, so a lease is renewed twice before it could lapse even when
+one step is late. A manager paused for longer than its lease (SIGSTOP, a cut network) wakes
+up, runs a step, and its first renewal tells it what it lost before it does anything else.
+Every change of ownership goes to the orchestration log (kind ``shard``) through
+``on_change``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
+
+from mesh.core.events import LogEntry
+from mesh.core.shards import ShardKeeper
+from mesh.errors import StoreError
+from mesh.ledger.shard_leases import ShardLeases, ShardView
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RunBlocking = Callable[..., Awaitable[Any]]
+Change = Literal["taken", "given_back", "lost"]
+
+
+class ShardOwnership:
+    """Holds and balances one manager's shard leases; see the module doc."""
+
+    def __init__(
+        self,
+        leases: ShardLeases,
+        manager_id: str,
+        *,
+        lease_s: float,
+        run_blocking: RunBlocking,
+        wall_clock: Callable[[], float],
+        on_change: Callable[[list[LogEntry]], Awaitable[None]],
+        counters: Counter[str] | None = None,
+    ) -> None:
+        self.leases = leases
+        self.keeper = ShardKeeper.new(manager_id, leases.shard_count)
+        self.lease_s = lease_s
+        self.counters: Counter[str] = Counter() if counters is None else counters
+        self.last_view: ShardView | None = None
+        self._run = run_blocking
+        self._wall = wall_clock
+        self._on_change = on_change
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def manager_id(self) -> str:
+        return self.keeper.manager_id
+
+    def owned(self) -> dict[int, int]:
+        """The shards this manager holds now, with their fences."""
+        return dict(self.keeper.held)
+
+    async def step(self) -> None:
+        """Renew, then rebalance (module doc). A database error is logged and counted; the
+        next step tries again, and leases not renewed in time are simply lost."""
+        try:
+            await self._renew()
+            await self._rebalance()
+        except StoreError as exc:
+            self.counters["shard_store_errors"] += 1
+            log.warning("shard lease step failed", extra={"error": str(exc)})
+
+    async def _renew(self) -> None:
+        kept = await self._run(
+            self.leases.renew, self.manager_id, dict(self.keeper.held), self.lease_s
+        )
+        lost = self.keeper.renewed(kept)
+        if lost:
+            self.counters["shards_lost"] += len(lost)
+            log.warning("shard leases lost", extra={"shards": list(lost)})
+            await self._log([("lost", shard, None) for shard in lost])
+
+    async def _rebalance(self) -> None:
+        view: ShardView = await self._run(self.leases.view)
+        self.last_view = view
+        moves = self.keeper.plan(view.managers, view.owners())
+        changes: list[tuple[Change, int, int | None]] = []
+        for shard in moves.give_back:
+            fence = self.keeper.held[shard]
+            if await self._run(self.leases.give_back, self.manager_id, shard, fence):
+                changes.append(("given_back", shard, fence))
+            self.keeper.gave_back(shard)  # given back, or already not ours: either way
+        for shard in moves.take:
+            fence = await self._run(self.leases.take, self.manager_id, shard, self.lease_s)
+            if fence is not None:
+                self.keeper.took(shard, fence)
+                changes.append(("taken", shard, fence))
+        if changes:
+            self.counters["shards_taken"] += sum(1 for c in changes if c[0] == "taken")
+            self.counters["shards_given_back"] += sum(1 for c in changes if c[0] == "given_back")
+            await self._log(changes)
+
+    async def _log(self, changes: list[tuple[Change, int, int | None]]) -> None:
+        at = self._wall()
+        await self._on_change(
+            [
+                LogEntry(
+                    at=at,
+                    kind="shard",
+                    reason=change,
+                    detail={"shard": shard, "fence": fence, "manager_id": self.manager_id},
+                )
+                for change, shard, fence in changes
+            ]
+        )
+
+    def start(self) -> None:
+        """Step every third of a lease, in the background, until :meth:`stop`."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._forever(), name="shard-leases")
+
+    async def _forever(self) -> None:
+        while True:
+            await self.step()
+            await asyncio.sleep(self.lease_s / 3)
+
+    async def stop(self, *, give_back: bool = True) -> None:
+        """Stop stepping; with ``give_back`` hand every shard over at once (a clean stop)
+        instead of letting the leases lapse."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if give_back and self.keeper.held:
+            held = dict(self.keeper.held)
+            try:
+                await self._run(self.leases.leave, self.manager_id)
+            except StoreError as exc:
+                log.warning("could not give shards back", extra={"error": str(exc)})
+                return
+            for shard in held:
+                self.keeper.gave_back(shard)
+            await self._log([("given_back", shard, fence) for shard, fence in held.items()])

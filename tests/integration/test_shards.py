@@ -1,0 +1,132 @@
+"""Managers with ``shard_count`` set share the registry's shards through the real PostgreSQL
+lease table, on the real broker: an even split, every transfer in the orchestration log, a
+clean stop handing its shards over, and a clear error without a PostgreSQL ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from ledger.conftest import DEFAULT_TEST_POSTGRES_DSN, START_POSTGRES_HINT, schema_name
+
+from mesh.errors import LocalProtocolError
+from mesh.manager.journal import SqliteJournal
+from mesh.manager.service import ManagerService
+from mesh.manager.settings import ManagerSettings
+
+pytestmark = pytest.mark.integration
+
+SHARDS = 4
+LEASE_S = 1.0
+
+MakeManager = Callable[[str], ManagerSettings]
+
+
+@pytest.fixture
+def pg_dsn_and_schema(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    dsn = os.environ.get("MESH_TEST_POSTGRES_DSN", DEFAULT_TEST_POSTGRES_DSN)
+    try:
+        psycopg.connect(dsn, connect_timeout=3).close()
+    except psycopg.Error as exc:
+        pytest.fail(f"No PostgreSQL answers ({exc}); {START_POSTGRES_HINT}.", pytrace=False)
+    schema = schema_name(request.node.name)
+    try:
+        yield dsn, schema
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture
+async def started(
+    amqp_url: str, namespace: str, pg_dsn_and_schema: tuple[str, str], tmp_path: Path
+) -> AsyncIterator[Callable[[str], asyncio.Future[ManagerService]]]:
+    dsn, schema = pg_dsn_and_schema
+    services: list[ManagerService] = []
+
+    async def start(manager_id: str) -> ManagerService:
+        settings = ManagerSettings(
+            amqp_url=amqp_url,
+            namespace=namespace,
+            journal_path=tmp_path / f"{manager_id}.sqlite3",
+            manager_id=manager_id,
+            ledger_url=dsn,
+            ledger_schema=schema,
+            admission_capacity="descriptor",
+            shard_count=SHARDS,
+            shard_lease_s=LEASE_S,
+        )
+        service = ManagerService(settings)
+        services.append(service)
+        await service.start()
+        return service
+
+    yield start  # type: ignore[misc]
+    for service in reversed(services):
+        await service.stop()
+
+
+def owned(service: ManagerService) -> set[int]:
+    assert service.shards is not None
+    return set(service.shards.owned())
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> float:
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
+def shard_log(service: ManagerService) -> list[tuple[str, int]]:
+    assert service.journal is not None
+    return [
+        (e.reason, int(e.detail["shard"]))
+        for e in service.journal.query(limit=None)
+        if e.kind == "shard"
+    ]
+
+
+async def test_two_managers_split_the_shards_and_a_clean_stop_hands_them_over(
+    started: Callable[[str], asyncio.Future[ManagerService]],
+) -> None:
+    a = await started("manager-a")
+    assert owned(a) == set(range(SHARDS))  # alone, it holds everything from its start
+    b = await started("manager-b")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    assert owned(a) | owned(b) == set(range(SHARDS))
+    assert sorted(s for change, s in shard_log(a) if change == "given_back") == sorted(owned(b))
+    assert sorted(s for change, s in shard_log(b) if change == "taken") == sorted(owned(b))
+
+    handed = owned(b)
+    await b.stop()
+    # No lease to wait out: a's next step (a third of a lease) takes them.
+    took = await until(lambda: owned(a) == set(range(SHARDS)), "a takes b's shards back")
+    assert took < LEASE_S
+    reopened = SqliteJournal(b.settings.journal_path)  # b's own journal, closed with b
+    try:
+        given = [e.detail["shard"] for e in reopened.query(limit=None) if e.reason == "given_back"]
+    finally:
+        reopened.close()
+    assert set(given) >= handed
+
+
+async def test_shards_without_a_postgresql_ledger_are_a_clear_error(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    settings = ManagerSettings(
+        amqp_url=amqp_url,
+        namespace=namespace,
+        journal_path=tmp_path / "journal.sqlite3",
+        ledger_url=f"sqlite:{tmp_path / 'ledger.sqlite3'}",
+        shard_count=4,
+    )
+    with pytest.raises(LocalProtocolError, match="shards need a PostgreSQL ledger"):
+        await ManagerService(settings).start()
