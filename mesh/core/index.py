@@ -12,7 +12,8 @@ load level — the agent's in-flight count) in insertion-ordered dicts. A query:
 1. resolves the version spec to the matching groups — parsed once and cached
    per spec string, the cache dropped whenever the set of versions changes;
 2. walks the buckets in rank order (cheapest cost class, then least loaded, as
-   :mod:`mesh.core.ranking` defines it);
+   :mod:`mesh.core.ranking` defines it), copying each bucket's candidates out in
+   one slice;
 3. stops as soon as ``limit`` agents are found.
 
 Its cost grows with the number of distinct versions and load levels, not with
@@ -21,10 +22,14 @@ acquirable and has a free slot for that capability, and leaves them when it is
 full, draining or removed; every removal path prunes empty groups and names so
 no ghost is ever returned.
 
-Each slot keeps the :class:`Candidate` it last answered with and rebuilds it
-only when its in-flight count has changed: building a frozen dataclass costs
-more than the rest of a ``limit=1`` walk. Candidates are immutable snapshots, so
-handing the same one out twice is safe.
+A bucket holds each available slot's :class:`Candidate`, the answer itself, so a
+query copies buckets rather than building one object per agent. The snapshot is
+taken when the slot enters its bucket: a slot's in-flight count changes only
+together with its agent's load level, and every change of level moves the slot
+to another bucket (or puts it back into the same one), which takes a fresh
+snapshot. Each slot keeps the :class:`Candidate` it last made and rebuilds it
+only when its in-flight count has changed. Candidates are immutable, so handing
+the same one out twice is safe.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import islice
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
@@ -116,8 +122,8 @@ class VersionGroup:
     version: Version
     text: str
     members: int = 0
-    # rank (cost class, load level) -> agent_id -> Slot (dicts keep insertion order)
-    available: dict[Rank, dict[str, Slot]] = field(default_factory=dict)
+    # rank (cost class, load level) -> agent_id -> the slot's Candidate (insertion-ordered)
+    available: dict[Rank, dict[str, Candidate]] = field(default_factory=dict)
     ranks: list[Rank] = field(default_factory=list)  # the keys of ``available``, sorted
     ranks_changed: int = 0  # bumped whenever a rank appears or goes
 
@@ -128,7 +134,7 @@ class VersionGroup:
             bucket = self.available[key] = {}
             bisect.insort(self.ranks, key)
             self.ranks_changed += 1
-        bucket[slot.agent_id] = slot
+        bucket[slot.agent_id] = slot.candidate()
 
     def discard_available(self, slot: Slot, level: int) -> None:
         key = ranking.rank(slot.cost_class, level)
@@ -246,7 +252,6 @@ class CapabilityIndex:
             return []
         groups = entry.matching(spec_text)
         out: list[Candidate] = []
-        want = limit if limit is not None else -1
         # Ranks in order (kept sorted, merged across versions only when one came or went),
         # stopping as soon as ``limit`` agents are found.
         for key in entry.ranks(spec_text, groups):
@@ -254,11 +259,13 @@ class CapabilityIndex:
                 bucket = group.available.get(key)
                 if bucket is None:
                     continue
-                if want < 0:
-                    out += [slot.candidate() for slot in bucket.values()]
+                missing = -1 if limit is None else limit - len(out)
+                if missing < 0 or len(bucket) < missing:
+                    out += bucket.values()
                     continue
-                for slot in bucket.values():
-                    out.append(slot.candidate())
-                    if len(out) == want:
-                        return out
+                if missing == 1:
+                    out.append(next(iter(bucket.values())))
+                else:
+                    out += islice(bucket.values(), missing)
+                return out
         return out

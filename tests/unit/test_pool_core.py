@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
+from mesh import constants as c
 from mesh.core import (
     AgentState,
     AppendLog,
@@ -272,6 +273,36 @@ def test_load_counts_the_leases_of_every_capability_an_agent_offers(pool: Pool) 
     pool.lease("text.stats", agent_id="multi")
 
     assert pool.found() == ["single", "multi"]
+
+
+def test_a_limited_find_is_the_head_of_the_full_answer_at_every_limit(pool: Pool) -> None:
+    for n, cost_class in enumerate("ABCABCAB"):
+        pool.register(f"agent-{n}", capability(cost_class=cost_class, max_concurrency=3))
+    pool.lease(agent_id="agent-0")
+    pool.lease(agent_id="agent-3")
+    pool.lease(agent_id="agent-3")
+    everything = pool.found()
+    assert len(everything) == 8
+
+    for limit in range(1, 10):
+        assert pool.found(limit=limit) == everything[:limit]
+
+
+def test_find_reports_a_capability_s_own_load_after_work_moved_between_capabilities(
+    pool: Pool,
+) -> None:
+    pool.register(
+        "multi",
+        capability("calc.add", max_concurrency=3),
+        capability("text.stats", max_concurrency=3),
+        features=(c.FEATURE_WORK_REPORTS,),
+    )
+    pool.heartbeat("multi", pool_in_flight={"calc.add": 1})
+
+    pool.heartbeat("multi", pool_in_flight={"text.stats": 1})  # the agent's load stays 1
+
+    assert [a.in_flight for a in pool.core.find_by_capability("calc.add")] == [0]
+    assert [a.in_flight for a in pool.core.find_by_capability("text.stats")] == [1]
 
 
 def test_an_unnamed_acquire_takes_the_best_match(pool: Pool) -> None:
