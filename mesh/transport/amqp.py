@@ -23,9 +23,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
@@ -111,6 +111,19 @@ def redact(url: str) -> str:
 
 RawCallback = Callable[[bytes, str | None], None]
 """A raw consumer's callback: the body, and the ``user_id`` RabbitMQ validated (if any)."""
+
+RawBatch = list[tuple[bytes, str | None]]
+"""Raw deliveries in arrival order: (body, validated ``user_id``) pairs."""
+
+
+@runtime_checkable
+class RawBatchCallback(Protocol):
+    """A raw callback that can also take a batch: :meth:`ingest_many` gets, in one call and
+    in order, every delivery that arrived within one turn of the event loop."""
+
+    def __call__(self, body: bytes, user_id: str | None, /) -> None: ...
+
+    def ingest_many(self, bodies: RawBatch, /) -> None: ...
 
 
 async def _resubscribe(consumer: Consumer | RawConsumer) -> None:
@@ -231,7 +244,13 @@ class Consumer:
 
 
 class RawConsumer:
-    """A no-ack consumer registered on aiormq's channel under a robust aio-pika channel."""
+    """A no-ack consumer registered on aiormq's channel under a robust aio-pika channel.
+
+    With a :class:`RawBatchCallback`, deliveries are collected as they arrive (aiormq runs
+    each in a task of its own, which only appends the body) and handed over once per turn of
+    the event loop, so the callback's work runs in one tight loop per batch instead of being
+    interleaved with the client's frame handling; any other callback gets each delivery as
+    it comes."""
 
     def __init__(self, channel: AbstractRobustChannel, queue: str, callback: RawCallback) -> None:
         self.queue_name = queue
@@ -245,14 +264,34 @@ class RawConsumer:
         await _resubscribe(self)
 
     async def subscribe(self) -> None:
-        callback = self._callback
-
-        async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
-            callback(message.body, message.header.properties.user_id)
-
         underlay = await self._channel.get_underlay_channel()
-        ok = await underlay.basic_consume(self.queue_name, on_message, no_ack=True)
+        ok = await underlay.basic_consume(self.queue_name, self._on_message(), no_ack=True)
         self._tag = ok.consumer_tag
+
+    def _on_message(self) -> Callable[[aiormq.abc.DeliveredMessage], Coroutine[Any, Any, None]]:
+        callback = self._callback
+        if not isinstance(callback, RawBatchCallback):
+
+            async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
+                callback(message.body, message.header.properties.user_id)
+
+            return on_message
+
+        ingest_many = callback.ingest_many
+        call_soon = asyncio.get_running_loop().call_soon
+        pending: RawBatch = []
+
+        def flush() -> None:
+            nonlocal pending
+            batch, pending = pending, []
+            ingest_many(batch)
+
+        async def collect(message: aiormq.abc.DeliveredMessage) -> None:
+            if not pending:  # the first of this turn: hand the batch over after the others
+                call_soon(flush)
+            pending.append((message.body, message.header.properties.user_id))
+
+        return collect
 
     async def cancel(self) -> None:
         self.cancelled = True
@@ -660,8 +699,9 @@ class AmqpTransport:
 
     async def consume_raw(self, queue: str, callback: RawCallback) -> RawConsumer:
         """The cheapest path, for superseded messages (heartbeats): no acks, and only the body
-        (and the validated ``user_id``) handed to a synchronous callback. Re-subscribed
-        whenever its channel reopens."""
+        (and the validated ``user_id``) handed to a synchronous callback, or in batches to
+        its ``ingest_many`` if it is a :class:`RawBatchCallback`. Re-subscribed whenever its
+        channel reopens."""
         channel = await self._connection.channel()
         await self._queue_on(channel, queue)
         consumer = RawConsumer(channel, queue, callback)
