@@ -758,9 +758,11 @@ class AdmissionCore:
         line = self._line(batch, pool_id)
         ahead = line.ahead(request.admission_id, tenant, req.service_class, now)
         free = self._class_room(batch, pool_id, req, tenant, live)
+        joining = request.admission_id not in line
         retry_ms = self.pressure.line_retry_ms(
-            pool_id, ahead + 1, free, req.estimated_duration_s, req.deadline, now, self.rand
-        )
+            pool_id, ahead + 1, free, req.estimated_duration_s, req.deadline, now, self.rand,
+            joining=joining,
+        )  # fmt: skip
         if retry_ms is None:
             return AdmissionDecision(
                 admission_id=request.admission_id,

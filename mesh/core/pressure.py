@@ -29,9 +29,13 @@ The stage comes from two sources, and the higher one wins:
 (each change is journaled and counted). The stage rises to what the state calls for, straight
 there; it steps down only once the *lowered* thresholds (``threshold - hysteresis``) have
 called for a lower stage for ``min_dwell_s`` without a break; and it changes at most once per
-``min_dwell_s`` — except into ``REJECT_INTERACTIVE`` for a broker alarm, at once. While held
-high, the stage keeps refusing the classes it sheds; the per-class limits above refuse on
-the way up before the stage has caught up, so holding still never admits more.
+``min_dwell_s`` — except into ``REJECT_INTERACTIVE`` for a broker alarm, at once. What the
+gate refuses does not hold still: a stage entered for utilisation sheds nothing by itself —
+each class is refused at its exact limit, so a slot below batch's limit is batch's the moment
+it is free, however high a jittery load last pushed the stage (a held stage refusing it would
+leave that slot idle: at steady full load batch work was never admitted). A stage entered on
+a signal (queue age, broker alarm) sheds its classes for as long as it is held: the signal
+says the counters are not the whole truth.
 
 Which work is which (``shed_rank``): speculative tasks and low-priority batch fan-out go first
 (rank 0), then batch (rank 1), then interactive (rank 2).
@@ -128,7 +132,15 @@ class PressurePolicy:
     line: bool = True
     line_grace_s: float = 2.0
     line_max: int = 10_000  # waiting requests per pool; beyond, deferred without a place
-    line_jitter: float = 0.1  # a placed request's retry time spreads less: it has a turn
+    # A placed request comes back up to this share of one drain interval (capacity / service
+    # time) before its turn, never after: its place already spreads the returns, and a slot
+    # kept for a waiter that comes late stands idle, while one that comes early only asks again.
+    line_jitter: float = 0.5
+    # A newcomer gets a place only if its predicted finish, plus this share of the time until
+    # then, is still before its deadline; once placed, only the predicted finish must be. A
+    # place is a promise: kept loosely, given strictly, so a prediction that slips still ends
+    # in time instead of in a refusal at the turn (a missed deadline the producer waited for).
+    line_join_slack: float = 0.5
 
 
 def shed_rank(service_class: str, priority: int, policy: PressurePolicy) -> int:
@@ -227,6 +239,7 @@ class PoolPressure:
     blocked: bool = False
     stage: Stage = Stage.NORMAL
     since: float = 0.0  # when ``stage`` was entered (0: never changed)
+    source: str = "utilisation"  # what called for ``stage``: utilisation, queue age, blocked
     lower_since: float | None = None  # since when a lower stage has been called for
     service_s: deque[float] = field(default_factory=deque)
     service_sum: float = 0.0
@@ -436,7 +449,7 @@ class PressureBoard:
         stops_at = _RANK_STOPS_AT[rank]
         stage = p.stage
         limit = p.limit(stops_at, self.policy)
-        if stage >= stops_at or (rank < 2 and p.used + 1 > limit):
+        if self._signalled(p) >= stops_at or (rank < 2 and p.used + 1 > limit):
             what = ("speculative and low-priority work", "batch work", "new interactive work")
             return Shed(
                 "SHED",
@@ -444,8 +457,9 @@ class PressureBoard:
                 f"{what[rank]} is shed",
                 slots_to_free=p.used + 1 - limit,
             )
-        unfair = self._over_share(pool_id, p, tenant, stage, now) or self._run_over_share(
-            pool_id, p, run, stage, now
+        signalled = self._signalled(p)
+        unfair = self._over_share(pool_id, p, tenant, signalled, now) or self._run_over_share(
+            pool_id, p, run, signalled, now
         )
         if unfair is not None:
             return unfair
@@ -507,7 +521,7 @@ class PressureBoard:
             return None
         p = self.pool(pool_id)
         stops_at = _RANK_STOPS_AT[rank]
-        if p.stage >= stops_at:
+        if self._signalled(p) >= stops_at:
             return 0
         return max(0, p.limit(stops_at, self.policy) - p.used)
 
@@ -520,27 +534,31 @@ class PressureBoard:
         deadline: float | None,
         now: float,
         rand: Callable[[], float],
+        *,
+        joining: bool = False,
     ) -> int | None:
         """When a request at ``position`` in the pool's line (``free`` slots free now) should
         come back: once the ``position - free`` grants before its turn have ended at the
-        pool's drain rate; ``None`` when the deadline would pass first."""
+        pool's drain rate; ``None`` when the deadline would pass first — for a request
+        ``joining`` the line, with ``line_join_slack`` of the wait to spare."""
         policy = self.policy
         p = self.pool(pool_id)
         service_s = self._service_s(p, estimated_duration_s)
         if p.capacity <= 0 or service_s <= 0:
-            wait_ms = float(policy.retry_default_ms)
+            interval_ms = wait_ms = float(policy.retry_default_ms)
         else:
-            drain_rate = p.capacity / service_s  # grants ending per second when busy
-            wait_ms = 1000.0 * max(1, position - free) / drain_rate
+            interval_ms = 1000.0 * service_s / p.capacity  # between grants ending, when busy
+            wait_ms = interval_ms * max(1, position - free)
         wait_ms = min(max(wait_ms, policy.retry_min_ms), policy.retry_max_ms)
-        spread = wait_ms * (1.0 + policy.line_jitter * (2.0 * rand() - 1.0))
+        spread = wait_ms - policy.line_jitter * interval_ms * rand()
         retry_ms = int(min(max(spread, policy.retry_min_ms), policy.retry_max_ms))
         if deadline is not None:
             # What the gate will predict when it comes back (queue wait and service), and a
             # slack for coming back a little late: better told now than refused at its turn.
             back = now + retry_ms / 1000.0
             finish = back + self._queue_wait_s(p) + service_s
-            if finish + 0.05 + 0.1 * (finish - now) > deadline:
+            slack = policy.line_join_slack if joining else 0.1
+            if finish + 0.05 + slack * (finish - now) > deadline:
                 return None
         return retry_ms
 
@@ -606,6 +624,12 @@ class PressureBoard:
 
     # ---- internals -----------------------------------------------------------------------
     @staticmethod
+    def _signalled(p: PoolPressure) -> Stage:
+        """The stage the gate sheds by as a whole: the pool's, when a signal called for it;
+        for utilisation, none (each class is refused at its exact limit instead)."""
+        return p.stage if p.source != "utilisation" else Stage.NORMAL
+
+    @staticmethod
     def _service_s(p: PoolPressure, estimate_s: float) -> float:
         measured = p.mean_service_s()
         return measured if measured is not None else estimate_s
@@ -670,7 +694,7 @@ class PressureBoard:
             p.lower_since = None
             if source != "blocked" and now - p.since < policy.min_dwell_s:
                 return  # rose just now: the per-class limits already refuse what they must
-            self._change(pool_id, p, up, now, self._cause(p, source))
+            self._change(pool_id, p, up, now, self._cause(p, source), source)
             return
         lowered = tuple(max(0.0, t - policy.hysteresis) for t in policy.thresholds)
         down, source = self._stage_of(p, lowered)  # type: ignore[arg-type]
@@ -681,11 +705,13 @@ class PressureBoard:
             p.lower_since = now
         if now - p.lower_since < policy.min_dwell_s or now - p.since < policy.min_dwell_s:
             return
-        self._change(pool_id, p, down, now, self._cause(p, source))
+        self._change(pool_id, p, down, now, self._cause(p, source), source)
 
-    def _change(self, pool_id: str, p: PoolPressure, stage: Stage, now: float, cause: str) -> None:
+    def _change(
+        self, pool_id: str, p: PoolPressure, stage: Stage, now: float, cause: str, source: str
+    ) -> None:
         self.changes.append(StageChange(pool_id, p.stage, stage, now, cause))
-        p.stage, p.since, p.lower_since = stage, now, None
+        p.stage, p.since, p.lower_since, p.source = stage, now, None, source
 
     def drain_changes(self) -> list[StageChange]:
         changes, self.changes = self.changes, []

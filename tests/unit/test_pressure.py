@@ -340,16 +340,33 @@ def test_a_stage_steps_down_only_after_a_dwell_below_the_lowered_threshold() -> 
     ]
 
 
-def test_held_high_the_stage_still_sheds_and_rising_the_limits_shed_before_it() -> None:
+def test_a_stage_held_high_for_utilisation_sheds_only_at_the_exact_limits() -> None:
+    """Held high by the dwell, a stage entered for utilisation refuses nothing itself: a slot
+    below a class's limit is that class's as soon as it is free (else a jittery load near a
+    limit would keep it idle); rising, the exact limits refuse before the stage catches up."""
     b = board(min_dwell_s=2.0)
     b.observe_usage({"p": (14, CAPACITY)}, T0)  # SHED_SPECULATIVE
     b.observe_usage({"p": (13, CAPACITY)}, T0 + 1)  # held (not below 12)
-    assert ask(b, "speculative", now=T0 + 1) is not None  # the held stage sheds it
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    assert ask(b, "speculative", now=T0 + 1) is None  # 14/20 with it: within its limit
+    b.observe_usage({"p": (14, CAPACITY)}, T0 + 1.2)
+    assert ask(b, "speculative", now=T0 + 1.2) is not None  # 15/20 with it: over
     b.observe_usage({"p": (17, CAPACITY)}, T0 + 1.5)  # PAUSE_BATCH called for, within the dwell
     assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
     assert ask(b, "batch", now=T0 + 1.5) is not None  # its exact limit refuses it regardless
     b.observe_usage({"p": (17, CAPACITY)}, T0 + 2)
     assert b.pools["p"].stage is Stage.PAUSE_BATCH
+
+
+def test_a_stage_held_high_for_a_signal_sheds_its_classes_while_held() -> None:
+    b = board(queue_age_s=5.0, min_dwell_s=2.0)
+    fill(b, 10)  # 10/20: below every limit
+    b.observe_queue("p", depth=3, oldest_age_s=6.0, now=T0 + 3)  # not draining: one stage up
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    b.observe_queue("p", depth=0, oldest_age_s=0.0, now=T0 + 3.5)  # drained, within the dwell
+    assert b.pools["p"].stage is Stage.SHED_SPECULATIVE
+    assert ask(b, "speculative", now=T0 + 3.5) is not None  # the signal's stage still sheds
+    assert ask(b, "batch", now=T0 + 3.5) is None
 
 
 def test_a_broker_alarm_rejects_interactive_work_at_once_despite_the_dwell() -> None:
