@@ -374,3 +374,36 @@ def test_a_broker_alarm_rejects_interactive_work_at_once_despite_the_dwell() -> 
     b.observe_usage({"p": (14, CAPACITY)}, T0)
     b.observe_broker(True, T0 + 0.1)
     assert b.pools["p"].stage is Stage.REJECT_INTERACTIVE
+
+
+# ---- the line's retry times -----------------------------------------------------------------
+def measured(b: PressureBoard, hold_s: float) -> None:
+    """Give the board a measured service time: a grant held ``hold_s`` and released."""
+    b.granted("sample", "p", "t1", T0)
+    b.ended("sample", T0 + hold_s, completed=True)
+
+
+def test_a_newcomer_joins_the_line_only_with_slack_to_its_deadline() -> None:
+    """20 slots, 1 s a task: one grant ends every 50 ms. Place 20 comes back in ~1 s and
+    finishes ~2 s from now; with a 2.3 s deadline a waiter already in line keeps its place,
+    a newcomer is refused at once (half the time until its finish to spare: 3 s > 2.3)."""
+    b = board()
+    measured(b, 1.0)
+    for joining, expected in ((False, True), (True, False)):
+        retry = b.line_retry_ms("p", 20, 0, 1.0, T0 + 2 + 2.3, T0 + 2, lambda: 0.5, joining=joining)
+        assert (retry is not None) is expected
+    # With room to spare both are placed.
+    assert b.line_retry_ms("p", 20, 0, 1.0, T0 + 2 + 4, T0 + 2, random.random, joining=True)
+
+
+def test_a_place_in_line_comes_back_before_its_turn_never_after() -> None:
+    b = board()
+    measured(b, 1.0)  # a grant ends every 50 ms
+    rng = random.Random(3)
+    retries = [b.line_retry_ms("p", 11, 1, 1.0, None, T0 + 2, rng.random) for _ in range(500)]
+    turn_ms = 10 * 50.0  # ten grants end before its turn
+    assert all(r is not None and turn_ms - 25 <= r <= turn_ms for r in retries), (
+        min(r or 0 for r in retries),
+        max(r or 0 for r in retries),
+    )
+    assert len(set(retries)) > 10  # spread over half a drain interval, not all at once
