@@ -140,7 +140,8 @@ class PressurePolicy:
     # then, is still before its deadline; once placed, only the predicted finish must be. A
     # place is a promise: kept loosely, given strictly, so a prediction that slips still ends
     # in time instead of in a refusal at the turn (a missed deadline the producer waited for).
-    line_join_slack: float = 0.5
+    line_join_slack: float = 1.0
+    line_retry_min_ms: int = 10  # the head of the line may ask again this soon: its slot waits
 
 
 def shed_rank(service_class: str, priority: int, policy: PressurePolicy) -> int:
@@ -549,9 +550,10 @@ class PressureBoard:
         else:
             interval_ms = 1000.0 * service_s / p.capacity  # between grants ending, when busy
             wait_ms = interval_ms * max(1, position - free)
-        wait_ms = min(max(wait_ms, policy.retry_min_ms), policy.retry_max_ms)
+        floor = policy.line_retry_min_ms
+        wait_ms = min(max(wait_ms, floor), policy.retry_max_ms)
         spread = wait_ms - policy.line_jitter * interval_ms * rand()
-        retry_ms = int(min(max(spread, policy.retry_min_ms), policy.retry_max_ms))
+        retry_ms = int(min(max(spread, floor), policy.retry_max_ms))
         if deadline is not None:
             # What the gate will predict when it comes back (queue wait and service), and a
             # slack for coming back a little late: better told now than refused at its turn.
