@@ -46,6 +46,7 @@ def render_status(reply: StatusReply) -> str:
             f"{c.name:<24} {c.agents:>9,} {c.taking_work:>11,} {c.in_flight:>10,} {c.capacity:>9,}"
             for c in reply.capability_loads
         ]
+    lines += _shard_rows(reply)
     lines += _agent_rows(reply, total)
     lines += _pool_capacity_rows(reply)
     counters = " ".join(f"{k}={v}" for k, v in reply.counters.items())
@@ -61,6 +62,22 @@ def _pools_by_state(reply: StatusReply) -> dict[str, dict[str, int]]:
         states = by_pool.setdefault(agent.deployment, {})
         states[agent.state] = states.get(agent.state, 0) + 1
     return by_pool
+
+
+def _shard_rows(reply: StatusReply) -> list[str]:
+    """Several managers: which manager holds which shard (a line per manager)."""
+    if reply.shard_count is None:
+        return []
+    by_owner: dict[str, list[int]] = {}
+    for row in reply.shards or []:
+        by_owner.setdefault(row.owner, []).append(row.shard)
+    held = sum(len(shards) for shards in by_owner.values())
+    lines = ["", f"shards: {held} of {reply.shard_count} held"]
+    for owner, shards in sorted(by_owner.items()):
+        lines.append(f"  {owner:<22} {len(shards):>4}  {', '.join(map(str, sorted(shards)))}")
+    if held < reply.shard_count:
+        lines.append("  (a shard nobody holds is waiting for a manager to take it)")
+    return lines
 
 
 def _agent_rows(reply: StatusReply, total: int) -> list[str]:

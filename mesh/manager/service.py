@@ -590,12 +590,15 @@ class ManagerService:
         now = self.clock.now()
         counters = Counter(self.core.counters)
         counters.update(self.counters)
-        common = {
+        common: dict[str, Any] = {
             "manager_id": self.settings.manager_id,
             "uptime_s": now.mono - self._started_at,
             "counters": dict(sorted(counters.items())),
             "pools": self.admission.pool_capacities(now),
         }
+        if self.shards is not None:
+            common["shard_count"] = self.shards.leases.shard_count
+            common["shards"] = self.shards.owners()
         if request is None or request.agents_limit is None:
             return StatusReply(agents=self.core.status(now), **common)
         tally = self.core.tally

@@ -28,6 +28,7 @@ from mesh.core.events import LogEntry
 from mesh.core.shards import ShardKeeper
 from mesh.errors import StoreError
 from mesh.ledger.shard_leases import ShardLeases, ShardView
+from mesh.wire.models import ShardOwner
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,20 @@ class ShardOwnership:
     def owned(self) -> dict[int, int]:
         """The shards this manager holds now, with their fences."""
         return dict(self.keeper.held)
+
+    def owners(self) -> list[ShardOwner]:
+        """Every held shard's holder as last read, this manager's own holdings as it knows
+        them now (``mesh status``, the status page)."""
+        seen = {} if self.last_view is None else dict(self.last_view.leases)
+        for shard in [s for s, lease in seen.items() if lease.owner == self.manager_id]:
+            del seen[shard]  # its own: as held now, not as read a step ago
+        rows = [
+            ShardOwner(shard=s, owner=lease.owner, fence=lease.fence) for s, lease in seen.items()
+        ]
+        rows += [
+            ShardOwner(shard=s, owner=self.manager_id, fence=f) for s, f in self.keeper.held.items()
+        ]
+        return sorted(rows, key=lambda row: row.shard)
 
     async def step(self) -> None:
         """Renew, then rebalance (module doc). A database error is logged and counted; the

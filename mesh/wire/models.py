@@ -656,15 +656,34 @@ class CapabilityLoadStatus(WireModel):
     capacity: int = Field(description="Their concurrency.")
 
 
+class ShardOwner(WireModel):
+    """Who holds one shard of the registry (several managers), and under which fence."""
+
+    shard: int = Field(ge=0)
+    owner: str
+    fence: int = Field(ge=1)
+
+
 class StatusReply(Message):
     """Manager -> client: the fleet summarised (``agents_total``, ``pool_states``,
     ``capability_loads``), one page of agent rows from ``agents_offset``, the manager's
     counters, and what each described pool can grant. The summary fields are set only in
     reply to a request that asked for a page (``agents_limit``); to an older client's
-    request ``agents`` holds every agent and they are left out."""
+    request ``agents`` holds every agent and they are left out. With shards
+    (``shard_count``), ``shards`` lists the live holder of each held shard as this manager
+    last read the lease table."""
 
     TYPE = "mesh.status-reply.v1"
-    ADDED_FIELDS = frozenset({"agents_total", "agents_offset", "pool_states", "capability_loads"})
+    ADDED_FIELDS = frozenset(
+        {
+            "agents_total",
+            "agents_offset",
+            "pool_states",
+            "capability_loads",
+            "shard_count",
+            "shards",
+        }
+    )
     type: Literal["mesh.status-reply.v1"] = "mesh.status-reply.v1"
     manager_id: str
     uptime_s: float
@@ -675,6 +694,8 @@ class StatusReply(Message):
     agents_offset: int | None = None
     pool_states: list[PoolStates] | None = None
     capability_loads: list[CapabilityLoadStatus] | None = None
+    shard_count: int | None = Field(default=None, ge=1)
+    shards: list[ShardOwner] | None = None
 
 
 CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (

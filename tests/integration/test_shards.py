@@ -18,6 +18,8 @@ from mesh.errors import LocalProtocolError
 from mesh.manager.journal import SqliteJournal
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
+from mesh.render import render_status
+from mesh.wire.models import StatusRequest
 
 pytestmark = pytest.mark.integration
 
@@ -104,6 +106,18 @@ async def test_two_managers_split_the_shards_and_a_clean_stop_hands_them_over(
     assert owned(a) | owned(b) == set(range(SHARDS))
     assert sorted(s for change, s in shard_log(a) if change == "given_back") == sorted(owned(b))
     assert sorted(s for change, s in shard_log(b) if change == "taken") == sorted(owned(b))
+
+    assert a.shards is not None
+    await a.shards.step()  # a fresh read of the table for the status below
+    reply = a.status(StatusRequest(agents_limit=10))
+    assert reply.shard_count == SHARDS
+    assert {(row.shard, row.owner) for row in reply.shards or []} == {
+        *((s, "manager-a") for s in owned(a)),
+        *((s, "manager-b") for s in owned(b)),
+    }
+    shown = render_status(reply)
+    assert f"shards: {SHARDS} of {SHARDS} held" in shown
+    assert "manager-b" in shown
 
     handed = owned(b)
     await b.stop()
