@@ -29,17 +29,34 @@ lock, so managers starting together do not trip over each other's DDL.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import sys
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Final, TypeVar
 
+import orjson
 import psycopg
 from psycopg import errors as pg_errors
 
-from mesh.errors import LocalProtocolError, StoreError
-from mesh.ledger.store import Db, SqlLedger, Tables
+from mesh.errors import LocalProtocolError, StaleView, StoreError
+from mesh.ledger.model import (
+    TRANSITIONS,
+    Activate,
+    DecisionRow,
+    LedgerEvent,
+    LedgerOp,
+    LedgerView,
+    Refused,
+    Release,
+    Reservation,
+    SetCapacity,
+)
+from mesh.ledger.store import _HOLDING, Db, SqlLedger, Tables, _gather, _Plan
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +65,9 @@ T = TypeVar("T")
 DEFAULT_SCHEMA: Final = "mesh_ledger"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)
+# Raised by the ledger's own functions (a class of SQLSTATE no PostgreSQL error uses):
+_STALE_SQLSTATE: Final = "ML001"  # a batch's view no longer holds: StaleView
+_SHORT_SQLSTATE: Final = "ML002"  # a counter holds less than is given back: StoreError
 
 
 def _ddl(s: str) -> list[str]:
@@ -110,6 +130,137 @@ def _ddl(s: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS "{s}".ledger_eligibility (
             ref  TEXT PRIMARY KEY,
             body TEXT NOT NULL)""",
+        *_functions(s),
+    ]
+
+
+# What a reservation row looks like when a function returns it: _RES_COLUMNS as a JSON array,
+# with the items of a row written before the ``items`` column read from ledger_item.
+def _row_json(s: str, r: str) -> str:
+    return (
+        f"jsonb_build_array({r}.admission_id, {r}.digest, {r}.pool_id, {r}.state, {r}.fence,"
+        f" {r}.expires_at, {r}.created_at, {r}.updated_at, coalesce({r}.items,"
+        f" (SELECT coalesce(jsonb_agg(jsonb_build_array(i.pool_id, i.resource, i.amount)"
+        f" ORDER BY i.pool_id, i.resource), '[]')::text FROM \"{s}\".ledger_item i"
+        f" WHERE i.admission_id = {r}.admission_id)), {r}.epoch)"
+    )
+
+
+def _functions(s: str) -> list[str]:
+    """The server-side half of the hot paths, so that each is one statement (one round trip):
+    a decided batch's writes, a release, the expiry sweep. Created with CREATE OR REPLACE on
+    every open, so a schema of an earlier version gains them (and their newest body) the first
+    time a manager of this version opens it; nothing else in the schema changes."""
+    stale, short = _STALE_SQLSTATE, _SHORT_SQLSTATE
+    released, expired = LedgerEvent.RELEASED, LedgerEvent.EXPIRED
+    return [
+        # Give back items ([[pool, resource, amount], ...]) in the one global order: the
+        # (pool_id, resource) order of Python's sorted(), which is byte order, COLLATE "C".
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_give_back(p_items jsonb) RETURNS void
+            LANGUAGE plpgsql AS $$
+            DECLARE g record;
+            BEGIN
+              FOR g IN SELECT e->>0 AS pool, e->>1 AS res, sum((e->>2)::bigint) AS n
+                         FROM jsonb_array_elements(p_items) AS t(e)
+                        GROUP BY 1, 2 ORDER BY (e->>0) COLLATE "C", (e->>1) COLLATE "C" LOOP
+                UPDATE "{s}".ledger_capacity SET used = used - g.n
+                 WHERE pool_id = g.pool AND resource = g.res AND used >= g.n;
+                IF NOT FOUND THEN
+                  RAISE EXCEPTION USING ERRCODE = '{short}',
+                    MESSAGE = format('counter %s/%s holds less than %s', g.pool, g.res, g.n);
+                END IF;
+              END LOOP;
+            END $$""",
+        # A decided batch's fresh rows (SqlLedger._flush_plan, as one call): capacities set,
+        # counters taken by conditional increments in the given (global) order, reservations,
+        # log, snapshots, decisions. A counter that moved, or a decision recorded meanwhile
+        # for another digest, raises {stale}: the statement, hence the batch, keeps nothing.
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_apply(p jsonb) RETURNS void
+            LANGUAGE plpgsql AS $$
+            DECLARE x jsonb; kept bigint;
+            BEGIN
+              FOR x IN SELECT e FROM jsonb_array_elements(p->'caps') WITH ORDINALITY AS t(e, n)
+                        ORDER BY n LOOP
+                INSERT INTO "{s}".ledger_capacity (pool_id, resource, capacity, used)
+                VALUES (x->>0, x->>1, (x->>2)::bigint, 0)
+                ON CONFLICT (pool_id, resource) DO UPDATE SET capacity = excluded.capacity;
+              END LOOP;
+              FOR x IN SELECT e FROM jsonb_array_elements(p->'takes') WITH ORDINALITY AS t(e, n)
+                        ORDER BY n LOOP
+                UPDATE "{s}".ledger_capacity SET used = used + (x->>2)::bigint
+                 WHERE pool_id = x->>0 AND resource = x->>1
+                   AND used + (x->>2)::bigint <= capacity;
+                IF NOT FOUND THEN
+                  RAISE EXCEPTION USING ERRCODE = '{stale}', MESSAGE = 'a counter changed'
+                    ' under a batch (another writer); decide its calls again one by one';
+                END IF;
+              END LOOP;
+              INSERT INTO "{s}".ledger_reservation (admission_id, digest, pool_id, state, fence,
+                  expires_at, created_at, updated_at, items, epoch)
+              SELECT e->>0, e->>1, e->>2, e->>3, (e->>4)::bigint, (e->>5)::float8,
+                     (e->>6)::float8, (e->>7)::float8, e->>8, (e->>9)::bigint
+                FROM jsonb_array_elements(p->'res') WITH ORDINALITY AS t(e, n) ORDER BY n;
+              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
+              SELECT (e->>0)::float8, e->>1, e->>2, e->>3, (e->>4)::bigint
+                FROM jsonb_array_elements(p->'log') WITH ORDINALITY AS t(e, n) ORDER BY n;
+              INSERT INTO "{s}".ledger_eligibility (ref, body)
+              SELECT e->>0, e->>1
+                FROM jsonb_array_elements(p->'snaps') WITH ORDINALITY AS t(e, n) ORDER BY n
+              ON CONFLICT (ref) DO NOTHING;
+              INSERT INTO "{s}".ledger_decision AS d
+                  (admission_id, digest, outcome, decided_at, record)
+              SELECT e->>0, e->>1, e->>2, (e->>3)::float8, e->>4
+                FROM jsonb_array_elements(p->'decs') WITH ORDINALITY AS t(e, n) ORDER BY n
+              ON CONFLICT (admission_id) DO UPDATE SET outcome = excluded.outcome,
+                  decided_at = excluded.decided_at, record = excluded.record
+               WHERE d.digest = excluded.digest;
+              GET DIAGNOSTICS kept = ROW_COUNT;
+              IF kept <> jsonb_array_length(p->'decs') THEN
+                RAISE EXCEPTION USING ERRCODE = '{stale}', MESSAGE = 'a decision of this batch'
+                  ' was recorded meanwhile for another digest (another manager); decide its'
+                  ' calls again one by one';
+              END IF;
+            END $$""",
+        # SqlLedger._release as one call: the row (JSON) if released, NULL if nothing matched.
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release(p_id text, p_fence bigint,
+                p_at float8) RETURNS text
+            LANGUAGE plpgsql AS $$
+            DECLARE v_row jsonb;
+            BEGIN
+              UPDATE "{s}".ledger_reservation AS r SET state = 'RELEASED', updated_at = p_at
+               WHERE r.admission_id = p_id AND r.fence = p_fence AND r.state IN {_HOLDING}
+              RETURNING {_row_json(s, "r")} INTO v_row;
+              IF NOT FOUND THEN RETURN NULL; END IF;
+              PERFORM "{s}".ledger_give_back((v_row->>8)::jsonb);
+              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
+              VALUES (p_at, p_id, '{released}', '{TRANSITIONS[released].target}', p_fence);
+              RETURN v_row::text;
+            END $$""",
+        # SqlLedger._expire_due as one call: the expired rows (a JSON array), each under a
+        # new fence; due rows another transaction holds are skipped (it deals with them).
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_expire(p_at float8) RETURNS text
+            LANGUAGE plpgsql AS $$
+            DECLARE v_id text; v_row jsonb; v_rows jsonb[] := '{{}}'; v_items jsonb := '[]';
+            BEGIN
+              FOR v_id IN SELECT admission_id FROM "{s}".ledger_reservation
+                           WHERE state IN {_HOLDING} AND expires_at <= p_at
+                           ORDER BY admission_id FOR UPDATE SKIP LOCKED LOOP
+                UPDATE "{s}".ledger_reservation AS r
+                   SET state = 'EXPIRED', fence = nextval('"{s}".ledger_fence'),
+                       updated_at = p_at
+                 WHERE r.admission_id = v_id AND r.state IN {_HOLDING} AND r.expires_at <= p_at
+                RETURNING {_row_json(s, "r")} INTO v_row;
+                IF FOUND THEN
+                  v_rows := array_append(v_rows, v_row);
+                  v_items := v_items || (v_row->>8)::jsonb;
+                END IF;
+              END LOOP;
+              PERFORM "{s}".ledger_give_back(v_items);
+              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
+              SELECT p_at, e->>0, '{expired}', '{TRANSITIONS[expired].target}', (e->>4)::bigint
+                FROM unnest(v_rows) AS t(e) ORDER BY (e->>4)::bigint;
+              RETURN to_jsonb(v_rows)::text;
+            END $$""",
     ]
 
 
@@ -171,6 +322,23 @@ class PostgresLedger(SqlLedger):
         self._fence_sql = f"SELECT nextval('\"{schema}\".ledger_fence')"
         self._fences_sql = f"SELECT nextval('\"{schema}\".ledger_fence') FROM generate_series(1, ?)"
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._lazy: _LazyBatch | None = None  # while an unplanned batch runs
+        q = f'"{schema}"'
+        self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
+        self._release_sql = f"SELECT {q}.ledger_release(?, ?, ?)"
+        self._expire_sql = f"SELECT {q}.ledger_expire(?)"
+        self._view_sql = (  # LedgerView as one JSON array: [counters, reservations, ...]
+            "SELECT jsonb_build_array("
+            f"(SELECT coalesce(jsonb_agg(jsonb_build_array(pool_id, resource, used, capacity)),"
+            f" '[]') FROM {q}.ledger_capacity),"
+            f" (SELECT coalesce(jsonb_agg({_row_json(schema, 'v')}), '[]')"
+            f" FROM {q}.ledger_reservation v WHERE v.admission_id = ANY(?::text[])),"
+            " (SELECT coalesce(jsonb_agg(jsonb_build_array(admission_id, digest, outcome,"
+            f" decided_at, record)), '[]') FROM {q}.ledger_decision"
+            " WHERE admission_id = ANY(?::text[])),"
+            f" (SELECT coalesce(jsonb_agg(nextval('{q}.ledger_fence')), '[]')"
+            " FROM generate_series(1, ?)))::text"
+        )
         with self._lock:
             self._transaction(self._create_schema, write=True)
 
@@ -196,16 +364,188 @@ class PostgresLedger(SqlLedger):
                 with conn.transaction(), conn.cursor() as cur:
                     return work(_PgDb(cur))
             except _RETRYABLE as exc:
-                if attempt == attempts:
-                    raise StoreError(
-                        f"ledger transaction failed {attempt} times in schema {self.schema}: {exc}"
-                    ) from exc
-                log.info("retrying a ledger transaction: %s", exc, extra={"attempt": attempt})
+                self._failed(exc, attempt, attempts)
             except psycopg.Error as exc:
-                raise StoreError(
-                    f"ledger transaction failed in schema {self.schema}: {exc}"
-                ) from exc
+                raise self._error(exc) from exc
         raise AssertionError("unreachable")
+
+    def _one_statement(self, sql: str, params: Sequence[object], *, retry: bool = True) -> Any:
+        """Run one statement as a transaction of its own (autocommit: one round trip, no
+        BEGIN or COMMIT; PostgreSQL runs a lone statement atomically) and return the first
+        column of its one row. The caller holds ``self._lock``."""
+        attempts = self._max_attempts if retry else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                row = self._connection().execute(_pyformat(sql), params).fetchone()
+            except _RETRYABLE as exc:
+                self._failed(exc, attempt, attempts)
+            except psycopg.Error as exc:
+                raise self._error(exc) from exc
+            else:
+                return None if row is None else row[0]
+        raise AssertionError("unreachable")
+
+    def _failed(self, exc: psycopg.Error, attempt: int, attempts: int) -> None:
+        """A deadlock or serialization failure: raise if that was the last attempt."""
+        if attempt == attempts:
+            raise StoreError(
+                f"ledger transaction failed {attempt} times in schema {self.schema}: {exc}"
+            ) from exc
+        log.info("retrying a ledger transaction: %s", exc, extra={"attempt": attempt})
+
+    def _error(self, exc: psycopg.Error) -> StoreError:
+        if exc.sqlstate == _STALE_SQLSTATE:
+            return StaleView(exc.diag.message_primary or str(exc))
+        return StoreError(f"ledger transaction failed in schema {self.schema}: {exc}")
+
+    # ---- the hot paths in one round trip each ----------------------------------------------
+    # A batch without a plan (the admitter's: read the view, decide, apply) starts no
+    # transaction of its own until a call needs one. Its view is read by one statement on its
+    # own: under READ COMMITTED every statement of a transaction reads a fresh snapshot, and
+    # a transaction that has written nothing holds no lock, so that read sees exactly what it
+    # would have seen inside. Its writes, when they are one ``apply`` of fresh rows, wait for
+    # the end of the batch and go as one statement, which commits them (atomically) in the
+    # same round trip. So a batch of decisions costs two round trips: the view it is decided
+    # from, and everything it writes. Any other call inside the batch begins the transaction
+    # (BEGIN, then the writes waiting, then the call), as before; a failure rolls back all of
+    # it. The errors of a waiting ``apply`` (StaleView, StoreError) are raised by ``batch``.
+    def batch(self, work: Callable[[], T], *, plan: Sequence[str] = ()) -> T:
+        if self._in_a_batch():
+            return work()  # already inside this thread's batch
+        if plan:
+            return super().batch(work, plan=plan)
+        with self._lock:
+            lazy = self._lazy = _LazyBatch(threading.get_ident())
+            try:
+                result = work()
+                if lazy.transaction is not None:
+                    lazy.transaction.close()  # COMMIT
+                elif lazy.deferred is not None:
+                    self._one_statement(self._apply_sql, (lazy.deferred,), retry=False)
+                return result
+            except BaseException:
+                if lazy.transaction is not None:
+                    with contextlib.suppress(psycopg.Error):  # the connection may be gone
+                        lazy.transaction.__exit__(*sys.exc_info())  # ROLLBACK
+                raise
+            finally:
+                self._lazy = None
+                self._batch_db = self._batch_thread = None
+
+    def _open_batch(self) -> Db | None:
+        lazy = self._lazy
+        if lazy is None or lazy.thread != threading.get_ident():
+            return super()._open_batch()
+        if lazy.transaction is None:  # the batch's first call that needs its transaction
+            stack = contextlib.ExitStack()
+            try:
+                conn = self._connection()
+                stack.enter_context(conn.transaction())
+                db = _PgDb(stack.enter_context(conn.cursor()))
+                lazy.transaction = stack
+                self._batch_db, self._batch_thread = db, lazy.thread
+                if lazy.deferred is not None:
+                    payload, lazy.deferred = lazy.deferred, None
+                    db.execute(self._apply_sql, (payload,))
+            except psycopg.Error as exc:
+                raise self._error(exc) from exc
+        return self._batch_db
+
+    def _in_a_batch(self) -> bool:
+        """Whether this thread runs a batch (begun or not)."""
+        lazy = self._lazy
+        if lazy is not None and lazy.thread == threading.get_ident():
+            return True
+        return super()._open_batch() is not None
+
+    def _not_begun(self) -> _LazyBatch | None:
+        """This thread's batch, if it has neither begun its transaction nor writes waiting."""
+        lazy = self._lazy
+        if lazy is None or lazy.thread != threading.get_ident():
+            return None
+        return lazy if lazy.transaction is None and lazy.deferred is None else None
+
+    def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
+        ids = list(dict.fromkeys(admission_ids))
+        params = (ids, ids, fences)
+        if self._not_begun() is not None:
+            view = self._one_statement(self._view_sql, params, retry=False)
+        elif (db := self._open_batch()) is not None:
+            self._settle_plan(db, forget=fences > 0)
+            view = self._in_batch(db, self._view_sql, params)
+        else:
+            with self._lock:
+                view = self._one_statement(self._view_sql, params)
+        counters, reservations, decisions, drawn = orjson.loads(view)
+        return LedgerView(
+            counters={(str(p), str(r)): (int(u), int(c)) for p, r, u, c in counters},
+            reservations={r.admission_id: r for r in self._with_items(None, reservations)},
+            decisions={
+                str(a): DecisionRow(str(a), str(d), str(o), float(at), str(rec))
+                for a, d, o, at, rec in decisions
+            },
+            fences=tuple(sorted(int(f) for f in drawn)),
+        )
+
+    def apply(self, ops: Sequence[LedgerOp]) -> None:
+        if not ops:
+            return
+        if any(isinstance(op, Release | Activate) for op in ops):
+            super().apply(ops)  # each in its place, as SqlLedger does (an eviction's batch)
+            return
+        payload = _apply_payload(ops)
+        lazy = self._not_begun()
+        if lazy is not None:
+            lazy.deferred = payload
+        elif (db := self._open_batch()) is not None:
+            self._settle_plan(db, forget=True)
+            self._in_batch(db, self._apply_sql, (payload,))
+        else:
+            with self._lock:
+                self._one_statement(self._apply_sql, (payload,))
+
+    def release(self, admission_id: str, fence: int, now: float) -> Reservation | Refused:
+        if self._in_a_batch():
+            return super().release(admission_id, fence, now)
+        with self._lock:
+            row = self._one_statement(self._release_sql, (admission_id, fence, now))
+            if row is None:
+                return self._transaction(
+                    lambda db: self._why_not(db, admission_id, fence, now, "release"), write=False
+                )
+        (released,) = self._with_items(None, [orjson.loads(row)])
+        return released
+
+    def _release(self, db: Db, admission_id: str, fence: int, now: float) -> Reservation | Refused:
+        ((row,),) = db.execute(self._release_sql, (admission_id, fence, now))
+        if row is None:
+            return self._why_not(db, admission_id, fence, now, "release")
+        (released,) = self._with_items(None, [orjson.loads(row)])
+        return released
+
+    def expire_due(self, now: float) -> list[Reservation]:
+        if self._in_a_batch():
+            return super().expire_due(now)
+        with self._lock:
+            rows = self._one_statement(self._expire_sql, (now,))
+        return self._expired(orjson.loads(rows), now)
+
+    def _expire_due(self, db: Db, now: float) -> list[Reservation]:
+        ((rows,),) = db.execute(self._expire_sql, (now,))
+        return self._expired(orjson.loads(rows), now)
+
+    def _expired(self, rows: list[list[Any]], now: float) -> list[Reservation]:
+        expired = self._with_items(None, rows)
+        if expired:
+            log.info("expired %d reservations", len(expired), extra={"now": now})
+        return expired
+
+    def _in_batch(self, db: Db, sql: str, params: Sequence[object]) -> Any:
+        try:
+            rows = db.execute(sql, params)
+        except psycopg.Error as exc:
+            raise self._error(exc) from exc
+        return rows[0][0] if rows else None
 
     def _next_fence(self, db: Db) -> int:
         ((fence,),) = db.execute(self._fence_sql)
@@ -219,3 +559,32 @@ class PostgresLedger(SqlLedger):
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
+
+
+@dataclass(slots=True)
+class _LazyBatch:
+    """An unplanned batch of PostgresLedger (see ``PostgresLedger.batch``)."""
+
+    thread: int
+    transaction: contextlib.ExitStack | None = None  # once begun: exits with COMMIT/ROLLBACK
+    deferred: str | None = None  # an ``apply`` waiting for the batch's end (its payload)
+
+
+def _apply_payload(ops: Sequence[LedgerOp]) -> str:
+    """What ``ledger_apply`` writes for ``ops`` (no release or activation among them): the
+    rows ``SqlLedger._apply`` would write, in the order it would write them."""
+    rows = _Plan(planned=0, known={}, decisions={})
+    caps = []
+    for op in ops:
+        if not _gather(rows, op) and isinstance(op, SetCapacity):
+            caps.append((op.pool_id, op.resource, op.capacity))
+    return orjson.dumps(
+        {
+            "caps": caps,
+            "takes": [(p, r, n) for (p, r), n in sorted(rows.taken.items())],
+            "res": rows.reservations,
+            "log": rows.log,
+            "snaps": sorted(rows.snapshots.items()),
+            "decs": list(rows.recorded.values()),
+        }
+    ).decode()

@@ -535,26 +535,9 @@ class SqlLedger(abc.ABC):
             " DO UPDATE SET capacity = excluded.capacity"
         )
         for op in ops:
-            if isinstance(op, Reserve):
-                r = op.reservation
-                for pool, resource, amount in r.items:
-                    rows.taken[(pool, resource)] = rows.taken.get((pool, resource), 0) + amount
-                rows.reservations.append(
-                    (r.admission_id, r.digest, r.pool_id, r.state.value, r.fence, r.expires_at,
-                     r.created_at, r.updated_at or r.created_at, items_json(r.items),
-                     r.descriptor_epoch)
-                )  # fmt: skip
-                active = r.state is ReservationState.ACTIVE
-                for event, target in _PREPARED_ACTIVATED if active else _PREPARED:
-                    rows.log.append((r.created_at, r.admission_id, event, target, r.fence))
-            elif isinstance(op, RecordDecision):
-                rows.recorded[op.row.admission_id] = (
-                    op.row.admission_id, op.row.digest, op.row.outcome, op.row.decided_at,
-                    op.row.record,
-                )  # fmt: skip
-            elif isinstance(op, SaveEligibility):
-                rows.snapshots[op.ref] = op.body
-            elif isinstance(op, SetCapacity):
+            if _gather(rows, op):
+                continue
+            if isinstance(op, SetCapacity):
                 db.execute(capacity_sql, (op.pool_id, op.resource, op.capacity))
             elif isinstance(op, Release | Activate):
                 if rows.pending:
@@ -986,15 +969,19 @@ class SqlLedger(abc.ABC):
             found.update((r.admission_id, r) for r in self._with_items(db, rows))
         return found
 
-    def _with_items(self, db: Db, rows: Sequence[tuple[Any, ...]]) -> list[Reservation]:
+    def _with_items(self, db: Db | None, rows: Sequence[Sequence[Any]]) -> list[Reservation]:
         """Reservations for ``rows`` (``_RES_COLUMNS``), by fence, with their items (from the
-        row; from the item table for rows written before the ``items`` column)."""
+        row; from the item table for rows written before the ``items`` column). ``db``: None
+        when the rows come with their items resolved (as PostgreSQL's functions return them)."""
         if not rows:
             return []
         legacy = [str(row[0]) for row in rows if row[8] is None]
+        if legacy and db is None:
+            raise StoreError(f"reservations {legacy!r} came without their items")
         items: dict[str, list[Item]] = {i: [] for i in legacy}
         for chunk in _chunks(legacy, 500):
             marks = ", ".join("?" * len(chunk))
+            assert db is not None  # checked above
             for admission_id, pool_id, resource, amount in db.execute(
                 f"SELECT admission_id, pool_id, resource, amount FROM {self._t.item}"
                 f" WHERE admission_id IN ({marks}) ORDER BY pool_id, resource",
@@ -1038,6 +1025,33 @@ class SqlLedger(abc.ABC):
                 )
             ],
         )
+
+
+def _gather(rows: _Plan, op: LedgerOp) -> bool:
+    """Add a fresh reservation, a decision or a snapshot of a decided batch to ``rows`` (the
+    rows written together at its flush); False for the operations written where they stand
+    (capacities, releases, activations)."""
+    if isinstance(op, Reserve):
+        r = op.reservation
+        for pool, resource, amount in r.items:
+            rows.taken[(pool, resource)] = rows.taken.get((pool, resource), 0) + amount
+        rows.reservations.append(
+            (r.admission_id, r.digest, r.pool_id, r.state.value, r.fence, r.expires_at,
+             r.created_at, r.updated_at or r.created_at, items_json(r.items), r.descriptor_epoch)
+        )  # fmt: skip
+        active = r.state is ReservationState.ACTIVE
+        for event, target in _PREPARED_ACTIVATED if active else _PREPARED:
+            rows.log.append((r.created_at, r.admission_id, event, target, r.fence))
+    elif isinstance(op, RecordDecision):
+        row = op.row
+        rows.recorded[row.admission_id] = (
+            row.admission_id, row.digest, row.outcome, row.decided_at, row.record
+        )  # fmt: skip
+    elif isinstance(op, SaveEligibility):
+        rows.snapshots[op.ref] = op.body
+    else:
+        return False
+    return True
 
 
 def _chunks(values: Sequence[T], size: int) -> Iterator[Sequence[T]]:
