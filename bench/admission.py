@@ -2,8 +2,9 @@
 
 Run: ``.venv/bin/python bench/admission.py`` (``--quick`` for a smoke run under a minute). It
 prints both tables, then the targets with PASS/FAIL, and exits 1 if a target fails, so it
-doubles as a check. Without a reachable broker part A and the ratio that needs it are skipped
-with one sentence; without a reachable PostgreSQL its row of part B is (neither is a failure).
+doubles as a check. Without a reachable broker part A and the ratios that need it are skipped
+with one sentence; without a reachable PostgreSQL its rows of part B are (neither is a
+failure). ``--part b`` runs part B alone.
 ``--profile`` adds one admission round under cProfile after part A and prints the time per
 admission by stage, for the event loop (manager and client) and the manager's ledger thread.
 
@@ -37,19 +38,16 @@ A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to
    neighbour share the cores, so throughput follows total CPU per request: when wall-clock
    rates jump between rounds while CPU per request stays put, the noise is a neighbour.
 
-B) In-core decisions. ``Admitter.admit`` called directly, no broker, with each store (and
-   the live view part A's agents give the manager, so each takes its live-slot counter too):
-   ``SqliteLedger`` (a temp file, WAL) and ``PostgresLedger`` (a fresh schema, dropped
-   afterwards), N fresh admission IDs each — time-ordered, as the SDK makes them
-   (:func:`mesh.ids.new_admission_id`); one more SQLite row with random UUIDv4 IDs shows what
-   a producer choosing those costs the store (no target) — same descriptor and requirements
-   as A. The SQLite rate is compared with A's end-to-end rate: the ledger is the
-   linearisation point and runs on one thread, so if it could not sustain ten times what the
-   broker path delivers it, rather than the broker, would bound admissions. The SQLite row
-   with the manager's batch size is the median of nine runs, each on a fresh file (one run of
-   0.2 s is at the mercy of one garbage-collector pass or one neighbour); the others run
-   once. One more row, no target, times the ledger alone: each admission's ``prepare`` and
-   ``record_decision``, without the admitter's eligibility, pressure, digest and models.
+B) In-core decisions on a mixed workload. ``Admitter.admit_many`` called directly, no
+   broker, against ``SqliteLedger`` (a temp file, WAL) and ``PostgresLedger`` (a fresh schema,
+   dropped afterwards), ``--concurrency`` decisions per ledger transaction (the manager's group
+   commit; the target rows are medians of REPEATS runs on fresh stores) and one per
+   transaction. Four pools with different descriptors and limits (one runs out), eight
+   requirement shapes, three tenants, fresh time-ordered IDs, a fake clock advancing per
+   request, short grants of which every other one is released and the rest expire during
+   the run (:class:`MixedRun`); releases and sweeps are timed with the decisions. Each store
+   is compared with a fixed reference measured in the same run: the echo's requests/s (or
+   ``--reference-rate``).
 
 The process's garbage collector is set up as ``mesh manager`` sets up its own
 (:func:`mesh.gc_tuning.tune_gc`, after the imports), for both parts and for ours and the echo
