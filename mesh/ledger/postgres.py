@@ -423,10 +423,12 @@ class PostgresLedger(SqlLedger):
                 elif lazy.deferred is not None:
                     self._one_statement(self._apply_sql, (lazy.deferred,), retry=False)
                 return result
-            except BaseException:
+            except BaseException as exc:
                 if lazy.transaction is not None:
                     with contextlib.suppress(psycopg.Error):  # the connection may be gone
-                        lazy.transaction.__exit__(*sys.exc_info())  # ROLLBACK
+                        lazy.transaction.__exit__(*sys.exc_info())  # ROLLBACK (if not ended)
+                if isinstance(exc, psycopg.Error):  # as SqlLedger's transactions report it
+                    raise self._error(exc) from exc
                 raise
             finally:
                 self._lazy = None
@@ -437,18 +439,20 @@ class PostgresLedger(SqlLedger):
         if lazy is None or lazy.thread != threading.get_ident():
             return super()._open_batch()
         if lazy.transaction is None:  # the batch's first call that needs its transaction
-            stack = contextlib.ExitStack()
+            # Kept before it is entered: whatever fails from here on, ``batch`` rolls it back.
+            stack = lazy.transaction = contextlib.ExitStack()
             try:
                 conn = self._connection()
                 stack.enter_context(conn.transaction())
                 db = _PgDb(stack.enter_context(conn.cursor()))
-                lazy.transaction = stack
                 self._batch_db, self._batch_thread = db, lazy.thread
                 if lazy.deferred is not None:
                     payload, lazy.deferred = lazy.deferred, None
                     db.execute(self._apply_sql, (payload,))
             except psycopg.Error as exc:
                 raise self._error(exc) from exc
+        if self._batch_db is None:
+            raise StoreError(f"a ledger batch failed to begin its transaction in {self.schema}")
         return self._batch_db
 
     def _in_a_batch(self) -> bool:

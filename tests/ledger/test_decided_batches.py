@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.errors import StaleView
+from mesh.errors import StaleView, StoreError
 from mesh.ledger import Item, LedgerStore, Reservation, ReservationState
 from mesh.ledger.model import DecisionRow, RecordDecision, Reserve, SaveEligibility, SetCapacity
 
@@ -176,3 +176,22 @@ def test_a_decision_another_manager_recorded_for_another_digest_fails_the_batch(
     kept = pool.decision("adm-1")
     assert kept is not None and kept.digest == "other-digest"
     assert used(pool, "pool-a", "model_slots") == 0
+
+
+def test_a_batch_the_database_refuses_fails_with_a_store_error_and_keeps_nothing(
+    pool: LedgerStore,
+) -> None:
+    taken = grant("adm-1", 1)
+    pool.apply([Reserve(taken)])
+
+    def work() -> None:
+        (fence,) = pool.read_for_decision(["adm-2"], fences=1).fences
+        # adm-1 exists: its row cannot be inserted again (a bug in the caller's view).
+        pool.apply([Reserve(grant("adm-2", fence)), Reserve(grant("adm-1", fence + 1))])
+
+    with pytest.raises(StoreError):
+        pool.batch(work)
+
+    assert pool.get("adm-2") is None and pool.get("adm-1") == taken
+    assert used(pool, "pool-a", "model_slots") == 1
+    assert_conserved(pool)
