@@ -21,6 +21,17 @@ arrival order, so two managers' batches *can* deadlock; PostgreSQL then aborts o
 which is not retried as a whole: it fails, and the admitter decides its requests again one
 transaction each — where the lock order above holds.
 
+Round trips. On one host a round trip to PostgreSQL costs more than most statements do, so
+the hot paths are one statement each: the admitter's batch reads its view with one statement
+and sends all its writes as one call of the server-side function ``ledger_apply`` (which
+takes the counters in the global order, raises a StaleView SQLSTATE if one moved, and
+commits with the statement, so the batch needs no BEGIN or COMMIT: two round trips in all,
+where it used to take about 24); a release is one call of ``ledger_release`` and an expiry
+sweep one of ``ledger_expire``, each its own transaction. See ``PostgresLedger.batch`` for
+why reading the view outside the transaction changes nothing under READ COMMITTED. The
+functions are created with CREATE OR REPLACE each time the store opens, so a schema made by
+an earlier version gains them on its first open; tables and rows stay as they are.
+
 Fences come from a SEQUENCE: strictly increasing across all managers; a rolled-back
 ``prepare`` leaves a gap, which is harmless. Tables live in their own schema (``schema=``), so
 tests and deployments can keep ledgers apart; it is created idempotently under an advisory

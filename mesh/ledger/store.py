@@ -54,7 +54,8 @@ counter per batch, with the batch's total — so if anything moved a counter und
 caller decides again one by one. Any other call inside a planned batch first writes what is
 pending and then runs as usual, so the batch still reads its own writes. About 12 statements
 per admission become about 12 per batch, which is what makes group commit pay on SQLite and
-saves the round trips on PostgreSQL.
+saves round trips on PostgreSQL (whose unplanned batches go further: two round trips in
+all, see :mod:`mesh.ledger.postgres`).
 
 Decisions. ``record_decision`` keeps the latest decision about an admission ID (its digest,
 outcome and a JSON record: the reply and the eligibility behind it), written in the same
