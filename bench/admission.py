@@ -176,15 +176,6 @@ def requirements(now: float) -> TaskRequirements:
 
 POOL_AGENTS = 6  # live agents of the pool, each at the most concurrency an agent may offer
 AGENT_CONCURRENCY = 10_000
-LIVE = LiveCapacity(
-    {
-        ("rag-eu", "rag.search"): (
-            LiveOffer("2.1.0", POOL_AGENTS, POOL_AGENTS * AGENT_CONCURRENCY, "B"),
-        )
-    },
-    version=1,
-)
-"""Part B's live view: what part A's registered agents give the manager's admitter."""
 
 
 def agent_registration(agent_id: str) -> AgentRegistration:
