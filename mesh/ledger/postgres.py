@@ -337,6 +337,10 @@ class PostgresLedger(SqlLedger):
         q = f'"{schema}"'
         self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
         self._release_sql = f"SELECT {q}.ledger_release(?, ?, ?)"
+        self._release_many_sql = (  # each release's row (JSON text) or NULL, in order
+            f"SELECT json_agg({q}.ledger_release(t.id, t.fence, ?) ORDER BY t.n) "
+            "FROM unnest(?::text[], ?::bigint[]) WITH ORDINALITY AS t(id, fence, n)"
+        )
         self._expire_sql = f"SELECT {q}.ledger_expire(?)"
         self._view_sql = (  # LedgerView as one JSON array: [counters, reservations, ...]
             "SELECT jsonb_build_array("
@@ -530,6 +534,30 @@ class PostgresLedger(SqlLedger):
                 )
         (released,) = self._with_items(None, [orjson.loads(row)])
         return released
+
+    def release_many(
+        self, releases: Sequence[tuple[str, int]], now: float
+    ) -> list[Reservation | Refused]:
+        """One statement for all of them (a transaction of its own: one round trip, one
+        commit); the reason a release was refused is read afterwards, for those alone."""
+        if len(releases) <= 1 or self._in_a_batch():
+            return super().release_many(releases, now)
+        ids, fences = [a for a, _ in releases], [f for _, f in releases]
+        with self._lock:
+            # json_agg: psycopg hands the array over parsed, its items the rows' JSON text
+            rows = self._one_statement(self._release_many_sql, (now, ids, fences))
+            out: list[Reservation | Refused] = []
+            for (admission_id, fence), row in zip(releases, rows, strict=True):
+                if row is None:
+                    out.append(self._refusal_of_release(admission_id, fence, now))
+                else:
+                    out += self._with_items(None, [orjson.loads(row)])
+        return out
+
+    def _refusal_of_release(self, admission_id: str, fence: int, now: float) -> Refused:
+        return self._transaction(
+            lambda db: self._why_not(db, admission_id, fence, now, "release"), write=False
+        )
 
     def _release(self, db: Db, admission_id: str, fence: int, now: float) -> Reservation | Refused:
         ((row,),) = db.execute(self._release_sql, (admission_id, fence, now))

@@ -174,6 +174,14 @@ class LedgerStore(Protocol):
         """PREPARING|ACTIVE → RELEASED if ``fence`` is current; the items are given back."""
         ...
 
+    def release_many(
+        self, releases: Sequence[tuple[str, int]], now: float
+    ) -> list[Reservation | Refused]:
+        """:meth:`release` for each ``(admission_id, fence)``, in order, in one transaction
+        (one commit for all: the manager's group commit of releases). Each outcome is what
+        :meth:`release` would have returned; if the transaction fails, none is kept."""
+        ...
+
     def expire_due(self, now: float) -> list[Reservation]:
         """Every PREPARING|ACTIVE reservation due at ``now`` → EXPIRED with a new fence."""
         ...
@@ -472,6 +480,11 @@ class SqlLedger(abc.ABC):
 
     def release(self, admission_id: str, fence: int, now: float) -> Reservation | Refused:
         return self._atomic(lambda db: self._release(db, admission_id, fence, now))
+
+    def release_many(
+        self, releases: Sequence[tuple[str, int]], now: float
+    ) -> list[Reservation | Refused]:
+        return self.batch(lambda: [self.release(a, f, now) for a, f in releases])
 
     def expire_due(self, now: float) -> list[Reservation]:
         return self._write(lambda db: self._expire_due(db, now))

@@ -297,6 +297,37 @@ def test_release_gives_the_counters_back_exactly_once(pool: LedgerStore) -> None
     assert_conserved(pool)
 
 
+def test_releases_together_answer_as_each_release_would_and_give_back_exactly_once(
+    pool: LedgerStore,
+) -> None:
+    one = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(10)], TTL, T0))
+    two = prepared(pool.prepare("adm-2", "d1", [SANDBOX, tokens(20)], TTL, T0))
+    three = prepared(pool.prepare("adm-3", "d1", [SLOT, tokens(30)], TTL, T0))
+    reservation(pool.activate("adm-2", two.fence, TTL, T0 + 1))
+
+    outcomes = pool.release_many(
+        [
+            ("adm-1", one.fence),
+            ("adm-2", two.fence),
+            ("adm-3", three.fence - 1),  # a stale holder
+            ("nobody", one.fence),
+            ("adm-1", one.fence),  # the same release twice in one batch
+        ],
+        T0 + 2,
+    )
+
+    assert reservation(outcomes[0]).state is ReservationState.RELEASED
+    assert reservation(outcomes[1]).state is ReservationState.RELEASED
+    refused(outcomes[2], LedgerReason.STALE_FENCE)
+    refused(outcomes[3], LedgerReason.NOT_FOUND)
+    assert "RELEASED" in refused(outcomes[4], LedgerReason.STALE_FENCE).detail
+    assert used(pool, "*", "tenant_tokens:acme") == 30  # only adm-3 still holds
+    assert used(pool, "pool-a", "model_slots") == 1
+    assert used(pool, "pool-a", "sandboxes") == 0
+    assert_conserved(pool)
+    assert pool.release_many([], T0 + 3) == []
+
+
 def test_cancellation_before_active_releases_everything(pool: LedgerStore) -> None:
     held = prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, SEARCH, tokens(7)], TTL, T0))
 
