@@ -974,8 +974,9 @@ REPEATS = {"SQLite": 9, "PostgreSQL": 5}
 class MixedRun:
     """The mixed workload on one admitter: per batch, the clock moves on by the batch's
     requests, the batch is decided (``admit_many``: one ledger transaction), every other
-    admitted grant is released by its holder ``MIXED_RELEASE_AFTER_S`` later (one transaction
-    each, as the manager settles a release), and every ``MIXED_SWEEP_EVERY_S`` the expiry
+    admitted grant is released by its holder ``MIXED_RELEASE_AFTER_S`` later (the releases
+    due together settled ``batch`` per ledger transaction, as the manager's group commit
+    settles releases that arrive together), and every ``MIXED_SWEEP_EVERY_S`` the expiry
     sweep runs."""
 
     def __init__(self, ledger: LedgerStore, now: float) -> None:
@@ -1001,9 +1002,13 @@ class MixedRun:
                 if self.granted % 2:  # every other grant, counted across batches
                     due = self.now + MIXED_RELEASE_AFTER_S
                     self.holders.append((due, grant.admission_id, grant.fence))
+            due = []
             while self.holders and self.holders[0][0] <= self.now:
                 _, admission_id, fence = self.holders.pop(0)
-                released += self.admitter.release(admission_id, fence, self.now).released
+                due.append((admission_id, fence))
+            for first in range(0, len(due), batch):  # as the manager's group commit does
+                settled = self.admitter.settle_many(due[first : first + batch], self.now)
+                released += sum(reply.released for reply, _, _ in settled)
             if self.now >= self.next_sweep:
                 self.next_sweep += MIXED_SWEEP_EVERY_S
                 expired += len(self.admitter.expire(self.now))

@@ -501,17 +501,68 @@ class Admitter:
         died before answering — which is answered ``released`` again and changes nothing). A
         grant this manager evicted is refused as evicted; after a restart it is not known as
         such, and its holder's release is answered as a retry."""
-        outcome = self.ledger.release(admission_id, fence, now)
+        reply, released_now, _ = self._settled(
+            admission_id, fence, self._release_outcome(admission_id, fence, now), now
+        )
+        return reply, released_now
+
+    def settle_many(
+        self, releases: Sequence[tuple[str, int]], now: float
+    ) -> list[tuple[AdmissionReleaseReply, bool, str | None]]:
+        """:meth:`settle` for releases that arrived together, in one ledger transaction (the
+        manager's group commit: one commit shared by all of them), each with the pool it was
+        released from when this call released it. The pressure board hears of them only once
+        the transaction is kept; if it fails as a whole, each is settled again in a
+        transaction of its own."""
+        if len(releases) == 1:
+            admission_id, fence = releases[0]
+            outcome = self._release_outcome(admission_id, fence, now)
+            return [self._settled(admission_id, fence, outcome, now)]
+        try:
+            released = self.ledger.release_many(releases, now)
+        except StoreError:
+            released = [self.ledger.release(a, f, now) for a, f in releases]
+        outcomes = [
+            self._with_holder(a, outcome)
+            for (a, _), outcome in zip(releases, released, strict=True)
+        ]
+        return [
+            self._settled(a, f, outcome, now)
+            for (a, f), outcome in zip(releases, outcomes, strict=True)
+        ]
+
+    def _release_outcome(
+        self, admission_id: str, fence: int, now: float
+    ) -> tuple[Reservation | Refused, Reservation | None]:
+        """The ledger's side of a release: its outcome and, when the fence was stale, the
+        reservation as it stands (to tell a retry of a release from a stale holder)."""
+        return self._with_holder(admission_id, self.ledger.release(admission_id, fence, now))
+
+    def _with_holder(
+        self, admission_id: str, outcome: Reservation | Refused
+    ) -> tuple[Reservation | Refused, Reservation | None]:
+        if isinstance(outcome, Refused) and outcome.reason is LedgerReason.STALE_FENCE:
+            return outcome, self.ledger.get(admission_id)
+        return outcome, None
+
+    def _settled(
+        self,
+        admission_id: str,
+        fence: int,
+        ledger_side: tuple[Reservation | Refused, Reservation | None],
+        now: float,
+    ) -> tuple[AdmissionReleaseReply, bool, str | None]:
+        outcome, held = ledger_side
         if not isinstance(outcome, Refused):
             self.core.ended(admission_id, now, completed=True)
-            return AdmissionReleaseReply(admission_id=admission_id, released=True), True
+            reply = AdmissionReleaseReply(admission_id=admission_id, released=True)
+            return reply, True, outcome.pool_id
         if outcome.reason is LedgerReason.STALE_FENCE and admission_id in self.core.evicted:
             outcome = Refused(
                 outcome.reason,
                 f"{outcome.detail}: the grant was evicted for more urgent work (resubmit it)",
             )
         elif outcome.reason is LedgerReason.STALE_FENCE:
-            held = self.ledger.get(admission_id)
             if held is not None and held.state is ReservationState.RELEASED and held.fence == fence:
                 self.core.ended(admission_id, now, completed=False)  # if this core still counts it
                 reply = AdmissionReleaseReply(
@@ -519,14 +570,14 @@ class Admitter:
                     released=True,
                     detail=f"already released at fence {fence}: nothing changed",
                 )
-                return reply, False
+                return reply, False, None
         reply = AdmissionReleaseReply(
             admission_id=admission_id,
             released=False,
             reason=AdmissionReason(outcome.reason.value),
             detail=outcome.detail,
         )
-        return reply, False
+        return reply, False, None
 
     def expire(self, now: float) -> list[Reservation]:
         """Overdue reservations → EXPIRED under a higher fence."""

@@ -209,6 +209,75 @@ def test_release_settles_and_a_stale_holder_cannot_release_after_expiry(
     assert done.released and used(ledger) == {}
 
 
+def test_releases_that_arrive_together_are_settled_in_one_transaction_as_one_by_one(
+    tmp_path: Path,
+) -> None:
+    store = SqliteLedger(tmp_path / "ledger.sqlite3")
+    a = admitter(store)
+    grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(3)]
+    assert all(g is not None for g in grants)
+    fences = [g.fence for g in grants if g is not None]
+    real_batch, batches = store.batch, []
+
+    def counted(work, plan=()):  # type: ignore[no-untyped-def]
+        batches.append(plan)
+        return real_batch(work, plan=plan)
+
+    store.batch = counted  # type: ignore[method-assign]
+    try:
+        settled = a.settle_many(
+            [
+                ("adm-0", fences[0]),
+                ("adm-1", fences[1] + 99),
+                ("adm-2", fences[2]),
+                ("adm-0", fences[0]),
+            ],  # a stale fence, and a retried release in the same batch
+            T0 + 1,
+        )
+    finally:
+        store.batch = real_batch  # type: ignore[method-assign]
+    assert len(batches) == 1
+    assert [(r.released, now, pool) for r, now, pool in settled] == [
+        (True, True, DESCRIPTOR.pool_id),
+        (False, False, None),
+        (True, True, DESCRIPTOR.pool_id),
+        (True, False, None),  # already released at that fence: answered the same, once
+    ]
+    assert settled[1][0].reason == AdmissionReason.STALE_FENCE
+    assert set(a.core.held) == {"adm-1"}  # only the stale holder's grant is still counted
+    assert used(store) != {}  # and still holds its share
+    assert a.release("adm-1", fences[1], T0 + 2).released
+    assert used(store) == {}
+    store.close()
+
+
+def test_a_failed_release_batch_is_settled_again_one_by_one(tmp_path: Path) -> None:
+    from mesh.errors import StoreError
+
+    store = SqliteLedger(tmp_path / "ledger.sqlite3")
+    a = admitter(store)
+    grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(2)]
+    releases = [(g.admission_id, g.fence) for g in grants if g is not None]
+    real_batch = store.batch
+
+    def failing(work, plan=()):  # type: ignore[no-untyped-def]
+        def then_fail():  # type: ignore[no-untyped-def]
+            work()  # both released ...
+            raise StoreError("deadlock detected")  # ... and rolled back
+
+        return real_batch(then_fail, plan=plan)
+
+    store.batch = failing  # type: ignore[method-assign]
+    try:
+        settled = a.settle_many(releases, T0 + 1)
+    finally:
+        store.batch = real_batch  # type: ignore[method-assign]
+    assert [(r.released, now) for r, now, _ in settled] == [(True, True), (True, True)]
+    assert used(store) == {}
+    assert not a.core.held  # the pressure board heard of each release once it was kept
+    store.close()
+
+
 def test_after_a_restart_the_same_request_gets_its_grant_back_from_the_ledger(
     tmp_path: Path,
 ) -> None:
