@@ -925,8 +925,11 @@ def mixed_shapes(now: float) -> list[TaskRequirements]:
     ]
 
 
-def mixed_requests(count: int, now: float) -> list[tuple[AdmissionRequest, str]]:
-    """``count`` requests with fresh (time-ordered) IDs: the shapes in turn, three tenants
+def mixed_requests(
+    count: int, now: float, new_id: Callable[[], str] = new_admission_id
+) -> list[tuple[AdmissionRequest, str]]:
+    """``count`` requests with fresh IDs (time-ordered, as the SDK makes them, unless
+    ``new_id`` says otherwise): the shapes in turn, three tenants
     (each pool's tenant rules differ) and five token estimates, so that consecutive requests
     differ in what eligibility and the counters see."""
     shapes = mixed_shapes(now)
@@ -938,7 +941,7 @@ def mixed_requests(count: int, now: float) -> list[tuple[AdmissionRequest, str]]
     return [
         (
             AdmissionRequest(
-                admission_id=new_admission_id(),
+                admission_id=new_id(),
                 requirements=variants[(i % len(shapes), (i // 24) % 5)],
             ),
             MIXED_TENANTS[(i // len(shapes)) % len(MIXED_TENANTS)],
@@ -1016,13 +1019,21 @@ class MixedRun:
         return StoreRun("", len(requests), seconds, outcomes, released, expired, cpu)
 
 
-def in_core(store: str, ledger: LedgerStore, count: int, warmup: int, batch: int) -> StoreRun:
+def in_core(
+    store: str,
+    ledger: LedgerStore,
+    count: int,
+    warmup: int,
+    batch: int,
+    new_id: Callable[[], str] = new_admission_id,
+) -> StoreRun:
     """``count`` admissions of the mixed workload straight through an Admitter (no broker),
     ``batch`` per ledger transaction as the manager's group commit decides them, after
-    ``warmup`` of the same; the releases and expiry sweeps they cause are timed with them."""
+    ``warmup`` of the same; the releases and expiry sweeps they cause are timed with them.
+    ``new_id`` makes the admission IDs (``bench/ledger_layout.py`` compares kinds)."""
     now = time.time()
     mixed = MixedRun(ledger, now)
-    requests = mixed_requests(warmup + count, now)
+    requests = mixed_requests(warmup + count, now, new_id)
     mixed.run(requests[:warmup], batch)
     run = mixed.run(requests[warmup:], batch)
     # The workload is what it claims: some of each outcome, releases and expiries done.
