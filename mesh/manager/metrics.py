@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mesh.core.eligibility import RULE_NAMES
@@ -72,6 +72,11 @@ class MeshView:
     usage: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     queues: list[QueueStat] = field(default_factory=list)
     pressure: Callable[[], Mapping[str, PoolPressure]] = dict  # the admitter's board
+    # Several managers: this manager's ID, the shards it holds (shard -> fence) and its
+    # counts of shard transfers ("taken", "given_back", "lost").
+    manager_id: str = ""
+    shards: Callable[[], Mapping[int, int]] = dict
+    shard_transfers: Callable[[], Mapping[str, int]] = dict
 
 
 class ManagerMetrics:
@@ -251,6 +256,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         view = self.view
         yield from _agent_gauges(view.tally())
+        yield from _shard_series(view)
         yield _eligible_pools(
             view.descriptors(), view.active_epochs(), view.active_generation(), view.now()
         )
@@ -364,3 +370,31 @@ def _eligible_pools(
     for capability, n in sorted(counts.items()):
         family.add_metric([capability], n)
     return family
+
+
+def _shard_series(view: MeshView) -> Iterator[Metric]:
+    """Several managers: which shards this manager holds (one series per held shard, its
+    fence as the value) and how many changed hands here, by how."""
+    held = GaugeMetricFamily(
+        "mesh_shard_fence",
+        "The fence under which this manager holds a shard of the registry (held shards only).",
+        labels=["manager", "shard"],
+    )
+    shards = view.shards()
+    for shard, fence in sorted(shards.items()):
+        held.add_metric([view.manager_id, str(shard)], fence)
+    count = GaugeMetricFamily(
+        "mesh_shards_held", "Shards of the registry this manager holds.", labels=["manager"]
+    )
+    count.add_metric([view.manager_id], len(shards))
+    transfers = CounterMetricFamily(
+        "mesh_shard_transfers",
+        "Shards that changed hands at this manager: taken, given back, or lost (a renewal "
+        "found the lease gone).",
+        labels=["manager", "change"],
+    )
+    for change, n in sorted(view.shard_transfers().items()):
+        transfers.add_metric([view.manager_id, change], n)
+    yield held
+    yield count
+    yield transfers

@@ -74,6 +74,7 @@ class Observer:
         pressure: Callable[[], Mapping[str, PoolPressure]] = dict,
         management_url: str | None = None,
         queue_poll_interval_s: float = 5.0,
+        shards: Callable[[], Mapping[int, int]] = dict,
     ) -> None:
         self.manager_id = manager_id
         self.namespace = namespace
@@ -90,6 +91,13 @@ class Observer:
             active_generation=lambda: active_generation,
             now=time.time,
             pressure=pressure,
+            manager_id=manager_id,
+            shards=shards,
+            shard_transfers=lambda: {
+                change: counters[f"shards_{change}"]
+                for change in ("taken", "given_back", "lost")
+                if counters[f"shards_{change}"]
+            },
         )
         self.metrics = ManagerMetrics(self.view)
         self.management_url = management_url

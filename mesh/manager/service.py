@@ -197,6 +197,7 @@ class ManagerService:
             started_at=self._started_at,
             management_url=settings.management_url,
             queue_poll_interval_s=settings.queue_poll_interval_s,
+            shards=lambda: {} if self.shards is None else self.shards.owned(),
         )
         self.heartbeats = HeartbeatSink(
             self.core,

@@ -115,6 +115,11 @@ async def test_two_managers_split_the_shards_and_a_clean_stop_hands_them_over(
         *((s, "manager-a") for s in owned(a)),
         *((s, "manager-b") for s in owned(b)),
     }
+    metrics = a.observer.metrics.render().decode()
+    assert f'mesh_shards_held{{manager="manager-a"}} {len(owned(a))}.0' in metrics
+    for shard, fence in a.shards.owned().items():
+        assert f'mesh_shard_fence{{manager="manager-a",shard="{shard}"}} {fence}.0' in metrics
+    assert 'mesh_shard_transfers_total{change="given_back",manager="manager-a"}' in metrics
     shown = render_status(reply)
     assert f"shards: {SHARDS} of {SHARDS} held" in shown
     assert "manager-b" in shown
