@@ -24,9 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-import psycopg
 import pytest
-from ledger.conftest import DEFAULT_TEST_POSTGRES_DSN, START_POSTGRES_HINT, schema_name
+from integration.test_admission_competition import PgSchema
 
 from mesh.ledger.shard_leases import ShardLeases, ShardView
 from mesh.manager.journal import SqliteJournal
@@ -120,24 +119,14 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(
-    amqp_url: str, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[Fleet]:
-    dsn = os.environ.get("MESH_TEST_POSTGRES_DSN", DEFAULT_TEST_POSTGRES_DSN)
-    try:
-        psycopg.connect(dsn, connect_timeout=3).close()
-    except psycopg.Error as exc:
-        pytest.fail(f"No PostgreSQL answers ({exc}); {START_POSTGRES_HINT}.", pytrace=False)
-    schema = schema_name(request.node.name)
-    fleet = Fleet(amqp_url, namespace, dsn, schema, tmp_path)
+def fleet(amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path) -> Iterator[Fleet]:
+    fleet = Fleet(amqp_url, namespace, pg_schema.dsn, pg_schema.schema, tmp_path)
     try:
         for n in range(3):
             fleet.start(f"m{n}")
         yield fleet
     finally:
-        fleet.stop_all()
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        fleet.stop_all()  # before pg_schema drops the schema
 
 
 async def until(check: object, what: str, timeout_s: float = 30.0) -> float:

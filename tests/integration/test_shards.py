@@ -5,14 +5,11 @@ clean stop handing its shards over, and a clear error without a PostgreSQL ledge
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import psycopg
 import pytest
-from ledger.conftest import DEFAULT_TEST_POSTGRES_DSN, START_POSTGRES_HINT, schema_name
 
 from mesh.errors import LocalProtocolError
 from mesh.manager.journal import SqliteJournal
@@ -20,6 +17,11 @@ from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.render import render_status
 from mesh.wire.models import StatusRequest
+
+from . import test_admission_competition as competition
+from .test_admission_competition import PgSchema
+
+pg_schema = competition.pg_schema  # the competition tests' fixture: a schema of the test's own
 
 pytestmark = pytest.mark.integration
 
@@ -30,25 +32,10 @@ MakeManager = Callable[[str], ManagerSettings]
 
 
 @pytest.fixture
-def pg_dsn_and_schema(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    dsn = os.environ.get("MESH_TEST_POSTGRES_DSN", DEFAULT_TEST_POSTGRES_DSN)
-    try:
-        psycopg.connect(dsn, connect_timeout=3).close()
-    except psycopg.Error as exc:
-        pytest.fail(f"No PostgreSQL answers ({exc}); {START_POSTGRES_HINT}.", pytrace=False)
-    schema = schema_name(request.node.name)
-    try:
-        yield dsn, schema
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
-@pytest.fixture
 async def started(
-    amqp_url: str, namespace: str, pg_dsn_and_schema: tuple[str, str], tmp_path: Path
+    amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path
 ) -> AsyncIterator[Callable[[str], asyncio.Future[ManagerService]]]:
-    dsn, schema = pg_dsn_and_schema
+    dsn, schema = pg_schema.dsn, pg_schema.schema
     services: list[ManagerService] = []
 
     async def start(manager_id: str) -> ManagerService:
