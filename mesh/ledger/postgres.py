@@ -541,7 +541,7 @@ class PostgresLedger(SqlLedger):
         """One statement for all of them (a transaction of its own: one round trip, one
         commit); the reason a release was refused is read afterwards, for those alone."""
         if len(releases) <= 1 or self._in_a_batch():
-            return super().release_many(releases, now)
+            return super().release_many(releases, now)  # one: release()'s own single statement
         ids, fences = [a for a, _ in releases], [f for _, f in releases]
         with self._lock:
             # json_agg: psycopg hands the array over parsed, its items the rows' JSON text

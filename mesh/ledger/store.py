@@ -484,6 +484,8 @@ class SqlLedger(abc.ABC):
     def release_many(
         self, releases: Sequence[tuple[str, int]], now: float
     ) -> list[Reservation | Refused]:
+        if len(releases) == 1:  # a transaction of its own anyway
+            return [self.release(*releases[0], now)]
         return self.batch(lambda: [self.release(a, f, now) for a, f in releases])
 
     def expire_due(self, now: float) -> list[Reservation]:

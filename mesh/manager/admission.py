@@ -501,9 +501,7 @@ class Admitter:
         died before answering — which is answered ``released`` again and changes nothing). A
         grant this manager evicted is refused as evicted; after a restart it is not known as
         such, and its holder's release is answered as a retry."""
-        reply, released_now, _ = self._settled(
-            admission_id, fence, self._release_outcome(admission_id, fence, now), now
-        )
+        reply, released_now, _ = self.settle_many([(admission_id, fence)], now)[0]
         return reply, released_now
 
     def settle_many(
@@ -514,33 +512,22 @@ class Admitter:
         released from when this call released it. The pressure board hears of them only once
         the transaction is kept; if it fails as a whole, each is settled again in a
         transaction of its own."""
-        if len(releases) == 1:
-            admission_id, fence = releases[0]
-            outcome = self._release_outcome(admission_id, fence, now)
-            return [self._settled(admission_id, fence, outcome, now)]
         try:
             released = self.ledger.release_many(releases, now)
         except StoreError:
+            if len(releases) == 1:
+                raise
             released = [self.ledger.release(a, f, now) for a, f in releases]
-        outcomes = [
-            self._with_holder(a, outcome)
-            for (a, _), outcome in zip(releases, released, strict=True)
-        ]
         return [
-            self._settled(a, f, outcome, now)
-            for (a, f), outcome in zip(releases, outcomes, strict=True)
+            self._settled(a, f, self._with_holder(a, outcome), now)
+            for (a, f), outcome in zip(releases, released, strict=True)
         ]
-
-    def _release_outcome(
-        self, admission_id: str, fence: int, now: float
-    ) -> tuple[Reservation | Refused, Reservation | None]:
-        """The ledger's side of a release: its outcome and, when the fence was stale, the
-        reservation as it stands (to tell a retry of a release from a stale holder)."""
-        return self._with_holder(admission_id, self.ledger.release(admission_id, fence, now))
 
     def _with_holder(
         self, admission_id: str, outcome: Reservation | Refused
     ) -> tuple[Reservation | Refused, Reservation | None]:
+        """A release's outcome and, when the fence was stale, the reservation as it stands
+        (to tell a retry of a release from a stale holder)."""
         if isinstance(outcome, Refused) and outcome.reason is LedgerReason.STALE_FENCE:
             return outcome, self.ledger.get(admission_id)
         return outcome, None
