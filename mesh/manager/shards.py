@@ -163,4 +163,5 @@ class ShardOwnership:
                 return
             for shard in held:
                 self.keeper.gave_back(shard)
+            self.counters["shards_given_back"] += len(held)
             await self._log([("given_back", shard, fence) for shard, fence in held.items()])
