@@ -48,7 +48,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 import psycopg
-from admission import POLICY, descriptor, requirements
+from admission import POLICY, closed_loop, descriptor, requirements
 from report import Report, Target, add_json_argument
 
 from mesh import constants as c
@@ -181,23 +181,21 @@ class ConfigRound:
         return self.requests / self.seconds
 
 
-async def closed_loop(client: MeshClient, count: int, in_flight: int) -> float:
-    """``count`` admissions, ``in_flight`` at a time; the wall seconds they took."""
-    numbers = iter(range(count))
+async def admit_all(client: MeshClient, count: int, in_flight: int) -> float:
+    """``count`` admissions, ``in_flight`` at a time (``admission.closed_loop``), each of
+    which must be admitted; the wall seconds they took."""
     needs = requirements(time.time())
     refused: list[str] = []
 
-    async def worker() -> None:
-        for _ in numbers:
-            decision = await client.admit(needs)
-            if decision.outcome != "admitted":
-                refused.append(f"{decision.outcome} {decision.reason}: {decision.detail}")
+    async def admit(_: int) -> None:
+        decision = await client.admit(needs)
+        if decision.outcome != "admitted":
+            refused.append(f"{decision.outcome} {decision.reason}: {decision.detail}")
 
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    done = await closed_loop(admit, count, in_flight)
     if refused:
         raise RuntimeError(f"{len(refused)} admissions not admitted: {refused[0]}")
-    return time.perf_counter() - started
+    return done.seconds
 
 
 async def run_config(
@@ -224,7 +222,7 @@ async def run_config(
             raise RuntimeError(f"the manager refused the descriptor: {accepted}")
         await warm_up(client, managers, per_manager)
         before = [await p.stats() for p in procs]
-        seconds = await closed_loop(client, count * managers, per_manager * managers)
+        seconds = await admit_all(client, count * managers, per_manager * managers)
         after = [await p.stats() for p in procs]
         figures = [
             ManagerFigures(p.manager_id, a[1] - b[1], a[0] - b[0])
@@ -245,13 +243,13 @@ async def warm_up(client: MeshClient, managers: int, per_manager: int) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            await closed_loop(client, 50 * managers, per_manager * managers)
+            await admit_all(client, 50 * managers, per_manager * managers)
             break
         except RuntimeError:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.5)
-    await closed_loop(client, 300 * managers, per_manager * managers)
+    await admit_all(client, 300 * managers, per_manager * managers)
 
 
 async def delete_namespace(url: str, namespace: str) -> None:

@@ -14,17 +14,17 @@ and producers' requests during it — the registry is not sharded yet, only owne
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
 import pytest
+from integration.harness import eventually
 from integration.test_admission_competition import PgSchema
 
 from mesh.ledger.shard_leases import ShardLeases, ShardView
@@ -129,12 +129,10 @@ def fleet(amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path) ->
         fleet.stop_all()  # before pg_schema drops the schema
 
 
-async def until(check: object, what: str, timeout_s: float = 30.0) -> float:
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> float:
+    """Seconds until ``check`` holds (``harness.eventually``, polled every 50 ms)."""
     started = time.monotonic()
-    while not check():  # type: ignore[operator]
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
-        await asyncio.sleep(0.05)
+    await eventually(check, what=what, timeout_s=timeout_s, poll_s=0.05)
     return time.monotonic() - started
 
 

@@ -19,6 +19,7 @@ from mesh.render import render_status
 from mesh.wire.models import StatusRequest
 
 from . import test_admission_competition as competition
+from .harness import eventually
 from .test_admission_competition import PgSchema
 
 pg_schema = competition.pg_schema  # the competition tests' fixture: a schema of the test's own
@@ -66,11 +67,9 @@ def owned(service: ManagerService) -> set[int]:
 
 
 async def until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> float:
+    """Seconds until ``check`` holds (``harness.eventually``, polled every 50 ms)."""
     started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
-        await asyncio.sleep(0.05)
+    await eventually(check, what=what, timeout_s=timeout_s, poll_s=0.05)
     return time.monotonic() - started
 
 
