@@ -279,6 +279,10 @@ class ManagementApi:
         items = self.request("GET", f"/api/{kind}/{self._q(self.vhost)}?columns=name")
         return sorted(i["name"] for i in items if i["name"].startswith(prefix))
 
+    def purge_queue(self, name: str) -> None:
+        """Drop every ready message of ``name`` (the UI's "Purge Messages")."""
+        self.request("DELETE", f"/api/queues/{self._q(self.vhost)}/{self._q(name)}/contents")
+
     def delete_queue(self, name: str) -> bool:
         return self._delete(f"/api/queues/{self._q(self.vhost)}/{self._q(name)}")
 

@@ -322,12 +322,26 @@ def assert_ledger_holds_exactly(
     sandbox counter is full with them and nothing else."""
     active = ledger.active()
     assert all(r.state is ReservationState.ACTIVE for r in active), [r.state for r in active]
-    assert {r.admission_id: r.fence for r in active} == grants
+    held = {r.admission_id: r.fence for r in active}
+    assert held == grants, ledger_story(ledger, set(held) ^ set(grants))
     assert len(active) == len(grants) == capacity
     assert ledger.usage()[SANDBOXES] == (capacity, capacity)
     assert ledger.replay_log() == {r.admission_id: (r.state, r.fence) for r in active}, (
         "the log holds exactly the ACTIVE grants: no other reservation was ever made"
     )
+
+
+def ledger_story(ledger: PostgresLedger, admission_ids: set[str]) -> str:
+    """What the ledger holds and logged about ``admission_ids`` (a failure's explanation)."""
+    lines = []
+    for admission_id in sorted(admission_ids):
+        row = ledger.get(admission_id)
+        now = (row.state, row.fence, row.expires_at) if row is not None else None
+        lines.append(f"{admission_id}: {now}")
+    for entry in ledger.log():
+        if entry.admission_id in admission_ids:
+            lines.append(f"  log {entry}")
+    return "\n".join(lines)
 
 
 Outcome = tuple[str, AdmissionReason | None]
@@ -536,6 +550,7 @@ async def test_a_manager_killed_while_racing_another_loses_no_request_and_double
     # An admission decided twice (by the dead manager without an ack, then redelivered to
     # the survivor) got the same grant both times.
     logged = [(d["admission_id"], d["fence"]) for p in procs for d in p.admitted]
+    print("granted by:", {d["admission_id"]: p.manager_id for p in procs for d in p.admitted})
     assert dict(logged) == grants and len(set(logged)) == capacity
     assert_ledger_holds_exactly(ledger, grants, capacity)
 

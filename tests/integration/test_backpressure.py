@@ -107,6 +107,34 @@ async def wait_for_bound(management_api: Any, queue: str, slots: int) -> dict[st
     return info
 
 
+async def wait_until_enforced(
+    management_api: Any, transport: AmqpTransport, mesh: PoolMesh, timeout_s: float = 15.0
+) -> None:
+    """Until the broker nacks a publish over the pool queue's bound, then empty the queue.
+
+    The management API shows a policy's ``max-length`` as soon as the policy matches, but a
+    quorum queue enforces it only once the change has gone through its Raft log, a moment
+    later: a publish in between is accepted past the bound. Probing is the only view of the
+    bound that is actually in force."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await transport.publish(mesh.topology.tasks_exchange, "pool.echo", b'{"probe": 1}')
+        except PublishNacked:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{mesh.queue} took publishes past its bound for {timeout_s} s")
+        await asyncio.sleep(0.05)
+    management_api.purge_queue(mesh.queue)
+    await eventually(
+        lambda: _is_empty(transport, mesh.queue), what=f"{mesh.queue} empty after the probes"
+    )
+
+
+async def _is_empty(transport: AmqpTransport, queue: str) -> bool:
+    return await transport.queue_depth(queue) == 0
+
+
 @asynccontextmanager
 async def pool_mesh(
     amqp_url: str,
@@ -151,6 +179,7 @@ async def pool_mesh(
         accepted = await producer.publish_descriptor(echo_descriptor(slots))
         assert accepted.type == "mesh.descriptor-accepted.v1", accepted
         await wait_for_bound(management_api, mesh.queue, slots)
+        await wait_until_enforced(management_api, raw, mesh)
         for runtime in runtimes:
             await runtime.start()
         for runtime in runtimes:
