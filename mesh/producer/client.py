@@ -165,6 +165,15 @@ def retry_delay_s(
 OnDeferred = Callable[[AdmissionDecision], "bool | Awaitable[bool]"]
 
 
+def _granted(reply: Message) -> str | None:
+    """What ``reply`` grants, as a key that tells two grants apart (``None``: nothing)."""
+    if isinstance(reply, LeaseGranted):
+        return f"lease:{reply.lease.lease_id}"
+    if isinstance(reply, AdmissionDecision) and reply.grant is not None:
+        return f"admission:{reply.admission_id}:{reply.grant.fence}"
+    return None
+
+
 class MeshClient:
     """Find, acquire, release, drain, status; and run tasks. One per process is plenty."""
 
@@ -174,8 +183,9 @@ class MeshClient:
         self.reply_queue = reply_queue
         self.counters: Counter[str] = Counter()
         self._pending: dict[str, asyncio.Future[Message]] = {}
-        # Correlation IDs answered lately (bounded): a second answer to one is a duplicate.
-        self._answered: OrderedDict[str, None] = OrderedDict()
+        # Correlation IDs answered lately (bounded), each with the grant its answer carried:
+        # a second answer to one is a duplicate.
+        self._answered: OrderedDict[str, str | None] = OrderedDict()
         self._consumer: Subscription | None = None
         self._owns_transport = False
         self._background: set[asyncio.Task[None]] = set()
@@ -234,26 +244,42 @@ class MeshClient:
             self.counters["late_replies"] += 1
             await self._release_late_grant(delivery)
             return
-        self._answered[delivery.correlation_id or ""] = None
-        if len(self._answered) > _ANSWERED_KEPT:
-            self._answered.popitem(last=False)
         try:
             # Replies come from the manager and agents, not strangers: a status of thousands
             # of agents is legitimately larger than the inbound limit for untrusted input.
-            fut.set_result(decode(delivery.body, max_bytes=REPLY_MAX_BYTES))
+            reply = decode(delivery.body, max_bytes=REPLY_MAX_BYTES)
         except Exception as exc:  # a bad reply fails its caller, not the consumer
+            self._remember_answer(delivery.correlation_id, None)
             fut.set_exception(exc)
+            return
+        self._remember_answer(delivery.correlation_id, _granted(reply))
+        fut.set_result(reply)
+
+    def _remember_answer(self, correlation_id: str | None, grant: str | None) -> None:
+        self._answered[correlation_id or ""] = grant
+        if len(self._answered) > _ANSWERED_KEPT:
+            self._answered.popitem(last=False)
 
     async def _release_late_grant(self, delivery: Delivery) -> None:
         """A grant that arrives after its caller gave up would pin a slot until its TTL; a
-        second result for a task is counted (``duplicate_results``: it ran twice)."""
+        second answer to a request already answered is counted and changes nothing."""
         try:
             reply = decode(delivery.body)
         except Exception:
             return
-        if isinstance(reply, TaskResult) and delivery.correlation_id in self._answered:
-            self.counters["duplicate_results"] += 1
-            log.warning("a second result for a task", extra={"task_id": reply.task_id})
+        correlation_id = delivery.correlation_id or ""
+        if correlation_id in self._answered:
+            # A second answer: the manager that answered first died before acknowledging the
+            # request, and another manager answered it again. An admission is answered from
+            # the ledger — the same grant, which the caller holds and will settle: releasing
+            # it here would take it away from under its holder. Only a grant other than the
+            # first answer's (a second lease) is nobody's. A second result: the task ran twice.
+            self.counters["duplicate_replies"] += 1
+            if isinstance(reply, TaskResult):
+                self.counters["duplicate_results"] += 1
+                log.warning("a second result for a task", extra={"task_id": reply.task_id})
+            if _granted(reply) in (None, self._answered[correlation_id]):
+                return
         if isinstance(reply, LeaseGranted):
             self.counters["late_grants_released"] += 1
             self._in_background(self._release_quietly(reply.lease.lease_id))

@@ -1,6 +1,7 @@
 """The manager away longer than a producer waits: a grant decided after its caller gave up is
 given back at once, and ``submit`` asks again under the same admission ID until its deadline
-(one grant, one execution), on the real broker."""
+(one grant, one execution); and a request answered twice (its first manager died between its
+answer and its ack) keeps its grant, on the real broker."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from mesh.errors import RequestTimeout
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
+from mesh.topology import names
+from mesh.topology.specs import BindingSpec, Declarations, QueueSpec
+from mesh.transport import AmqpTransport
+from mesh.transport.delivery import Delivery
 
 from .harness import eventually, start_manager
 from .test_admission import settings_for
@@ -94,3 +99,54 @@ async def test_submit_asks_again_under_the_same_admission_id_while_the_manager_i
         await runtime.stop()
         if second is not None:
             await second.stop()
+
+
+async def test_a_second_answer_to_an_answered_admission_leaves_its_grant_with_the_holder(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Two managers share a request queue; one answers, dies before its ack, and the broker
+    redelivers the request to the other, which answers again from the ledger: the same grant.
+    Here the redelivery is made by hand — a copy of the request, taken from a tap on the
+    control exchange, published again — so the second answer comes every time. The producer
+    counts it and leaves the grant to its holder (it used to give it back as a late grant)."""
+    settings = settings_for(amqp_url, namespace, tmp_path, admission_capacity="descriptor")
+    manager = await start_manager(settings)
+    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    tap = await AmqpTransport.connect(amqp_url, name="tap")
+    seen: asyncio.Queue[Delivery] = asyncio.Queue()
+    control, admit_key = producer.topology.control_exchange, names.rpc_key("admit")
+    try:
+        queue = f"{namespace}.test.tap"
+        await tap.declare(
+            Declarations(
+                queues=(QueueSpec(queue, durable=False),),
+                bindings=(BindingSpec(queue, control, admit_key),),
+            )
+        )
+        await tap.consume(queue, seen.put, no_ack=True)
+        assert (await producer.publish_descriptor(echo_descriptor(4))).type.endswith("accepted.v1")
+
+        decision = await producer.admit(echo_requirements(), admission_id="adm-twice")
+        assert decision.grant is not None, decision
+        request = await asyncio.wait_for(seen.get(), 5)
+        await tap.publish(
+            control,
+            admit_key,
+            request.body,
+            reply_to=request.reply_to,
+            correlation_id=request.correlation_id,
+            user_id=request.user_id,
+        )
+        await eventually(lambda: producer.counters["late_replies"] == 1, what="the second answer")
+
+        assert producer.counters["late_admissions_released"] == 0
+        assert producer.counters["duplicate_replies"] == 1
+        assert manager.counters["admission.admitted"] == 2  # decided twice: the same grant
+        assert reservations(tmp_path) == {"adm-twice": "ACTIVE"}
+        settled = await producer.release_admission(decision.grant)
+        assert settled.released, settled
+        assert reservations(tmp_path) == {"adm-twice": "RELEASED"}
+    finally:
+        await tap.close()
+        await producer.close()
+        await manager.stop()
