@@ -33,11 +33,16 @@ FEATURE_LEASE_NOTICES: Final = "lease-notices"
 # optional field only for receivers that said they know it, since receivers refuse unknown
 # fields.
 FEATURE_POOL_EPOCH: Final = "pool-epoch"
+# It takes its shard in registration-accepted (``shard``, several managers) and from then on
+# adds it as the last word of its heartbeat and announce keys (all but ``register`` and
+# ``admission``), so they reach only the shard's owner.
+FEATURE_SHARDS: Final = "shards"
 AGENT_FEATURES: Final = (  # what the SDK runtime implements
     FEATURE_DESCRIPTOR_EPOCHS,
     FEATURE_WORK_REPORTS,
     FEATURE_LEASE_NOTICES,
     FEATURE_POOL_EPOCH,
+    FEATURE_SHARDS,
 )
 AGENT_ANNOUNCE_VERBS: Final = (
     "register",
@@ -46,7 +51,7 @@ AGENT_ANNOUNCE_VERBS: Final = (
     "standing",
     "admission",
 )  # <verb> above
-RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>
+RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>, or hb.<agent_id>.<shard>
 RK_LOG: Final = "log"  # log.<agent_id>.<kind>
 RK_CAPABILITY: Final = "capability"  # capability.<capability name>.<agent_id>
 RK_WARNING: Final = "warning"  # warning.<kind>
@@ -57,6 +62,8 @@ EVENT_DESCRIPTOR_ACTIVE: Final = "descriptor_active"  # a pool's active epoch, o
 
 # Headers.
 H_REASON: Final = "x-mesh-reason"  # reason code on a dead-lettered message
+H_FORWARDED_FOR: Final = "x-mesh-forwarded-for"  # a forwarded registration: its agent's user
+H_FORWARDED_BY: Final = "x-mesh-forwarded-by"  # … and the manager that forwarded it
 H_DETAIL: Final = "x-mesh-detail"  # human-readable detail on a dead-lettered message
 H_SOURCE_QUEUE: Final = "x-mesh-source-queue"
 H_ORIGINAL_SIZE: Final = "x-mesh-original-size"  # a dead letter's body size before it was cut

@@ -117,6 +117,12 @@ let lastBeatAt = performance.now(); // the last heartbeat we sent (monotonic ms)
 let fencedBefore = -Infinity; // tasks claimed at or before this (monotonic ms) are suspect
 let forgottenAt = -Infinity; // the manager last asked us to register again
 let standingWaiter = null; // resolves with the manager's mesh.standing.v1
+let shard = null; // several managers: our shard, told in the acceptance (feature "shards")
+
+// A routing key to our shard's owner: with several managers, the shard is its last word.
+function sharded(key) {
+  return shard === null ? key : `${key}.${shard}`;
+}
 let slotsFree = MAX_CONCURRENCY;
 const slotWaiters = [];
 
@@ -164,7 +170,7 @@ async function stillRegistered(claimedAt) {
     const answer = new Promise((resolve) => (standingWaiter = resolve));
     try {
       const request = { type: "mesh.standing-request.v1", agent_id: AGENT_ID, incarnation: INCARNATION };
-      await publish(X.announce, `agent.${AGENT_ID}.standing`, request);
+      await publish(X.announce, sharded(`agent.${AGENT_ID}.standing`), request);
     } catch (err) {
       await sleep(200);
       continue;
@@ -196,7 +202,7 @@ function heartbeat() {
     sent_at: Date.now() / 1000,
   };
   // Heartbeats: not confirmed, not mandatory, transient (§4.1).
-  ch.publish(X.heartbeat, `hb.${AGENT_ID}`, body(message), { contentType: "application/json" });
+  ch.publish(X.heartbeat, sharded(`hb.${AGENT_ID}`), body(message), { contentType: "application/json" });
 }
 
 function startHeartbeats() {
@@ -218,7 +224,7 @@ function registrationMessage() {
     deployment: POOL,
     capabilities: [CAPABILITY],
     heartbeat_interval_s: HEARTBEAT_S,
-    features: ["descriptor-epochs", "lease-notices", "pool-epoch"],
+    features: ["descriptor-epochs", "lease-notices", "pool-epoch", "shards"],
     metadata: { language: "javascript", client: "amqplib" },
   };
 }
@@ -242,6 +248,7 @@ async function register() {
     }
     if (reply.type === "mesh.registration-accepted.v1") {
       if (reply.pool_epoch) applyEpoch(reply.pool_epoch);
+      shard = reply.shard ?? null; // several managers: the last word of our keys from now on
       registered = true;
       log("registration accepted");
       return;
@@ -568,7 +575,7 @@ async function finish(reason, ask) {
   if (ask) {
     try {
       const request = { type: "mesh.drain-request.v1", agent_id: AGENT_ID, reason };
-      await publish(X.announce, `agent.${AGENT_ID}.drain`, request, {
+      await publish(X.announce, sharded(`agent.${AGENT_ID}.drain`), request, {
         persistent: true,
         replyTo: CONTROL_QUEUE,
         correlationId: INCARNATION,
@@ -584,7 +591,7 @@ async function finish(reason, ask) {
   while (inFlight.count > 0 && Date.now() < graceEnds) await sleep(50);
   if (taskConsumer) await ch.cancel(taskConsumer).catch(() => {});
   try {
-    await publish(X.announce, `agent.${AGENT_ID}.deregister`, {
+    await publish(X.announce, sharded(`agent.${AGENT_ID}.deregister`), {
       type: "mesh.agent-deregistration.v1",
       agent_id: AGENT_ID,
       incarnation: INCARNATION,

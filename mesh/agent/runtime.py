@@ -315,6 +315,7 @@ class AgentRuntime:
         self._reregistration: asyncio.Task[None] | None = None
         self._forgotten_at = -math.inf  # monotonic: the manager last asked us to re-register
         self._accepted = False  # the manager accepted a registration of this incarnation
+        self._shard: int | None = None  # several managers: told in the acceptance
         self._standing: asyncio.Future[Standing] | None = None  # the answer awaited
         # idempotency key and task ID -> the result published (ANSWERS_KEPT most recent)
         self._answered: OrderedDict[str, TaskResult] = OrderedDict()
@@ -576,8 +577,12 @@ class AgentRuntime:
                 ),
             )
             await asyncio.sleep(delay)
-        log.info("registration accepted", extra=self._extra(attempt=attempt))
+        log.info("registration accepted", extra=self._extra(attempt=attempt, shard=reply.shard))
         self._accepted = True
+        # Several managers: our shard's owner gets our heartbeats and announcements (all but
+        # a registration, which any manager takes and forwards, and admission questions,
+        # which any manager answers from the shared ledger).
+        self._shard = reply.shard
         if reply.pool_epoch is not None:  # our pool's epoch now, not at the next announcement
             self._on_event(
                 OrchestrationEvent(
@@ -739,7 +744,7 @@ class AgentRuntime:
             try:
                 await self.transport.publish(  # answered on our control queue
                     self.topology.announce_exchange,
-                    names.agent_announce_key(self.agent_id, "standing"),
+                    names.agent_announce_key(self.agent_id, "standing", self._shard),
                     request,
                     timeout_s=self.settings.publish_timeout_s,
                     user_id=self._user_id,
@@ -782,7 +787,7 @@ class AgentRuntime:
             async with asyncio.timeout(self.settings.publish_timeout_s):
                 await self.transport.publish_fast(
                     self.topology.heartbeat_exchange,
-                    names.heartbeat_key(self.agent_id),
+                    names.heartbeat_key(self.agent_id, self._shard),
                     encode(heartbeat),
                     user_id=self._user_id,
                 )
@@ -1367,7 +1372,7 @@ class AgentRuntime:
         try:
             await self.transport.publish(
                 self.topology.announce_exchange,
-                names.agent_announce_key(self.agent_id, "drain"),
+                names.agent_announce_key(self.agent_id, "drain", self._shard),
                 DrainRequest(agent_id=self.agent_id, reason=reason[:500]),
                 reply_to=self._control_queue,
                 correlation_id=self._incarnation,
@@ -1450,7 +1455,7 @@ class AgentRuntime:
         try:
             await self.transport.publish(
                 self.topology.announce_exchange,
-                names.agent_announce_key(self.agent_id, "deregister"),
+                names.agent_announce_key(self.agent_id, "deregister", self._shard),
                 Deregistration(
                     agent_id=self.agent_id, incarnation=self._incarnation, reason=reason[:500]
                 ),

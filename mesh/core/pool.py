@@ -150,6 +150,7 @@ class AgentRecord:
     reports_work: bool = False  # it reports pool work and confirms drains (work-reports)
     hears_leases: bool = False  # it is told of each lease on it (lease-notices)
     takes_pool_epoch: bool = False  # its acceptance may carry its pool's epoch (pool-epoch)
+    takes_shard: bool = False  # its acceptance may carry its shard (shards)
     reported_draining: bool = False  # its last heartbeat said it takes no more pool tasks
     drain_confirmed: bool = False  # the manager has journaled that, for this drain
     last_heartbeat_seq: int = -1
@@ -304,6 +305,7 @@ class PoolCore:
             reports_work=c.FEATURE_WORK_REPORTS in reg.features,
             hears_leases=c.FEATURE_LEASE_NOTICES in reg.features,
             takes_pool_epoch=c.FEATURE_POOL_EPOCH in reg.features,
+            takes_shard=c.FEATURE_SHARDS in reg.features,
         )
         out += self._transition(agent, Trigger.REGISTER, now, "registration received")
         if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
@@ -940,6 +942,32 @@ class PoolCore:
             self._recently_terminated.popitem(last=False)
         self.counters["terminated"] += 1
         return out
+
+    def hand_over(self, leaves: Callable[[str], bool]) -> int:
+        """Forget every agent whose pool ``leaves`` (its shard is another manager's now):
+        no lifecycle transition, no withdrawn capability, no fence — the agent is alive and
+        registers with the new owner, which asks it to; this registry just stops counting it.
+        Its leases are forgotten with it (their holders' releases are answered as unknown).
+        Returns how many agents it forgot. O(agents): handovers are rare."""
+        gone = [agent for agent in self.agents.values() if leaves(agent.deployment)]
+        for agent in gone:
+            for slot in agent.slots.values():
+                self._count_live_slot(agent, slot, taking_work=False)
+                self.index.remove(slot, agent.in_flight)
+                by_deployment = self._deployments_by_capability[slot.capability]
+                by_deployment[agent.deployment] -= 1
+                if by_deployment[agent.deployment] <= 0:
+                    del by_deployment[agent.deployment]
+            for lease_id in agent.leases:
+                self.leases.pop(lease_id, None)
+                self._remember_finished(lease_id)
+            self._tally(agent, -1)
+            del self.agents[agent.agent_id]
+            self._reregister_asked.pop(agent.agent_id, None)
+        if gone:
+            self._sorted_ids = None
+            self.counters["handed_over"] += len(gone)
+        return len(gone)
 
     def _remember_finished(self, lease_id: str) -> None:
         self._finished_leases[lease_id] = None

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -61,6 +62,7 @@ from mesh.core.events import (
     Tick,
 )
 from mesh.core.pool import PoolCore
+from mesh.core.shards import shard_of
 from mesh.errors import (
     LocalProtocolError,
     MessageRejected,
@@ -182,6 +184,11 @@ class ManagerService:
         self._started_at = self.clock.now().mono
         self.shards: ShardOwnership | None = None  # with settings.shard_count
         self._shard_thread: ThreadPoolExecutor | None = None
+        # Several managers: the consumers of each held shard's announce and heartbeat queues.
+        self._shard_consumers: dict[int, list[Subscription]] = {}
+        # The broker user managers publish as: a registration forwarded to its shard's owner
+        # carries its agent's user in a header, trusted only from this user (validated).
+        self._manager_user = urlsplit(settings.amqp_url).username or None
         self.observer = Observer(
             manager_id=settings.manager_id,
             namespace=settings.namespace,
@@ -253,6 +260,8 @@ class ManagerService:
             url = await self.observer.serve(s.http_host, s.http_port)
             log.info("status page", extra={"url": url, "metrics": f"{url}metrics"})
         await self.transport.declare(self.topology.manager())
+        if s.shard_count is not None:
+            await self.transport.declare(self.topology.manager_shards(s.shard_count))
         await self._start_shards()  # after the events exchange exists: transfers are logged
         await self.admission.bind_pool_queues()
         await self.execute(
@@ -306,13 +315,52 @@ class ManagerService:
             lease_s=s.shard_lease_s,
             run_blocking=run_blocking,
             wall_clock=lambda: self.clock.now().wall,
-            on_change=lambda entries: self.execute([AppendLog(e) for e in entries]),
+            on_change=self._shards_changed,
             counters=self.counters,
         )
         await self.shards.step()  # its first share before it consumes anything
         self.shards.start()
 
+    async def _shards_changed(self, entries: list[LogEntry]) -> None:
+        """Shards taken, given back or lost (``ShardOwnership``): journaled, and this
+        manager consumes exactly the queues of the shards it holds. A shard it no longer
+        holds is left first (its consumers cancelled, its agents forgotten: they register
+        with the new owner when it asks), then the new ones are joined."""
+        for entry in entries:
+            if entry.reason != "taken":
+                await self._leave_shard(int(entry.detail["shard"]))
+        await self.execute([AppendLog(e) for e in entries])
+        for entry in entries:
+            if entry.reason == "taken" and not self._stopping:
+                await self._join_shard(int(entry.detail["shard"]))
+
+    async def _join_shard(self, shard: int) -> None:
+        if shard in self._shard_consumers:
+            return
+        t, s = self.topology, self.settings
+        announce = t.shard_announce_queue(shard)
+
+        async def on_announce(delivery: Delivery) -> None:
+            await self._guarded(delivery, announce, self._handle_announce)
+
+        self._shard_consumers[shard] = [
+            await self.transport.consume(announce, on_announce, prefetch=s.prefetch),
+            await self.transport.consume_raw(t.shard_heartbeat_queue(shard), self.heartbeats),
+        ]
+        log.info("consuming shard", extra={"shard": shard})
+
+    async def _leave_shard(self, shard: int) -> None:
+        for consumer in self._shard_consumers.pop(shard, []):
+            with contextlib.suppress(Exception):  # the channel may be gone already
+                await consumer.cancel()
+        if self.settings.shard_count is not None:
+            count = self.settings.shard_count
+            forgotten = self.core.hand_over(lambda pool: shard_of(pool, count) == shard)
+            log.info("left shard", extra={"shard": shard, "agents_forgotten": forgotten})
+
     async def _stop_shards(self) -> None:
+        for shard in list(self._shard_consumers):
+            await self._leave_shard(shard)
         if self.shards is not None:
             await self.shards.stop(give_back=True)
             self.shards.leases.close()
@@ -415,14 +463,18 @@ class ManagerService:
             claimed = message.agent_id
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
-        if self.settings.agent_identity and claimed != delivery.user_id:
+        publisher = self._publisher_of(delivery)
+        if self.settings.agent_identity and claimed != publisher:
             # Someone speaking for another agent: dead-lettered (and refused if it asked),
             # never answered on the named agent's control queue — that agent did not ask.
             raise MessageRejected(
                 Reason.NOT_AUTHORIZED,
                 f"{message.type} for agent {claimed!r} published by broker user "
-                f"{delivery.user_id!r}: agents speak only for themselves",
+                f"{publisher!r}: agents speak only for themselves",
             )
+        if isinstance(message, AgentRegistration) and self.shards is not None:
+            if not await self._registration_is_mine(message, delivery, publisher):
+                return
         self.counters[f"received.{message.type}"] += 1
         if isinstance(message, StandingRequest):
             await self._send_to_agent(message.agent_id, self._standing(message))
@@ -436,6 +488,67 @@ class ManagerService:
             await self._refuse_registration(message, delivery)
             return
         await self._feed(event, delivery)  # a drain request may carry reply_to
+
+    def _publisher_of(self, delivery: Delivery) -> str | None:
+        """The broker user a message is from: its validated ``user_id``, or for a
+        registration another manager forwarded, the agent's user it names — believed only
+        from the managers' own user, which no agent can publish as."""
+        forwarded = delivery.headers.get(c.H_FORWARDED_FOR)
+        if (
+            forwarded is not None
+            and self._manager_user is not None
+            and delivery.user_id == self._manager_user
+        ):
+            return str(forwarded.decode() if isinstance(forwarded, bytes) else forwarded)
+        return delivery.user_id
+
+    async def _registration_is_mine(
+        self, registration: AgentRegistration, delivery: Delivery, publisher: str | None
+    ) -> bool:
+        """Several managers: a registration is handled by its pool's shard's owner. Any
+        manager takes it from the shared announce queue and forwards it to the shard's queue
+        when the shard is not its own (the shard's queue keeps it until an owner consumes
+        it). An agent that cannot route by shard is refused: its heartbeats would reach a
+        manager that does not know it."""
+        assert self.shards is not None and self.settings.shard_count is not None
+        if c.FEATURE_SHARDS not in registration.features:
+            await self._refuse_unsharded(registration)
+            return False
+        shard = shard_of(registration.deployment, self.settings.shard_count)
+        if self.shards.holds(shard):
+            return True
+        headers = {c.H_FORWARDED_BY: self.settings.manager_id}
+        if publisher is not None:
+            headers[c.H_FORWARDED_FOR] = publisher
+        await self.transport.publish(
+            self.topology.announce_exchange,
+            names.agent_announce_key(registration.agent_id, "register", shard),
+            delivery.body,
+            headers=headers,
+            persistent=True,
+            user_id=self._manager_user,
+        )  # confirmed: the delivery is acked only after the shard's queue has it
+        self.counters["registrations_forwarded"] += 1
+        return False
+
+    async def _refuse_unsharded(self, registration: AgentRegistration) -> None:
+        self.counters[f"registration_refused.{Reason.SHARDS_UNSUPPORTED}"] += 1
+        log.warning(
+            "registration refused",
+            extra={"agent_id": registration.agent_id, "reason": Reason.SHARDS_UNSUPPORTED.value},
+        )
+        detail = (
+            f"this namespace runs several managers, each owning shards of the registry; an "
+            f"agent must list the {c.FEATURE_SHARDS!r} feature (route its heartbeats to its "
+            "shard's owner): upgrade its SDK"
+        )
+        refusal = RegistrationRefused(
+            agent_id=registration.agent_id,
+            incarnation=registration.incarnation,
+            reason=Reason.SHARDS_UNSUPPORTED,
+            detail=detail,
+        )
+        await self._send_to_agent(registration.agent_id, refusal)
 
     def _standing(self, request: StandingRequest) -> Standing:
         """Whether this incarnation is registered now (it was not declared lost)."""
@@ -658,7 +771,8 @@ class ManagerService:
 
     async def _carry_out(self, cmd: Command, request: Delivery | None) -> None:
         if isinstance(cmd, SendToAgent):
-            await self._send_to_agent(cmd.agent_id, self._with_pool_epoch(cmd.message))
+            message = self._with_shard(self._with_pool_epoch(cmd.message))
+            await self._send_to_agent(cmd.agent_id, message)
         elif isinstance(cmd, Reply):
             if request is not None:
                 delivered = await self._reply(request, cmd.message)
@@ -813,6 +927,17 @@ class ManagerService:
             return message
         epoch = self.admission.pool_epoch(agent.deployment)
         return message if epoch is None else message.model_copy(update={"pool_epoch": epoch})
+
+    def _with_shard(self, message: Message) -> Message:
+        """Several managers: an acceptance tells an agent with the ``shards`` feature its
+        shard, the last word of its heartbeat and announce keys from then on."""
+        count = self.settings.shard_count
+        if count is None or not isinstance(message, RegistrationAccepted):
+            return message
+        agent = self.core.agents.get(message.agent_id)
+        if agent is None or not agent.takes_shard:
+            return message
+        return message.model_copy(update={"shard": shard_of(agent.deployment, count)})
 
     async def _send_to_agent(self, agent_id: str, message: Message) -> None:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
@@ -60,6 +61,15 @@ class ShardOwnership:
         self._wall = wall_clock
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
+        # Per held shard, the monotonic time its lease surely still runs until here: measured
+        # from *before* the call that took or renewed it, so never later than the table's.
+        self._valid_until: dict[int, float] = {}
+
+    def holds(self, shard: int) -> bool:
+        """Whether this manager may act on ``shard`` now: it held it at its last step and
+        the lease cannot have lapsed since. A manager that was paused past its lease answers
+        False at once on waking, before its next step has told it of the loss."""
+        return shard in self.keeper.held and time.monotonic() < self._valid_until.get(shard, 0.0)
 
     @property
     def manager_id(self) -> str:
@@ -94,10 +104,15 @@ class ShardOwnership:
             log.warning("shard lease step failed", extra={"error": str(exc)})
 
     async def _renew(self) -> None:
+        asked_at = time.monotonic()
         kept = await self._run(
             self.leases.renew, self.manager_id, dict(self.keeper.held), self.lease_s
         )
         lost = self.keeper.renewed(kept)
+        for shard in self.keeper.held:
+            self._valid_until[shard] = asked_at + self.lease_s
+        for shard in lost:
+            self._valid_until.pop(shard, None)
         if lost:
             self.counters["shards_lost"] += len(lost)
             log.warning("shard leases lost", extra={"shards": list(lost)})
@@ -114,9 +129,11 @@ class ShardOwnership:
                 changes.append(("given_back", shard, fence))
             self.keeper.gave_back(shard)  # given back, or already not ours: either way
         for shard in moves.take:
+            asked_at = time.monotonic()
             fence = await self._run(self.leases.take, self.manager_id, shard, self.lease_s)
             if fence is not None:
                 self.keeper.took(shard, fence)
+                self._valid_until[shard] = asked_at + self.lease_s
                 changes.append(("taken", shard, fence))
         if changes:
             self.counters["shards_taken"] += sum(1 for c in changes if c[0] == "taken")

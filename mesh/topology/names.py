@@ -44,13 +44,24 @@ def reply_queue(namespace: str, client_name: str, unique: str) -> str:
     return f"{namespace}.reply.{client_name}.{unique}"
 
 
-def agent_announce_key(agent_id: str, verb: str) -> str:
-    """``agent.<agent_id>.register`` | ``.deregister`` | ``.drain``."""
-    return f"{c.RK_AGENT}.{agent_id}.{verb}"
+def agent_announce_key(agent_id: str, verb: str, shard: int | None = None) -> str:
+    """``agent.<agent_id>.register`` | ``.deregister`` | ``.drain`` …; with several managers
+    (shards) an agent told its shard adds it as a last word, ``agent.<agent_id>.drain.<k>``:
+    only that shard's queue is bound to such keys, so only the shard's owner gets them."""
+    key = f"{c.RK_AGENT}.{agent_id}.{verb}"
+    return key if shard is None else f"{key}.{shard}"
 
 
-def heartbeat_key(agent_id: str) -> str:
-    return f"{c.RK_HEARTBEAT}.{agent_id}"
+def heartbeat_key(agent_id: str, shard: int | None = None) -> str:
+    """``hb.<agent_id>``, or ``hb.<agent_id>.<k>`` for an agent of shard ``k``."""
+    key = f"{c.RK_HEARTBEAT}.{agent_id}"
+    return key if shard is None else f"{key}.{shard}"
+
+
+def shard_queue(namespace: str, shard: int, purpose: str) -> str:
+    """``<ns>.manager.shard-<k>.announce`` | ``.heartbeats``: one shard's agent traffic,
+    consumed by the shard's owner only."""
+    return f"{namespace}.manager.shard-{shard}.{purpose}"
 
 
 def log_key(agent_id: str, kind: str) -> str:

@@ -14,8 +14,9 @@ exactly what it uses (see docs/security.md for the table and what each is for):
 - read: its two queues, its pool's queue ``N.pool.P.tasks``, and the exchanges its queues are
   bound from: ``N.agents``, ``N.tasks``, ``N.events``;
 - topic: on ``N.announce`` only ``agent.X.<verb>`` for the verbs of ``AGENT_ANNOUNCE_VERBS``;
-  on ``N.heartbeat`` only ``hb.X``. Another agent's routing key is refused by the broker
-  (``ACCESS_REFUSED``).
+  on ``N.heartbeat`` only ``hb.X`` — each also with a shard number as a last word
+  (``agent.X.drain.3``, ``hb.X.3``: several managers). Another agent's routing key is
+  refused by the broker (``ACCESS_REFUSED``).
 
 Names are matched whole (``^…$``) with every literal part escaped.
 """
@@ -89,11 +90,22 @@ def agent_permissions(namespace: str, agent_id: str, pool_id: str) -> AgentPermi
         topics=(
             TopicPermission(
                 announce,
-                write=_any_of(
-                    *(names.agent_announce_key(agent_id, v) for v in c.AGENT_ANNOUNCE_VERBS)
+                write=_with_shard(
+                    _any_of(
+                        *(names.agent_announce_key(agent_id, v) for v in c.AGENT_ANNOUNCE_VERBS)
+                    )
                 ),
                 read=NOTHING,
             ),
-            TopicPermission(heartbeat, write=_any_of(names.heartbeat_key(agent_id)), read=NOTHING),
+            TopicPermission(
+                heartbeat, write=_with_shard(_any_of(names.heartbeat_key(agent_id))), read=NOTHING
+            ),
         ),
     )
+
+
+def _with_shard(pattern: str) -> str:
+    """``pattern`` (``^(…)$``) also matching its keys with a shard number as a last word
+    (``….<k>``, several managers): the agent's own keys still, in any shard."""
+    assert pattern.startswith("^") and pattern.endswith("$")
+    return pattern[:-1] + r"(\.[0-9]{1,4})?$"

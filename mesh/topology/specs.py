@@ -40,6 +40,7 @@ class QueueArguments:
     dead_letter_exchange: str | None = None
     dead_letter_routing_key: str | None = None
     delivery_limit: int | None = None
+    single_active_consumer: bool | None = None
 
     def to_amqp(self) -> dict[str, Any]:
         pairs: dict[str, Any] = {
@@ -52,6 +53,7 @@ class QueueArguments:
             "x-dead-letter-exchange": self.dead_letter_exchange,
             "x-dead-letter-routing-key": self.dead_letter_routing_key,
             "x-delivery-limit": self.delivery_limit,
+            "x-single-active-consumer": self.single_active_consumer,
         }
         return {k: v for k, v in pairs.items() if v is not None}
 
@@ -284,6 +286,54 @@ class Topology:
             BindingSpec(rpc.name, self.control_exchange, f"{c.RK_RPC}.*"),
         )
         return self.shared() + Declarations(queues=(announce, heartbeats, rpc), bindings=bindings)
+
+    def shard_announce_queue(self, shard: int) -> str:
+        return names.shard_queue(self.namespace, shard, "announce")
+
+    def shard_heartbeat_queue(self, shard: int) -> str:
+        return names.shard_queue(self.namespace, shard, "heartbeats")
+
+    def manager_shards(self, shard_count: int) -> Declarations:
+        """Several managers: each shard's announce and heartbeat queues, like the shared ones
+        (:meth:`manager`) and bound to the same exchanges by the shard's number as the keys'
+        last word (``agent.<id>.<verb>.<k>``, ``hb.<id>.<k>``). The shard's owner consumes
+        them; single-active-consumer keeps deliveries on one manager while a handover has
+        the old and the new owner subscribed for a moment. Every manager declares all of
+        them, so a registration can be forwarded to a shard nobody holds yet."""
+        dlx = self.dead_letter_exchange
+        queues, bindings = [], []
+        for shard in range(shard_count):
+            announce = QueueSpec(
+                self.shard_announce_queue(shard),
+                arguments=QueueArguments(
+                    queue_type="quorum",
+                    max_length=self.announce_max_length,
+                    max_length_bytes=self.announce_max_bytes,
+                    overflow="reject-publish",
+                    dead_letter_exchange=dlx,
+                    delivery_limit=5,
+                    single_active_consumer=True,
+                ),
+            )
+            heartbeats = QueueSpec(
+                self.shard_heartbeat_queue(shard),
+                durable=False,
+                arguments=QueueArguments(
+                    max_length=self.heartbeat_queue_max_length,
+                    max_length_bytes=self.heartbeat_queue_max_bytes,
+                    overflow="drop-head",
+                    message_ttl_ms=self.heartbeat_ttl_ms,
+                    single_active_consumer=True,
+                ),
+            )
+            queues += [announce, heartbeats]
+            bindings += [
+                BindingSpec(announce.name, self.announce_exchange, f"{c.RK_AGENT}.*.*.{shard}"),
+                BindingSpec(
+                    heartbeats.name, self.heartbeat_exchange, f"{c.RK_HEARTBEAT}.*.{shard}"
+                ),
+            ]
+        return Declarations(queues=tuple(queues), bindings=tuple(bindings))
 
     def pool(self, pool_id: str) -> Declarations:
         """A pool's task queue: what the admission path publishes granted tasks to.

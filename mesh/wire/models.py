@@ -207,14 +207,17 @@ class PoolEpoch(WireModel):
 class RegistrationAccepted(Message):
     """Manager -> agent: you are Ready and will be handed work. ``pool_epoch``: the agent's
     pool's active epoch when its pool has a descriptor, so a new agent judges grants at once
-    instead of waiting for the next periodic ``descriptor_active`` announcement."""
+    instead of waiting for the next periodic ``descriptor_active`` announcement. ``shard``
+    (several managers, to an agent with the ``shards`` feature): the agent's shard, the last
+    word of its heartbeat and announce keys from now on."""
 
     TYPE = "mesh.registration-accepted.v1"
-    ADDED_FIELDS = frozenset({"pool_epoch"})
+    ADDED_FIELDS = frozenset({"pool_epoch", "shard"})
     type: Literal["mesh.registration-accepted.v1"] = "mesh.registration-accepted.v1"
     agent_id: AgentId
     incarnation: Identifier
     pool_epoch: PoolEpoch | None = None
+    shard: int | None = Field(default=None, ge=0, lt=4096)
 
 
 class RegistrationRefused(Message):

@@ -46,6 +46,7 @@ class Reason(StrEnum):
     AGENT_ID_IN_USE = "AGENT_ID_IN_USE"  # a live incarnation holds the ID: retry after it is gone
     # It joins a pool whose tasks carry epoch-bound grants but does not say it checks epochs.
     EPOCHS_UNSUPPORTED = "EPOCHS_UNSUPPORTED"
+    SHARDS_UNSUPPORTED = "SHARDS_UNSUPPORTED"  # several managers: the agent must route by shard
     # Bad messages (dead-letter reasons).
     MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
     MALFORMED_JSON = "MALFORMED_JSON"

@@ -1,6 +1,7 @@
 """Managers with ``shard_count`` set share the registry's shards through the real PostgreSQL
 lease table, on the real broker: an even split, every transfer in the orchestration log, a
-clean stop handing its shards over, and a clear error without a PostgreSQL ledger."""
+clean stop handing its shards over, agents registered with their shard's owner only (and
+moving with their shard), and a clear error without a PostgreSQL ledger."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from mesh.agent import AgentRuntime, AgentSettings
+from mesh.agent.errors import RegistrationRefusedError
+from mesh.core.pool import PoolSettings
+from mesh.core.shards import shard_of
 from mesh.errors import LocalProtocolError
 from mesh.manager.journal import SqliteJournal
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.render import render_status
-from mesh.wire.models import StatusRequest
+from mesh.samples.echo import EchoAgent
+from mesh.wire.models import AgentRegistration, StatusRequest
 
 from . import test_admission_competition as competition
 from .harness import eventually
@@ -50,6 +56,7 @@ async def started(
             admission_capacity="descriptor",
             shard_count=SHARDS,
             shard_lease_s=LEASE_S,
+            pool=PoolSettings(reregister_backoff_s=0.5),
         )
         service = ManagerService(settings)
         services.append(service)
@@ -121,6 +128,99 @@ async def test_two_managers_split_the_shards_and_a_clean_stop_hands_them_over(
     finally:
         reopened.close()
     assert set(given) >= handed
+
+
+POOLS = ("iota", "gamma", "echo", "calc")  # shards 0, 1, 2, 3 of 4
+HEARTBEAT_S = 5.0  # the agents' minimum
+
+
+def pool_agent(amqp_url: str, namespace: str, pool: str, **settings: object) -> AgentRuntime:
+    """An echo agent of pool ``pool`` (the sample, in another deployment)."""
+    agent_class = type(f"Echo_{pool}", (EchoAgent,), {"deployment": pool})
+    return AgentRuntime(
+        agent_class(f"{pool}-1", heartbeat_interval_s=HEARTBEAT_S),
+        AgentSettings(amqp_url=amqp_url, namespace=namespace, **settings),  # type: ignore[arg-type]
+    )
+
+
+def registered(service: ManagerService) -> set[str]:
+    return set(service.core.agents)
+
+
+def lost_agents(service: ManagerService) -> list[str]:
+    assert service.journal is not None
+    return [e.agent_id for e in service.journal.query(limit=None) if e.kind == "lost"]
+
+
+async def test_agents_register_with_their_shards_owner_and_move_with_their_shard(
+    started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
+) -> None:
+    assert [shard_of(pool, SHARDS) for pool in POOLS] == [0, 1, 2, 3]
+    a = await started("manager-a")
+    b = await started("manager-b")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    agents = [pool_agent(amqp_url, namespace, pool) for pool in POOLS]
+    try:
+        for agent in agents:  # each registers through the shared queue, whoever takes it
+            await agent.start()
+
+        # Each agent is in exactly its shard's owner's registry, and was told its shard.
+        expected = {m: {f"{p}-1" for p in POOLS if shard_of(p, SHARDS) in owned(m)} for m in (a, b)}
+        assert registered(a) == expected[a] and registered(b) == expected[b]
+        assert [agent._shard for agent in agents] == [0, 1, 2, 3]
+        forwarded = a.counters["registrations_forwarded"] + b.counters["registrations_forwarded"]
+        assert forwarded >= 1, "no registration went through the other manager"
+        # Heartbeats reach the owner only (under its own key, through the shard's queue).
+        seqs = {m: {i: m.core.agents[i].last_heartbeat_seq for i in expected[m]} for m in (a, b)}
+        await until(
+            lambda: all(
+                m.core.agents[i].last_heartbeat_seq > seqs[m][i]
+                for m in (a, b)
+                for i in expected[m]
+            ),
+            "a heartbeat of every agent at its owner",
+            timeout_s=2 * HEARTBEAT_S,
+        )
+        assert a.counters["heartbeat_unknown_agent"] == b.counters["heartbeat_unknown_agent"] == 0
+
+        # b stops (a clean stop hands its shards back): a takes them, asks their agents to
+        # register again, and holds the whole fleet; nobody is declared lost on the way.
+        await b.stop()
+        moved = await until(
+            lambda: registered(a) == {f"{p}-1" for p in POOLS},
+            "every agent with a",
+            timeout_s=3 * HEARTBEAT_S,
+        )
+        print(f"\nb's agents registered with a {moved:.2f} s after b stopped")
+        assert moved < LEASE_S + HEARTBEAT_S + 1.5  # the bound: a lease and a heartbeat
+        assert lost_agents(a) == [] and a.core.counters["lost"] == 0
+        for agent in agents:  # b's agents registered twice, a's once
+            again = agent.agent.agent_id in expected[b]
+            assert agent.counters["registration_attempts"] == (2 if again else 1), agent.counters
+    finally:
+        for agent in agents:
+            await agent.stop()
+
+
+async def test_an_agent_that_cannot_route_by_shard_is_refused_with_the_reason(
+    started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
+) -> None:
+    await started("manager-a")
+
+    class Unsharded(EchoAgent):  # an SDK from before shards: it would beat to the shared queue
+        def registration(self, incarnation: str) -> AgentRegistration:
+            listed = super().registration(incarnation)
+            return listed.model_copy(update={"features": ["descriptor-epochs"]})
+
+    agent = AgentRuntime(
+        Unsharded("echo-old", heartbeat_interval_s=HEARTBEAT_S),
+        AgentSettings(amqp_url=amqp_url, namespace=namespace),
+    )
+    try:
+        with pytest.raises(RegistrationRefusedError, match="SHARDS_UNSUPPORTED"):
+            await agent.start()
+    finally:
+        await agent.stop()
 
 
 async def test_shards_without_a_postgresql_ledger_are_a_clear_error(

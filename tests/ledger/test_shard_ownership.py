@@ -127,7 +127,10 @@ async def test_a_manager_paused_past_its_lease_learns_it_lost_its_shards_before_
     m1, m2 = make_manager("m1"), make_manager("m2")
     await settle(m1, m2)
     before = m2.owned()
+    assert all(m2.holds(shard) for shard in before)
     await asyncio.sleep(LEASE_S * 1.5)  # m2 is stopped (SIGSTOP); m1 carries on
+    # On waking, before its next step: its own clock already says the leases ran out.
+    assert before and not any(m2.holds(shard) for shard in before)
     await settle(m1, rounds=1)
     assert set(m1.owned()) == set(range(SHARDS))
 

@@ -40,6 +40,17 @@ def test_similar_agent_ids_get_nothing_of_its_own(other: str) -> None:
     announce, heartbeat = P.topics
     assert not allows(heartbeat.write, names.heartbeat_key(other))
     assert not allows(announce.write, names.agent_announce_key(other, "register"))
+    assert not allows(heartbeat.write, names.heartbeat_key(other, 3))
+    assert not allows(announce.write, names.agent_announce_key(other, "drain", 3))
+
+
+def test_with_several_managers_it_publishes_its_own_keys_with_a_shard_as_last_word() -> None:
+    announce, heartbeat = P.topics
+    for shard in (0, 7, 4095):
+        assert allows(heartbeat.write, names.heartbeat_key(AGENT, shard))
+        assert allows(announce.write, names.agent_announce_key(AGENT, "drain", shard))
+    for bad in ("hb.calc-1.", "hb.calc-1.x", "hb.calc-1.3.4", "hb.calc-1.12345"):
+        assert not allows(heartbeat.write, bad), bad
 
 
 def test_it_writes_where_an_agent_publishes_and_reads_what_it_consumes() -> None:

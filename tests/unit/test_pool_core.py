@@ -997,6 +997,35 @@ def test_a_version_stays_indexed_until_its_last_agent_leaves(pool: Pool) -> None
     assert "calc.add" not in pool.core.index
 
 
+def test_a_handover_forgets_the_leaving_pools_agents_quietly_and_keeps_the_rest(
+    pool: Pool,
+) -> None:
+    # Several managers: a shard moved to another manager; its pools' agents register there.
+    pool.register("calc-1", capability("calc.add", "1.0.0", max_concurrency=2), deployment="a")
+    pool.register("calc-2", capability("calc.add", "2.0.0", max_concurrency=2), deployment="b")
+    held = pool.lease(agent_id="calc-1")
+    live_before = pool.core.live_capacity(pool.clock.now())
+    assert live_before.free("a", "calc.add") == 1
+
+    assert pool.core.hand_over(lambda deployment: deployment == "a") == 1
+
+    assert set(pool.core.agents) == {"calc-2"}
+    assert pool.found() == ["calc-2"]
+    assert pool.core.index.versions("calc.add") == ["2.0.0"]
+    assert pool.core.tally.agents == 1 and set(pool.core.tally.pools()) == {"b"}
+    live = pool.core.live_capacity(pool.clock.now())
+    assert live.free("a", "calc.add") == 0 and live.free("b", "calc.add") == 2
+    assert pool.core.counters["handed_over"] == 1 and pool.core.counters["terminated"] == 0
+    assert held.lease_id not in pool.core.leases
+    # Nothing told to anyone (it is alive: no fence, no withdrawn capability, no lifecycle
+    # event), and a later heartbeat of it asks it to register again.
+    assert any(
+        isinstance(cmd, SendToAgent) and isinstance(cmd.message, ReRegisterRequest)
+        for cmd in pool.heartbeat("calc-1")
+    )
+    assert pool.core.hand_over(lambda deployment: deployment == "a") == 0
+
+
 # ---- version drift -----------------------------------------------------------------------------
 
 

@@ -64,6 +64,8 @@ def test_a_test_namespace_renames_every_exchange_and_queue() -> None:
 def test_routing_keys_let_anyone_follow_one_agent_or_one_capability() -> None:
     assert names.agent_announce_key("calc-1", "register") == "agent.calc-1.register"
     assert names.heartbeat_key("calc-1") == "hb.calc-1"
+    assert names.heartbeat_key("calc-1", 3) == "hb.calc-1.3"
+    assert names.agent_announce_key("calc-1", "drain", 3) == "agent.calc-1.drain.3"
     assert names.capability_key("rag.search", "calc-1") == "capability.rag.search.calc-1"
     assert names.log_key("calc-1", "lost") == "log.calc-1.lost"
     assert names.log_key("", "version_drift") == "log.-.version_drift"
@@ -110,6 +112,34 @@ def test_the_manager_binds_its_queues_to_the_keys_agents_publish_on() -> None:
     assert topic_matches(announce, names.agent_announce_key("calc-1", "drain"))
     assert topic_matches(heartbeats, names.heartbeat_key("calc-1"))
     assert topic_matches(bindings[topology.rpc_queue, topology.control_exchange], "rpc.find")
+
+
+def test_each_shard_queue_gets_its_own_shard_s_keys_and_the_shared_queues_none_of_them() -> None:
+    shards = topology.manager_shards(4)
+    bindings = {(b.queue, b.exchange): b.routing_key for b in shards.bindings}
+    shared = {(b.queue, b.exchange): b.routing_key for b in topology.manager().bindings}
+    for shard in range(4):
+        announce = bindings[topology.shard_announce_queue(shard), topology.announce_exchange]
+        heartbeats = bindings[topology.shard_heartbeat_queue(shard), topology.heartbeat_exchange]
+        for verb in ("register", "drain", "deregister", "standing"):
+            assert topic_matches(announce, names.agent_announce_key("calc-1", verb, shard))
+            assert not topic_matches(announce, names.agent_announce_key("calc-1", verb))
+            assert not topic_matches(
+                announce, names.agent_announce_key("calc-1", verb, (shard + 1) % 4)
+            )
+            assert not topic_matches(
+                shared[topology.announce_queue, topology.announce_exchange],
+                names.agent_announce_key("calc-1", verb, shard),
+            )
+        assert topic_matches(heartbeats, names.heartbeat_key("calc-1", shard))
+        assert not topic_matches(heartbeats, names.heartbeat_key("calc-1"))
+        assert not topic_matches(
+            shared[topology.heartbeat_queue, topology.heartbeat_exchange],
+            names.heartbeat_key("calc-1", shard),
+        )
+    # One consumer at a time on each (a handover may briefly have two subscribed).
+    assert all(q.arguments.single_active_consumer for q in shards.queues)
+    assert len(shards.queues) == 8
 
 
 # ---- queue arguments -------------------------------------------------------------------------
@@ -251,6 +281,7 @@ def test_every_queue_argument_has_its_amqp_name() -> None:
         dead_letter_exchange="dlx",
         dead_letter_routing_key="dlk",
         delivery_limit=4,
+        single_active_consumer=True,
     )
 
     assert everything_set.to_amqp() == {
@@ -263,6 +294,7 @@ def test_every_queue_argument_has_its_amqp_name() -> None:
         "x-dead-letter-exchange": "dlx",
         "x-dead-letter-routing-key": "dlk",
         "x-delivery-limit": 4,
+        "x-single-active-consumer": True,
     }
     assert len(everything_set.to_amqp()) == len(dataclasses.fields(QueueArguments))
 
