@@ -62,7 +62,7 @@ EVENT_DESCRIPTOR_ACTIVE: Final = "descriptor_active"  # a pool's active epoch, o
 
 # Headers.
 H_REASON: Final = "x-mesh-reason"  # reason code on a dead-lettered message
-H_FORWARDED_FOR: Final = "x-mesh-forwarded-for"  # a forwarded registration: its agent's user
+H_FORWARDED_FOR: Final = "x-mesh-forwarded-for"  # forwarded by a manager: the user it came from
 H_FORWARDED_BY: Final = "x-mesh-forwarded-by"  # … and the manager that forwarded it
 H_DETAIL: Final = "x-mesh-detail"  # human-readable detail on a dead-lettered message
 H_SOURCE_QUEUE: Final = "x-mesh-source-queue"

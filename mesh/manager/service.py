@@ -62,6 +62,7 @@ from mesh.core.events import (
     Tick,
 )
 from mesh.core.pool import PoolCore
+from mesh.core.ranking import rank
 from mesh.core.shards import shard_of
 from mesh.errors import (
     LocalProtocolError,
@@ -78,6 +79,7 @@ from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
 from mesh.manager.journal import Journal, SqliteJournal
 from mesh.manager.observe import Observer, vhost_of
+from mesh.manager.peers import Peers
 from mesh.manager.settings import ManagerSettings
 from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
@@ -100,9 +102,11 @@ from mesh.wire.models import (
     AdmissionState,
     AdmissionStateRequest,
     AgentRegistration,
+    AgentSummary,
     CapabilityLoadStatus,
     Deregistration,
     DrainRequest,
+    FindReply,
     FindRequest,
     LeaseGranted,
     Message,
@@ -186,6 +190,7 @@ class ManagerService:
         self._shard_thread: ThreadPoolExecutor | None = None
         # Several managers: the consumers of each held shard's announce and heartbeat queues.
         self._shard_consumers: dict[int, list[Subscription]] = {}
+        self.peers: Peers | None = None  # … and the other owners, asked on lease-path requests
         # The broker user managers publish as: a registration forwarded to its shard's owner
         # carries its agent's user in a header, trusted only from this user (validated).
         self._manager_user = urlsplit(settings.amqp_url).username or None
@@ -318,6 +323,14 @@ class ManagerService:
             on_change=self._shards_changed,
             counters=self.counters,
         )
+        self.peers = Peers(
+            self.transport,
+            s.namespace,
+            s.manager_id,
+            user_id=self._manager_user,
+            counters=self.counters,
+        )
+        await self.peers.start()
         await self.shards.step()  # its first share before it consumes anything
         self.shards.start()
 
@@ -340,12 +353,18 @@ class ManagerService:
         t, s = self.topology, self.settings
         announce = t.shard_announce_queue(shard)
 
+        rpc = t.shard_rpc_queue(shard)
+
         async def on_announce(delivery: Delivery) -> None:
             await self._guarded(delivery, announce, self._handle_announce)
+
+        async def on_rpc(delivery: Delivery) -> None:
+            await self._guarded(delivery, rpc, self._handle_rpc)
 
         self._shard_consumers[shard] = [
             await self.transport.consume(announce, on_announce, prefetch=s.prefetch),
             await self.transport.consume_raw(t.shard_heartbeat_queue(shard), self.heartbeats),
+            await self.transport.consume(rpc, on_rpc, prefetch=s.prefetch),
         ]
         log.info("consuming shard", extra={"shard": shard})
 
@@ -361,6 +380,9 @@ class ManagerService:
     async def _stop_shards(self) -> None:
         for shard in list(self._shard_consumers):
             await self._leave_shard(shard)
+        if self.peers is not None:
+            await self.peers.close()
+            self.peers = None
         if self.shards is not None:
             await self.shards.stop(give_back=True)
             self.shards.leases.close()
@@ -493,14 +515,20 @@ class ManagerService:
         """The broker user a message is from: its validated ``user_id``, or for a
         registration another manager forwarded, the agent's user it names — believed only
         from the managers' own user, which no agent can publish as."""
-        forwarded = delivery.headers.get(c.H_FORWARDED_FOR)
-        if (
-            forwarded is not None
+        if self._from_a_manager(delivery):
+            forwarded = _header(delivery, c.H_FORWARDED_FOR)
+            if forwarded is not None:
+                return forwarded
+        return delivery.user_id
+
+    def _from_a_manager(self, delivery: Delivery) -> bool:
+        """Forwarded by another manager of this namespace: marked so, and published as the
+        managers' broker user (validated by RabbitMQ: no agent or producer can)."""
+        return (
+            _header(delivery, c.H_FORWARDED_BY) is not None
             and self._manager_user is not None
             and delivery.user_id == self._manager_user
-        ):
-            return str(forwarded.decode() if isinstance(forwarded, bytes) else forwarded)
-        return delivery.user_id
+        )
 
     async def _registration_is_mine(
         self, registration: AgentRegistration, delivery: Delivery, publisher: str | None
@@ -624,23 +652,172 @@ class ManagerService:
             await self._reply(delivery, await self.admission.handle(message, delivery))
             return
         event: Event
+        publisher = self._publisher_of(delivery)
+        # Several managers: a lease-path request taken from the shared queue may concern
+        # agents another manager holds; one another manager forwarded is answered from here.
+        everywhere = self.peers is not None and not self._from_a_manager(delivery)
         if isinstance(message, FindRequest):
+            if everywhere:
+                await self._reply(delivery, await self._find_everywhere(message))
+                return
             event = FindRequested(message)
         elif isinstance(message, AcquireRequest):
-            lease_id = _lease_id(delivery)
-            event = AcquireRequested(message, lease_id, holder=delivery.user_id)
+            lease_id = self._lease_id_of(delivery)
+            if everywhere:
+                await self._acquire_everywhere(message, lease_id, publisher, delivery)
+                return
+            event = AcquireRequested(message, lease_id, holder=publisher)
         elif isinstance(message, ReleaseRequest):
-            event = ReleaseRequested(message.lease_id, by=delivery.user_id or "")
+            if everywhere and message.lease_id not in self.core.leases:
+                await self._reply(delivery, await self._elsewhere(message, publisher))
+                return
+            event = ReleaseRequested(message.lease_id, by=publisher or "")
         elif isinstance(message, DrainRequest):
-            if delivery.user_id != self.settings.operator_user:
+            if publisher != self.settings.operator_user:
                 # Draining stops an agent: an operator's act (or the agent's own, on the
                 # announce exchange), never a producer's.
                 await self._refuse_not_operator(delivery, message.type, message.agent_id)
+                return
+            if everywhere and message.agent_id not in self.core.agents:
+                await self._reply(delivery, await self._elsewhere(message, publisher))
                 return
             event = DrainRequested(message.agent_id, message.reason)
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
         await self._feed(event, delivery)
+
+    # ---- several managers: the lease path across shards -------------------------------------
+    def _peer_queues(self) -> list[str]:
+        """One RPC queue of each other live shard owner (it answers for all its shards), as
+        this manager last read the lease table."""
+        assert self.shards is not None
+        first: dict[str, int] = {}
+        for row in self.shards.owners():
+            if row.owner != self.settings.manager_id:
+                first[row.owner] = min(first.get(row.owner, row.shard), row.shard)
+        return [self.topology.shard_rpc_queue(shard) for shard in sorted(first.values())]
+
+    def _forward_headers(self, publisher: str | None, **extra: str) -> dict[str, str]:
+        headers = {c.H_FORWARDED_BY: self.settings.manager_id, **extra}
+        if publisher is not None:
+            headers[c.H_FORWARDED_FOR] = publisher
+        return headers
+
+    async def _answer_here(self, event: Event) -> Message:
+        """The core's answer to ``event``; its other commands carried out."""
+        commands = self.core.handle(event, self.clock.now())
+        await self.execute([cmd for cmd in commands if not isinstance(cmd, Reply)])
+        (reply,) = [cmd.message for cmd in commands if isinstance(cmd, Reply)]
+        return reply
+
+    async def _find_everywhere(self, request: FindRequest) -> Message:
+        """This registry's candidates and every other owner's, in the one order (cheapest
+        cost class, then least loaded), cut at ``limit``. An owner that does not answer in
+        time is left out (``peer_no_answer``): find is a view, acquire re-checks."""
+        found = await self._candidates(request)
+        if isinstance(found, Refusal):
+            return found
+        agents = [agent for agent, _ in found]
+        return FindReply(agents=agents if request.limit is None else agents[: request.limit])
+
+    async def _candidates(
+        self, request: FindRequest
+    ) -> list[tuple[AgentSummary, str | None]] | Refusal:
+        """Candidates from here (queue ``None``) and from each other owner (its queue)."""
+        assert self.peers is not None
+        here = await self._answer_here(FindRequested(request))
+        if not isinstance(here, FindReply):
+            return here if isinstance(here, Refusal) else Refusal(reason=Reason.NOT_FOUND)
+        found: list[tuple[AgentSummary, str | None]] = [(a, None) for a in here.agents]
+        for queue, answer in await self.peers.ask_all(
+            self._peer_queues(),
+            request,
+            headers=self._forward_headers(None),
+            timeout_s=self.settings.peer_timeout_s,
+        ):
+            if isinstance(answer, FindReply):
+                found += [(agent, queue) for agent in answer.agents]
+        found.sort(key=lambda pair: rank(pair[0].cost_class, pair[0].in_flight))
+        return found
+
+    async def _acquire_everywhere(
+        self, request: AcquireRequest, lease_id: str, holder: str | None, delivery: Delivery
+    ) -> None:
+        """A slot on the best agent of any owner: named, the agent's owner leases it (the one
+        that knows it); by capability, the candidates of every owner in order, each asked
+        for by name until one is leased. The lease ID is this request's, on every owner, so
+        a redelivered request gets the lease it already holds."""
+        assert self.peers is not None
+        if request.agent_id is not None:
+            if request.agent_id in self.core.agents:
+                await self._feed(AcquireRequested(request, lease_id, holder=holder), delivery)
+            else:
+                await self._reply(delivery, await self._elsewhere(request, holder, lease_id))
+            return
+        limit = self.settings.peer_acquire_candidates
+        find = FindRequest(
+            capability=request.capability, version_spec=request.version_spec, limit=limit
+        )
+        found = await self._candidates(find)
+        answer: Message | None = None
+        if not isinstance(found, Refusal):
+            for agent, queue in found[:limit]:
+                named = request.model_copy(update={"agent_id": agent.agent_id})
+                if queue is None:
+                    answer = await self._answer_here(AcquireRequested(named, lease_id, holder))
+                else:
+                    answer = await self.peers.ask(
+                        queue,
+                        named,
+                        headers=self._forward_headers(holder, **{c.H_LEASE_ID: lease_id}),
+                        timeout_s=self.settings.peer_timeout_s,
+                    )
+                if isinstance(answer, LeaseGranted):
+                    break
+        if not isinstance(answer, LeaseGranted):
+            # Nobody had room: the refusal this registry gives (it records the miss for the
+            # scale planner and says when to retry).
+            answer = await self._answer_here(AcquireRequested(request, lease_id, holder))
+        delivered = await self._reply(delivery, answer)
+        if not delivered and isinstance(answer, LeaseGranted):
+            self.counters["leases_released_unclaimed"] += 1
+            await self._elsewhere(ReleaseRequest(lease_id=answer.lease.lease_id), holder)
+
+    async def _elsewhere(
+        self, request: Message, publisher: str | None, lease_id: str | None = None
+    ) -> Message:
+        """A request about one agent or lease that this registry does not hold, asked of
+        every other owner: the one that holds it answers; if none does, this registry's
+        own answer (unknown agent or lease)."""
+        assert self.peers is not None
+        extra = {} if lease_id is None else {c.H_LEASE_ID: lease_id}
+        answers = await self.peers.ask_all(
+            self._peer_queues(),
+            request,
+            headers=self._forward_headers(publisher, **extra),
+            timeout_s=self.settings.peer_timeout_s,
+        )
+        for _, answer in answers:
+            if not isinstance(answer, Refusal) or answer.reason not in _NOT_HELD_HERE:
+                return answer
+        event: Event
+        if isinstance(request, ReleaseRequest):
+            event = ReleaseRequested(request.lease_id, by=publisher or "")
+        elif isinstance(request, DrainRequest):
+            event = DrainRequested(request.agent_id, request.reason)
+        else:
+            assert isinstance(request, AcquireRequest)
+            event = AcquireRequested(request, lease_id or uuid.uuid4().hex, holder=publisher)
+        return await self._answer_here(event)
+
+    def _lease_id_of(self, delivery: Delivery) -> str:
+        """The request's lease ID: a forwarded acquire carries the one its first manager
+        derived (so every owner leases under the same ID), any other is derived here."""
+        if self._from_a_manager(delivery):
+            forwarded = _header(delivery, c.H_LEASE_ID)
+            if forwarded is not None:
+                return forwarded
+        return _lease_id(delivery)
 
     async def _refuse_not_operator(self, delivery: Delivery, what: str, subject: str) -> None:
         self.counters[f"not_authorized.{what}"] += 1
@@ -973,6 +1150,17 @@ class ManagerService:
             self.counters["reply_failed"] += 1
             return False
         return True
+
+
+_NOT_HELD_HERE = frozenset({Reason.UNKNOWN_AGENT, Reason.UNKNOWN_LEASE})
+"""Refusals that mean "another manager may hold it" when asked of every owner."""
+
+
+def _header(delivery: Delivery, name: str) -> str | None:
+    value = delivery.headers.get(name)
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _lease_id(request: Delivery) -> str:

@@ -79,6 +79,11 @@ class ManagerSettings:
     # (one manager owns the whole registry, as with SQLite).
     shard_count: int | None = None
     shard_lease_s: float = 10.0
+    # With shards, a lease-path request (find, acquire, release, drain) asks the other owners
+    # too (mesh.manager.peers): how long to wait for each, and how many of the best
+    # candidates an acquire tries by name before it gives up.
+    peer_timeout_s: float = 2.0
+    peer_acquire_candidates: int = 8
 
 
 _POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)

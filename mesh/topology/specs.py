@@ -293,11 +293,15 @@ class Topology:
     def shard_heartbeat_queue(self, shard: int) -> str:
         return names.shard_queue(self.namespace, shard, "heartbeats")
 
+    def shard_rpc_queue(self, shard: int) -> str:
+        return names.shard_queue(self.namespace, shard, "rpc")
+
     def manager_shards(self, shard_count: int) -> Declarations:
         """Several managers: each shard's announce and heartbeat queues, like the shared ones
         (:meth:`manager`) and bound to the same exchanges by the shard's number as the keys'
-        last word (``agent.<id>.<verb>.<k>``, ``hb.<id>.<k>``). The shard's owner consumes
-        them; single-active-consumer keeps deliveries on one manager while a handover has
+        last word (``agent.<id>.<verb>.<k>``, ``hb.<id>.<k>``), and its RPC queue, where
+        other managers ask the owner by queue name (the default exchange). The shard's owner
+        consumes them; single-active-consumer keeps deliveries on one manager while a handover has
         the old and the new owner subscribed for a moment. Every manager declares all of
         them, so a registration can be forwarded to a shard nobody holds yet."""
         dlx = self.dead_letter_exchange
@@ -326,7 +330,18 @@ class Topology:
                     single_active_consumer=True,
                 ),
             )
-            queues += [announce, heartbeats]
+            rpc = QueueSpec(  # other managers' questions for the owner (mesh.manager.peers)
+                self.shard_rpc_queue(shard),
+                durable=False,
+                arguments=QueueArguments(
+                    max_length=self.rpc_max_length,
+                    max_length_bytes=self.rpc_max_bytes,
+                    overflow="reject-publish",
+                    message_ttl_ms=self.rpc_ttl_ms,
+                    single_active_consumer=True,
+                ),
+            )
+            queues += [announce, heartbeats, rpc]
             bindings += [
                 BindingSpec(announce.name, self.announce_exchange, f"{c.RK_AGENT}.*.*.{shard}"),
                 BindingSpec(

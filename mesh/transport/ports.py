@@ -87,6 +87,11 @@ class ManagerTransport(Transport, Protocol):
 
     def on_disconnect(self, callback: Callable[[], None]) -> None: ...
 
+    async def declare_reply_queue(self, name: str) -> str:
+        """An exclusive queue for answers to this connection (several managers ask each
+        other: :mod:`mesh.manager.peers`)."""
+        ...
+
     async def try_declare(self, declarations: Declarations) -> bool:
         """Declare on a channel of its own; ``False`` if a queue already exists with other
         arguments (RabbitMQ's PRECONDITION_FAILED), leaving it as it is."""

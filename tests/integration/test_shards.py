@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -20,9 +21,11 @@ from mesh.errors import LocalProtocolError
 from mesh.manager.journal import SqliteJournal
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
+from mesh.producer import MeshClient
 from mesh.render import render_status
 from mesh.samples.echo import EchoAgent
-from mesh.wire.models import AgentRegistration, StatusRequest
+from mesh.wire.models import AgentRegistration, Lease, Refusal, Released, StatusRequest
+from mesh.wire.reasons import Reason
 
 from . import test_admission_competition as competition
 from .harness import eventually
@@ -198,6 +201,54 @@ async def test_agents_register_with_their_shards_owner_and_move_with_their_shard
             again = agent.agent.agent_id in expected[b]
             assert agent.counters["registration_attempts"] == (2 if again else 1), agent.counters
     finally:
+        for agent in agents:
+            await agent.stop()
+
+
+async def test_any_manager_finds_acquires_and_releases_on_every_shard(
+    started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
+) -> None:
+    a = await started("manager-a")
+    b = await started("manager-b")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    agents = [pool_agent(amqp_url, namespace, pool) for pool in POOLS]
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    everyone = {f"{pool}-1" for pool in POOLS}
+    try:
+        for agent in agents:
+            await agent.start()
+        assert registered(a) | registered(b) == everyone and not registered(a) & registered(b)
+
+        # Each request goes to whichever manager takes it from the shared RPC queue; every
+        # answer covers the agents of both managers.
+        for _ in range(6):
+            assert {x.agent_id for x in await client.find("test.echo")} == everyone
+        assert len(await client.find("test.echo", limit=3)) == 3
+        # Acquire by capability takes the least loaded agent of all: 8 leases, 2 on each.
+        leases = [await client.acquire("test.echo") for _ in range(2 * len(POOLS))]
+        assert all(isinstance(lease, Lease) for lease in leases), leases
+        held = Counter(lease.agent_id for lease in leases if isinstance(lease, Lease))
+        assert held == dict.fromkeys(everyone, 2)
+        # By name, on either manager's agent; released through whichever manager.
+        for agent_id in sorted(everyone):
+            named = await client.acquire("test.echo", agent_id=agent_id)
+            assert isinstance(named, Lease) and named.agent_id == agent_id, named
+            leases.append(named)
+        for lease in leases:
+            assert isinstance(lease, Lease)
+            assert isinstance(await client.release(lease.lease_id), Released)
+        assert all(not m.core.leases for m in (a, b))
+        again = await client.release(leases[0].lease_id)  # asked of every owner: none holds it
+        assert isinstance(again, Refusal) and again.reason is Reason.UNKNOWN_LEASE, again
+        unknown = await client.acquire("test.echo", agent_id="nobody-1")
+        assert isinstance(unknown, Refusal) and unknown.reason is Reason.UNKNOWN_AGENT
+        # The whole lease path: find, acquire, run on the agent, release.
+        outcome = await client.run_task("test.echo", {"message": "hi", "sleep_ms": 0})
+        assert outcome.output["message"] == "hi", outcome
+        assert a.counters["peer_requests"] + b.counters["peer_requests"] > 0
+        assert a.counters["peer_no_answer"] == b.counters["peer_no_answer"] == 0
+    finally:
+        await client.close()
         for agent in agents:
             await agent.stop()
 

@@ -139,7 +139,7 @@ def test_each_shard_queue_gets_its_own_shard_s_keys_and_the_shared_queues_none_o
         )
     # One consumer at a time on each (a handover may briefly have two subscribed).
     assert all(q.arguments.single_active_consumer for q in shards.queues)
-    assert len(shards.queues) == 8
+    assert len(shards.queues) == 12  # announce, heartbeats and rpc per shard
 
 
 # ---- queue arguments -------------------------------------------------------------------------
