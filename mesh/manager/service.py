@@ -98,10 +98,12 @@ from mesh.wire.admission import (
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import (
+    MAX_STATUS_AGENTS,
     AcquireRequest,
     AdmissionState,
     AdmissionStateRequest,
     AgentRegistration,
+    AgentStatus,
     AgentSummary,
     CapabilityLoadStatus,
     Deregistration,
@@ -638,7 +640,10 @@ class ManagerService:
         message = decode_as(delivery.body, *_RPC_TYPES)
         self.counters[f"received.{message.type}"] += 1
         if isinstance(message, StatusRequest):
-            await self._reply(delivery, self.status(message))
+            if self.peers is not None and not self._from_a_manager(delivery):
+                await self._reply(delivery, await self._status_everywhere(message))
+            else:
+                await self._reply(delivery, self.status(message))
             return
         if isinstance(
             message,
@@ -651,6 +656,10 @@ class ManagerService:
         ):
             await self._reply(delivery, await self.admission.handle(message, delivery))
             return
+        await self._lease_path(message, delivery)
+
+    async def _lease_path(self, message: Message, delivery: Delivery) -> None:
+        """find, acquire, release, drain: the registry's requests."""
         event: Event
         publisher = self._publisher_of(delivery)
         # Several managers: a lease-path request taken from the shared queue may concern
@@ -809,6 +818,56 @@ class ManagerService:
             assert isinstance(request, AcquireRequest)
             event = AcquireRequested(request, lease_id or uuid.uuid4().hex, holder=publisher)
         return await self._answer_here(event)
+
+    async def _status_everywhere(self, request: StatusRequest) -> StatusReply:
+        """Several managers: the fleet over every owner's registry. The summaries (totals,
+        pools by state, capabilities) are added up — each a running tally, so this stays
+        cheap at any fleet size; the page of agent rows is the slice of all owners' rows in
+        agent-ID order (each owner sends its first ``offset + limit``). Counters and the
+        pools' admission figures are this manager's (the ledger's are shared)."""
+        assert self.peers is not None
+        mine = self.status(_first_rows(request))
+        replies = [mine]
+        for _, answer in await self.peers.ask_all(
+            self._peer_queues(),
+            _first_rows(request),
+            headers=self._forward_headers(None),
+            timeout_s=self.settings.peer_timeout_s,
+        ):
+            if isinstance(answer, StatusReply):
+                replies.append(answer)
+        offset = request.agents_offset or 0
+        rows = sorted((row for reply in replies for row in reply.agents), key=_agent_key)
+        if request.agents_limit is None:  # an older client: every row, no summary
+            return mine.model_copy(update={"agents": rows})
+        states: dict[str, Counter[str]] = {}
+        loads: dict[str, list[int]] = {}
+        for reply in replies:
+            for pool in reply.pool_states or []:
+                states.setdefault(pool.pool_id, Counter()).update(pool.states)
+            for load in reply.capability_loads or []:
+                summed = loads.setdefault(load.name, [0, 0, 0, 0])
+                for i, n in enumerate(
+                    (load.agents, load.taking_work, load.in_flight, load.capacity)
+                ):
+                    summed[i] += n
+        return mine.model_copy(
+            update={
+                "agents": rows[offset : offset + request.agents_limit],
+                "agents_offset": offset,
+                "agents_total": sum(reply.agents_total or 0 for reply in replies),
+                "pool_states": [
+                    PoolStates(pool_id=p, states=dict(sorted(c.items())))
+                    for p, c in sorted(states.items())
+                ],
+                "capability_loads": [
+                    CapabilityLoadStatus(
+                        name=name, agents=n[0], taking_work=n[1], in_flight=n[2], capacity=n[3]
+                    )
+                    for name, n in sorted(loads.items())
+                ],
+            }
+        )
 
     def _lease_id_of(self, delivery: Delivery) -> str:
         """The request's lease ID: a forwarded acquire carries the one its first manager
@@ -1150,6 +1209,19 @@ class ManagerService:
             self.counters["reply_failed"] += 1
             return False
         return True
+
+
+def _first_rows(request: StatusRequest) -> StatusRequest:
+    """What to ask each owner for a merged page: its first ``offset + limit`` rows (at most
+    a page's worth: deeper pages than that over several managers are cut)."""
+    if request.agents_limit is None:
+        return request
+    wanted = (request.agents_offset or 0) + request.agents_limit
+    return StatusRequest(agents_offset=0, agents_limit=min(wanted, MAX_STATUS_AGENTS))
+
+
+def _agent_key(row: AgentStatus) -> str:
+    return row.agent_id
 
 
 _NOT_HELD_HERE = frozenset({Reason.UNKNOWN_AGENT, Reason.UNKNOWN_LEASE})

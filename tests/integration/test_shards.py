@@ -224,6 +224,15 @@ async def test_any_manager_finds_acquires_and_releases_on_every_shard(
         for _ in range(6):
             assert {x.agent_id for x in await client.find("test.echo")} == everyone
         assert len(await client.find("test.echo", limit=3)) == 3
+        # Status: the summary added up over both registries, the rows paged in ID order.
+        for _ in range(4):
+            first = await client.status(agents_limit=3)
+            rest = await client.status(agents_offset=3, agents_limit=3)
+            assert first.agents_total == rest.agents_total == len(POOLS)
+            assert [r.agent_id for r in first.agents + rest.agents] == sorted(everyone)
+            assert {p.pool_id for p in first.pool_states or []} == set(POOLS)
+            (echo,) = first.capability_loads or []
+            assert (echo.name, echo.agents) == ("test.echo", len(POOLS))
         # Acquire by capability takes the least loaded agent of all: 8 leases, 2 on each.
         leases = [await client.acquire("test.echo") for _ in range(2 * len(POOLS))]
         assert all(isinstance(lease, Lease) for lease in leases), leases
