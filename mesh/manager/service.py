@@ -304,6 +304,15 @@ class ManagerService:
                 "shards need a PostgreSQL ledger (--ledger postgresql://…): with SQLite one "
                 "manager owns the whole registry"
             )
+        if s.admission_capacity == "live":
+            # Each manager's registry holds its own shards' agents: its live figure for
+            # another owner's pool would be nothing. Live capacity per pool, written by the
+            # pool's owner for every manager to read, is not built yet.
+            raise LocalProtocolError(
+                "with shards, admission must be bounded by the descriptors "
+                "(--admission-capacity descriptor): live capacity across managers is not "
+                "built yet"
+            )
         from mesh.ledger.shard_leases import ShardLeases  # psycopg: only where it is used
         from mesh.manager.shards import ShardOwnership
 

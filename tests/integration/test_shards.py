@@ -295,3 +295,23 @@ async def test_shards_without_a_postgresql_ledger_are_a_clear_error(
     )
     with pytest.raises(LocalProtocolError, match="shards need a PostgreSQL ledger"):
         await ManagerService(settings).start()
+
+
+async def test_shards_with_admission_bounded_by_live_agents_are_a_clear_error(
+    amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path
+) -> None:
+    settings = ManagerSettings(
+        amqp_url=amqp_url,
+        namespace=namespace,
+        journal_path=tmp_path / "journal.sqlite3",
+        ledger_url=pg_schema.dsn,
+        ledger_schema=pg_schema.schema,
+        shard_count=4,
+    )
+    assert settings.admission_capacity == "live"  # the default
+    service = ManagerService(settings)
+    try:
+        with pytest.raises(LocalProtocolError, match="--admission-capacity descriptor"):
+            await service.start()
+    finally:
+        await service.stop()
