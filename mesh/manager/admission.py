@@ -336,6 +336,16 @@ class Admitter:
         here, on the admitter's thread: the records behind the decisions, the capacity
         misses and the evictions it committed."""
         decisions = self.admit_many(requests, now, live)
+        unknown = [
+            i for i, d in enumerate(decisions) if d.reason is AdmissionReason.NO_ELIGIBLE_POOL
+        ]
+        if unknown and self.load_descriptors():
+            # Another manager on the same ledger accepted a descriptor since our last tick:
+            # decide those again with it rather than reject them until the next tick (a
+            # rejection is final to a producer). Rare, so the extra read costs nothing.
+            again = self.admit_many([requests[i] for i in unknown], now, live)
+            for i, decision in zip(unknown, again, strict=True):
+                decisions[i] = decision
         records = [self.core.decisions.get(d.admission_id) for d in decisions]
         return Admitted(decisions, records, self.drain_misses(), self.drain_evictions())
 

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -74,6 +74,8 @@ class Fleet:
                 str(LEASE_S),
                 "--http-port",
                 "-1",
+                "--operator-user",  # the test's producer publishes the descriptors
+                "guest",
             ],
             env={**os.environ, "MESH_AMQP_URL": self.amqp_url, "MESH_NAMESPACE": self.namespace},
             stdout=subprocess.DEVNULL,
@@ -129,7 +131,9 @@ def fleet(amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path) ->
         fleet.stop_all()  # before pg_schema drops the schema
 
 
-async def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> float:
+async def until(
+    check: Callable[[], bool] | Callable[[], Awaitable[bool]], what: str, timeout_s: float = 30.0
+) -> float:
     """Seconds until ``check`` holds (``harness.eventually``, polled every 50 ms)."""
     started = time.monotonic()
     await eventually(check, what=what, timeout_s=timeout_s, poll_s=0.05)

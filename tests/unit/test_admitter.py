@@ -324,6 +324,28 @@ def test_descriptors_live_in_the_ledger_so_a_restarted_or_second_manager_has_the
         assert Admitter(reopened, POLICY).publish_descriptor(older, T0) is not None
 
 
+def test_a_second_manager_admits_at_once_into_a_pool_another_just_described(
+    tmp_path: Path,
+) -> None:
+    # Two managers on one ledger: the second has not ticked since the first accepted the
+    # descriptor. It reads the ledger's descriptors before rejecting NO_ELIGIBLE_POOL.
+    path = tmp_path / "ledger.sqlite3"
+    with SqliteLedger(path) as first_store, SqliteLedger(path) as second_store:
+        second = Admitter(second_store, POLICY)
+        assert second.load_descriptors() == 0  # nothing described yet
+        admitter(first_store)  # the first accepts DESCRIPTOR
+
+        decided = second.admit_batch([(request("adm-1"), "tenant-a")], T0)
+
+        assert [d.outcome for d in decided.decisions] == ["admitted"]
+        assert second.active_epochs == {"rag-eu": 3}
+        assert decided.records[0] is not None
+        # A request no descriptor covers is still rejected (after one read of the ledger).
+        other = request("adm-2", input_classifications=["restricted"])
+        (rejected,) = second.admit_batch([(other, "tenant-a")], T0).decisions
+        assert rejected.reason is AdmissionReason.NO_ELIGIBLE_POOL
+
+
 def test_a_retry_finishes_an_admission_whose_manager_stopped_between_prepare_and_activate(
     ledger: SqliteLedger,
 ) -> None:
