@@ -30,7 +30,7 @@ import contextlib
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -193,6 +193,7 @@ class ManagerService:
         # Several managers: the consumers of each held shard's announce and heartbeat queues.
         self._shard_consumers: dict[int, list[Subscription]] = {}
         self.peers: Peers | None = None  # … and the other owners, asked on lease-path requests
+        self._shard_step: asyncio.Task[None] | None = None  # a step run from heartbeats
         # The broker user managers publish as: a registration forwarded to its shard's owner
         # carries its agent's user in a header, trusted only from this user (validated).
         self._manager_user = urlsplit(settings.amqp_url).username or None
@@ -350,9 +351,12 @@ class ManagerService:
         manager consumes exactly the queues of the shards it holds. A shard it no longer
         holds is left first (its consumers cancelled, its agents forgotten: they register
         with the new owner when it asks), then the new ones are joined."""
-        for entry in entries:
-            if entry.reason != "taken":
-                await self._leave_shard(int(entry.detail["shard"]))
+        left = [int(e.detail["shard"]) for e in entries if e.reason != "taken"]
+        if left and self.settings.shard_count is not None:
+            count, gone = self.settings.shard_count, set(left)
+            self.core.hand_over(lambda pool: shard_of(pool, count) in gone)  # before any await
+        for shard in left:
+            await self._leave_shard(shard)
         await self.execute([AppendLog(e) for e in entries])
         for entry in entries:
             if entry.reason == "taken" and not self._stopping:
@@ -374,21 +378,30 @@ class ManagerService:
 
         self._shard_consumers[shard] = [
             await self.transport.consume(announce, on_announce, prefetch=s.prefetch),
-            await self.transport.consume_raw(t.shard_heartbeat_queue(shard), self.heartbeats),
+            await self.transport.consume_raw(t.shard_heartbeat_queue(shard), self._shard_beats),
             await self.transport.consume(rpc, on_rpc, prefetch=s.prefetch),
         ]
         log.info("consuming shard", extra={"shard": shard})
 
+    @property
+    def _shard_beats(self) -> _ShardHeartbeats:
+        return _ShardHeartbeats(self)
+
     async def _leave_shard(self, shard: int) -> None:
-        for consumer in self._shard_consumers.pop(shard, []):
-            with contextlib.suppress(Exception):  # the channel may be gone already
-                await consumer.cancel()
+        # Its agents first, before any await: a handler running meanwhile (the consumers'
+        # cancels yield) must not find them here any more.
         if self.settings.shard_count is not None:
             count = self.settings.shard_count
             forgotten = self.core.hand_over(lambda pool: shard_of(pool, count) == shard)
             log.info("left shard", extra={"shard": shard, "agents_forgotten": forgotten})
+        for consumer in self._shard_consumers.pop(shard, []):
+            with contextlib.suppress(Exception):  # the channel may be gone already
+                await consumer.cancel()
 
     async def _stop_shards(self) -> None:
+        if self._shard_step is not None:
+            await asyncio.gather(self._shard_step, return_exceptions=True)
+            self._shard_step = None
         for shard in list(self._shard_consumers):
             await self._leave_shard(shard)
         if self.peers is not None:
@@ -482,7 +495,22 @@ class ManagerService:
     async def _on_rpc(self, delivery: Delivery) -> None:
         await self._guarded(delivery, self.topology.rpc_queue, self._handle_rpc)
 
+    def _step_shards_soon(self) -> None:
+        """A shard step in the background (from a synchronous path), one at a time."""
+        if self._shard_step is None or self._shard_step.done():
+            self._shard_step = asyncio.create_task(self._shards_checked())
+
+    async def _shards_checked(self) -> None:
+        """Several managers: before acting on its registry, a manager whose leases may have
+        run out by its own clock (it was paused: SIGSTOP, a VM freeze, a starved loop) steps
+        first, so it learns what it lost — and forgets those shards' agents — before it
+        answers anything with them (``shard_checks_before_acting``)."""
+        if self.shards is not None and self.shards.lapsed():
+            self.counters["shard_checks_before_acting"] += 1
+            await self.shards.step()
+
     async def _handle_announce(self, delivery: Delivery) -> None:
+        await self._shards_checked()
         message = decode_as(delivery.body, *_ANNOUNCE_TYPES)
         event: Event
         if isinstance(message, AgentRegistration):
@@ -649,6 +677,7 @@ class ManagerService:
         message = decode_as(delivery.body, *_RPC_TYPES)
         self.counters[f"received.{message.type}"] += 1
         if isinstance(message, StatusRequest):
+            await self._shards_checked()
             if self.peers is not None and not self._from_a_manager(delivery):
                 await self._reply(delivery, await self._status_everywhere(message))
             else:
@@ -669,6 +698,7 @@ class ManagerService:
 
     async def _lease_path(self, message: Message, delivery: Delivery) -> None:
         """find, acquire, release, drain: the registry's requests."""
+        await self._shards_checked()
         event: Event
         publisher = self._publisher_of(delivery)
         # Several managers: a lease-path request taken from the shared queue may concern
@@ -723,6 +753,7 @@ class ManagerService:
 
     async def _answer_here(self, event: Event) -> Message:
         """The core's answer to ``event``; its other commands carried out."""
+        await self._shards_checked()  # as in _feed
         commands = self.core.handle(event, self.clock.now())
         await self.execute([cmd for cmd in commands if not isinstance(cmd, Reply)])
         (reply,) = [cmd.message for cmd in commands if isinstance(cmd, Reply)]
@@ -984,6 +1015,9 @@ class ManagerService:
         )
 
     async def _feed(self, event: Event, request: Delivery | None = None) -> None:
+        # Checked again right here, with no await before the core acts: a handler that was
+        # under way when the process froze must not act with shards it lost meanwhile.
+        await self._shards_checked()
         commands = self.core.handle(event, self.clock.now())
         await self.execute(commands, request)
 
@@ -1231,6 +1265,28 @@ def _first_rows(request: StatusRequest) -> StatusRequest:
 
 def _agent_key(row: AgentStatus) -> str:
     return row.agent_id
+
+
+class _ShardHeartbeats:
+    """A shard's heartbeats into the manager's sink — unless its leases may have run out by
+    its own clock (it was paused): then they are dropped (``heartbeats_held_back``; the next
+    ones count) and a step runs first, so a woken manager books nothing for shards it lost.
+    Heartbeats are synchronous, so they cannot wait for that step."""
+
+    def __init__(self, service: ManagerService) -> None:
+        self._service = service
+
+    def __call__(self, body: bytes, user_id: str | None = None) -> None:
+        self.ingest_many(((body, user_id),))
+
+    def ingest_many(self, bodies: Iterable[tuple[bytes, str | None]]) -> None:
+        service = self._service
+        if service.shards is not None and service.shards.lapsed():
+            batch = list(bodies)
+            service.counters["heartbeats_held_back"] += len(batch)
+            service._step_shards_soon()
+            return
+        service.heartbeats.ingest_many(bodies)
 
 
 _NOT_HELD_HERE = frozenset({Reason.UNKNOWN_AGENT, Reason.UNKNOWN_LEASE})

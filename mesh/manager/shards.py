@@ -64,6 +64,13 @@ class ShardOwnership:
         # Per held shard, the monotonic time its lease surely still runs until here: measured
         # from *before* the call that took or renewed it, so never later than the table's.
         self._valid_until: dict[int, float] = {}
+        self._stepping = asyncio.Lock()  # the periodic step and one run on demand
+
+    def lapsed(self) -> list[int]:
+        """The shards this manager still counts as held though their leases may have run
+        out by its own clock (it was paused or starved): it must step before acting."""
+        now = time.monotonic()
+        return [s for s in self.keeper.held if now >= self._valid_until.get(s, 0.0)]
 
     def holds(self, shard: int) -> bool:
         """Whether this manager may act on ``shard`` now: it held it at its last step and
@@ -96,6 +103,10 @@ class ShardOwnership:
     async def step(self) -> None:
         """Renew, then rebalance (module doc). A database error is logged and counted; the
         next step tries again, and leases not renewed in time are simply lost."""
+        async with self._stepping:
+            await self._step()
+
+    async def _step(self) -> None:
         try:
             await self._renew()
             await self._rebalance()

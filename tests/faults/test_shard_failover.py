@@ -8,8 +8,8 @@ one PostgreSQL ledger and the real broker.
    thing it journals on waking is the loss of each (``shard`` / ``lost``), and whatever it
    holds afterwards it holds under a new, larger fence.
 
-What these do not show yet (issue 21): agents routed by shard, re-registration at takeover
-and producers' requests during it — the registry is not sharded yet, only owned.
+The same faults with agents and producers' requests under way are in
+``test_shard_failover_load.py``.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -26,6 +27,7 @@ from integration.test_admission_competition import PgSchema
 from integration.test_backpressure import echo_descriptor, echo_requirements
 
 from mesh.agent import AgentRuntime, AgentSettings
+from mesh.core.events import LogEntry
 from mesh.core.shards import shard_of
 from mesh.ledger import PostgresLedger, ReservationState
 from mesh.manager.journal import SqliteJournal
@@ -62,6 +64,85 @@ async def agents(fleet: Fleet, amqp_url: str, namespace: str) -> AsyncIterator[l
             await runtime.stop()
 
 
+class Load:
+    """Producers on both paths in a loop until stopped: two ``run_task`` (the lease path)
+    and two ``submit`` (admission); every call's outcome is counted or its failure kept."""
+
+    def __init__(self, producer: MeshClient) -> None:
+        self.producer = producer
+        self.done: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self.admitted: list[str] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._lease_path()) for _ in range(2)]
+        self._tasks += [asyncio.create_task(self._admission_path()) for _ in range(2)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+    async def _lease_path(self) -> None:
+        while not self._stop.is_set():
+            try:
+                outcome = await self.producer.run_task(
+                    "test.echo", {"message": "lease", "sleep_ms": 20}, timeout_s=30
+                )
+                assert outcome.output["message"] == "lease"
+                self.done["run_task"] += 1
+            except Exception as exc:
+                self.failures.append(f"run_task: {exc!r}")
+
+    async def _admission_path(self) -> None:
+        while not self._stop.is_set():
+            try:
+                submitted = await self.producer.submit(
+                    echo_requirements(), {"message": "admitted", "sleep_ms": 20}, timeout_s=30
+                )
+                self.admitted.append(submitted.decision.admission_id)
+                self.done["submit"] += 1
+            except Exception as exc:
+                self.failures.append(f"submit: {exc!r}")
+
+
+def pool_of(agent_id: str) -> str:
+    return agent_id.rsplit("-", 1)[0]
+
+
+def journal_of(fleet: Fleet, manager_id: str) -> list[LogEntry]:
+    journal = SqliteJournal(fleet.journal_path(manager_id))
+    try:
+        return list(journal.query(limit=None))
+    finally:
+        journal.close()
+
+
+def assert_it_acted_on_nothing_it_lost(
+    fleet: Fleet, manager_id: str, held: set[int], woke_at: float
+) -> None:
+    """Woken, it acted on none of the shards it lost: its journal has each loss, and from its
+    waking on nothing about an agent of a lost shard (until it takes that shard again)."""
+    log = journal_of(fleet, manager_id)
+    lost = {int(e.detail["shard"]) for e in log if e.kind == "shard" and e.reason == "lost"}
+    assert lost == held
+    # From its waking on, a lost shard is not its own until it takes it again (a new tenure,
+    # under a larger fence, once it rejoins the balance).
+    theirs = set(lost)
+    acted = []
+    for e in (e for e in log if e.at >= woke_at):
+        if e.kind == "shard" and e.reason == "taken":
+            theirs.discard(int(e.detail["shard"]))
+        elif e.agent_id and shard_of(pool_of(e.agent_id), SHARDS) in theirs:
+            acted.append(e)
+    assert acted == [], [
+        (round(e.at - woke_at, 3), e.kind, e.agent_id, e.reason, e.detail)
+        for e in log
+        if e.at >= woke_at - 0.5
+    ][:30]
+
+
 def lost_in_journals(fleet: Fleet) -> list[tuple[str, str]]:
     lost = []
     for manager_id in fleet.procs:
@@ -73,8 +154,9 @@ def lost_in_journals(fleet: Fleet) -> list[tuple[str, str]]:
     return lost
 
 
-async def test_a_manager_killed_under_load_loses_no_request_no_grant_and_no_agent(
-    fleet: Fleet, agents: list[str], amqp_url: str, namespace: str, pg_schema: PgSchema
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+async def test_a_manager_killed_or_frozen_under_load_loses_no_request_no_grant_and_no_agent(
+    fault: str, fleet: Fleet, agents: list[str], amqp_url: str, namespace: str, pg_schema: PgSchema
 ) -> None:
     assert sorted(shard_of(pool, SHARDS) for pool in POOLS) == list(range(SHARDS))
     producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
@@ -93,65 +175,52 @@ async def test_a_manager_killed_under_load_loses_no_request_no_grant_and_no_agen
         accepted = await producer.publish_descriptor(descriptor)
         assert accepted.type == "mesh.descriptor-accepted.v1", accepted
 
-        stop = asyncio.Event()
-        done: Counter[str] = Counter()
-        failures: list[str] = []
-        admitted: list[str] = []
-
-        async def lease_path() -> None:
-            while not stop.is_set():
-                try:
-                    outcome = await producer.run_task(
-                        "test.echo", {"message": "lease", "sleep_ms": 20}, timeout_s=30
-                    )
-                    assert outcome.output["message"] == "lease"
-                    done["run_task"] += 1
-                except Exception as exc:
-                    failures.append(f"run_task: {exc!r}")
-
-        async def admission_path() -> None:
-            while not stop.is_set():
-                try:
-                    submitted = await producer.submit(
-                        echo_requirements(), {"message": "admitted", "sleep_ms": 20}, timeout_s=30
-                    )
-                    admitted.append(submitted.decision.admission_id)
-                    done["submit"] += 1
-                except Exception as exc:
-                    failures.append(f"submit: {exc!r}")
-
-        load = [asyncio.create_task(lease_path()) for _ in range(2)]
-        load += [asyncio.create_task(admission_path()) for _ in range(2)]
+        load = Load(producer)
+        load.start()
         await asyncio.sleep(LOAD_S)
-        before_kill = dict(done)
+        before_kill = dict(load.done)
 
         held = fleet.held_by()
         victim = max(held, key=lambda m: (len(held[m]), m))
-        fleet.procs[victim].send_signal(signal.SIGKILL)
-        fleet.procs[victim].wait()
         survivors = set(fleet.procs) - {victim}
+        faulted = time.monotonic()
+        if fault == "kill":
+            fleet.procs[victim].send_signal(signal.SIGKILL)
+            fleet.procs[victim].wait()
+        else:
+            fleet.procs[victim].send_signal(signal.SIGSTOP)
 
         def taken_over() -> bool:
             owners = fleet.held_by()
             return set(owners) <= survivors and sum(map(len, owners.values())) == SHARDS
 
         took = await until(taken_over, "the survivors hold every shard")
-        back = took + await until(everyone_registered, "every agent registered again")
+        if fault == "freeze":
+            # Frozen past its lease and a heartbeat interval, then woken: the first thing it
+            # does with any message is to learn what it lost.
+            await asyncio.sleep(HEARTBEAT_S)
+            woke_at = time.time()
+            fleet.procs[victim].send_signal(signal.SIGCONT)
+        await until(everyone_registered, "every agent registered again")
+        back = time.monotonic() - faulted
         await asyncio.sleep(max(0.0, AFTER_S - back))
-        stop.set()
-        await asyncio.gather(*load)
+        await load.stop()
+        done, failures, admitted = load.done, load.failures, load.admitted
         print(
-            f"\nkill -9 of {victim} ({len(held[victim])} shards): shards owned again after "
+            f"\n{fault} of {victim} ({len(held[victim])} shards): shards owned again after "
             f"{took:.2f} s, every agent registered again after {back:.2f} s; "
-            f"requests done before the kill {before_kill}, in all {dict(done)}"
+            f"requests done before the fault {before_kill}, in all {dict(done)}"
         )
+        if fault == "freeze":
+            assert_it_acted_on_nothing_it_lost(fleet, victim, held[victim], woke_at)
 
         # Every request answered, on both paths, before and after the kill.
         assert failures == []
         assert done["run_task"] > before_kill.get("run_task", 0) > 0
         assert done["submit"] > before_kill.get("submit", 0) > 0
         assert took <= LEASE_S + 2 * STEP_S + 0.5
-        assert back <= LEASE_S + 2 * STEP_S + HEARTBEAT_S + 2.0
+        if fault == "kill":
+            assert back <= LEASE_S + 2 * STEP_S + HEARTBEAT_S + 2.0
         # The ledger: each admission once, under a fence of its own, every one settled.
         reservations = {r: state for r, (state, _) in ledger.replay_log().items()}
         assert set(admitted) <= set(reservations)
