@@ -20,7 +20,7 @@ import asyncio
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from integration.test_admission_competition import PgSchema
@@ -154,6 +154,84 @@ def lost_in_journals(fleet: Fleet) -> list[tuple[str, str]]:
     return lost
 
 
+async def ready_for_load(
+    fleet: Fleet, producer: MeshClient, agents: int
+) -> Callable[[], Awaitable[bool]]:
+    """Wait for an even split and every agent registered with its shard's owner, describe the
+    echo pool; returns the check that every agent is registered."""
+
+    async def everyone_registered() -> bool:
+        return (await producer.status(agents_limit=0)).agents_total == agents
+
+    # The agents registered while the managers were still sharing out the shards: those that
+    # moved register again with the new owner on their next heartbeat.
+    await until(lambda: balanced(fleet, set(fleet.procs)), "an even split over three")
+    await until(everyone_registered, "every agent registered with its shard's owner")
+    # `mesh manager` runs policy generation 1 (the sample descriptor says 7).
+    descriptor = echo_descriptor(8).model_copy(update={"policy_generation": 1})
+    accepted = await producer.publish_descriptor(descriptor)
+    assert accepted.type == "mesh.descriptor-accepted.v1", accepted
+    return everyone_registered
+
+
+def assert_nothing_lost(
+    load: Load, before: dict[str, int], ledger: PostgresLedger, fleet: Fleet
+) -> None:
+    """Every request answered on both paths, before and after the change; the ledger holds
+    each admission once, under a fence of its own, every one settled; no agent declared
+    lost by any manager."""
+    assert load.failures == []
+    assert load.done["run_task"] > before.get("run_task", 0) > 0
+    assert load.done["submit"] > before.get("submit", 0) > 0
+    reservations = {r: state for r, (state, _) in ledger.replay_log().items()}
+    assert set(load.admitted) <= set(reservations)
+    assert Counter(reservations.values()) == {ReservationState.RELEASED: len(reservations)}
+    fences = [fence for _, fence in ledger.replay_log().values()]
+    assert len(fences) == len(set(fences))
+    assert lost_in_journals(fleet) == []
+
+
+def spread(fleet: Fleet, managers: set[str]) -> bool:
+    """Every shard held, by exactly ``managers``, as evenly as the count allows."""
+    held = {m: len(s) for m, s in fleet.held_by().items()}
+    return (
+        set(held) == managers
+        and sum(held.values()) == SHARDS
+        and max(held.values()) - min(held.values()) <= 1
+    )
+
+
+async def test_managers_joining_and_leaving_under_load_rebalance_without_losing_an_agent(
+    fleet: Fleet, agents: list[str], amqp_url: str, namespace: str, pg_schema: PgSchema
+) -> None:
+    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    ledger = PostgresLedger(pg_schema.dsn, schema=pg_schema.schema, application_name="test")
+    try:
+        everyone_registered = await ready_for_load(fleet, producer, len(agents))
+        load = Load(producer)
+        load.start()
+        await asyncio.sleep(LOAD_S)
+        before = dict(load.done)
+
+        fleet.start("m3")  # a fourth joins: it takes its share from the others
+        joined = await until(lambda: spread(fleet, {"m0", "m1", "m2", "m3"}), "a share for m3")
+        await until(everyone_registered, "every agent registered after the join")
+        fleet.procs["m0"].terminate()  # one leaves cleanly: it gives its shards back
+        assert fleet.procs["m0"].wait(timeout=30) == 0
+        left = await until(lambda: spread(fleet, {"m1", "m2", "m3"}), "m0's shards taken")
+        await until(everyone_registered, "every agent registered after the leave")
+        await asyncio.sleep(2.0)
+        await load.stop()
+        print(
+            f"\njoin rebalanced in {joined:.2f} s, leave in {left:.2f} s; requests before "
+            f"{before}, in all {dict(load.done)}"
+        )
+        assert_nothing_lost(load, before, ledger, fleet)
+    finally:
+        ledger.close()
+        await producer.close()
+
+
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 async def test_a_manager_killed_or_frozen_under_load_loses_no_request_no_grant_and_no_agent(
     fault: str, fleet: Fleet, agents: list[str], amqp_url: str, namespace: str, pg_schema: PgSchema
@@ -162,19 +240,7 @@ async def test_a_manager_killed_or_frozen_under_load_loses_no_request_no_grant_a
     producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
     ledger = PostgresLedger(pg_schema.dsn, schema=pg_schema.schema, application_name="test")
     try:
-
-        async def everyone_registered() -> bool:
-            return (await producer.status(agents_limit=0)).agents_total == len(agents)
-
-        # The agents registered while the managers were still sharing out the shards: those
-        # that moved register again with the new owner on their next heartbeat.
-        await until(lambda: balanced(fleet, set(fleet.procs)), "an even split over three")
-        await until(everyone_registered, "every agent registered with its shard's owner")
-        # `mesh manager` runs policy generation 1 (the sample descriptor says 7).
-        descriptor = echo_descriptor(8).model_copy(update={"policy_generation": 1})
-        accepted = await producer.publish_descriptor(descriptor)
-        assert accepted.type == "mesh.descriptor-accepted.v1", accepted
-
+        everyone_registered = await ready_for_load(fleet, producer, len(agents))
         load = Load(producer)
         load.start()
         await asyncio.sleep(LOAD_S)
@@ -205,7 +271,7 @@ async def test_a_manager_killed_or_frozen_under_load_loses_no_request_no_grant_a
         back = time.monotonic() - faulted
         await asyncio.sleep(max(0.0, AFTER_S - back))
         await load.stop()
-        done, failures, admitted = load.done, load.failures, load.admitted
+        done = load.done
         print(
             f"\n{fault} of {victim} ({len(held[victim])} shards): shards owned again after "
             f"{took:.2f} s, every agent registered again after {back:.2f} s; "
@@ -214,21 +280,10 @@ async def test_a_manager_killed_or_frozen_under_load_loses_no_request_no_grant_a
         if fault == "freeze":
             assert_it_acted_on_nothing_it_lost(fleet, victim, held[victim], woke_at)
 
-        # Every request answered, on both paths, before and after the kill.
-        assert failures == []
-        assert done["run_task"] > before_kill.get("run_task", 0) > 0
-        assert done["submit"] > before_kill.get("submit", 0) > 0
         assert took <= LEASE_S + 2 * STEP_S + 0.5
         if fault == "kill":
             assert back <= LEASE_S + 2 * STEP_S + HEARTBEAT_S + 2.0
-        # The ledger: each admission once, under a fence of its own, every one settled.
-        reservations = {r: state for r, (state, _) in ledger.replay_log().items()}
-        assert set(admitted) <= set(reservations)
-        assert Counter(reservations.values()) == {ReservationState.RELEASED: len(reservations)}
-        fences = [fence for _, fence in ledger.replay_log().values()]
-        assert len(fences) == len(set(fences))
-        # No agent declared lost, by any manager.
-        assert lost_in_journals(fleet) == []
+        assert_nothing_lost(load, before_kill, ledger, fleet)
     finally:
         ledger.close()
         await producer.close()
