@@ -194,6 +194,7 @@ class ManagerService:
         self._shard_consumers: dict[int, list[Subscription]] = {}
         self.peers: Peers | None = None  # … and the other owners, asked on lease-path requests
         self._shard_step: asyncio.Task[None] | None = None  # a step run from heartbeats
+        self._shard_suspension: asyncio.Task[None] | None = None  # the broker is away
         # The broker user managers publish as: a registration forwarded to its shard's owner
         # carries its agent's user in a header, trusted only from this user (validated).
         self._manager_user = urlsplit(settings.amqp_url).username or None
@@ -399,6 +400,10 @@ class ManagerService:
                 await consumer.cancel()
 
     async def _stop_shards(self) -> None:
+        if self._shard_suspension is not None:
+            self._shard_suspension.cancel()
+            await asyncio.gather(self._shard_suspension, return_exceptions=True)
+            self._shard_suspension = None
         if self._shard_step is not None:
             await asyncio.gather(self._shard_step, return_exceptions=True)
             self._shard_step = None
@@ -462,6 +467,32 @@ class ManagerService:
             return
         log.warning("lost the broker; no agent is evicted for silence until it is back")
         self.core.handle(ConnectionLost(), self.clock.now())
+        if self.shards is not None and self._shard_suspension is None:
+            self._shard_suspension = asyncio.create_task(self._suspend_shards())
+
+    async def _suspend_shards(self) -> None:
+        """Cut off from the broker (not from PostgreSQL), a manager still renews leases of
+        shards it cannot serve: their agents' heartbeats and registrations would wait in
+        their queues until it is back. If the broker is not back within half a lease, it
+        gives every shard back (the others take them at their next step, and the agents
+        register with them) and rejoins the balance once reconnected."""
+        assert self.shards is not None
+        await asyncio.sleep(self.settings.shard_lease_s / 2)
+        self.counters["shards_suspended"] += 1
+        log.warning("the broker is still away: giving every shard back")
+        await self.shards.stop(give_back=True)
+
+    async def _resume_shards(self) -> None:
+        suspension, self._shard_suspension = self._shard_suspension, None
+        if suspension is None or self.shards is None or self._stopping:
+            return
+        suspension.cancel()
+        await asyncio.gather(suspension, return_exceptions=True)
+        if not self.shards.running:  # it gave its shards back: take a share again
+            assert self.settings.shard_count is not None
+            await self.transport.declare(self.topology.manager_shards(self.settings.shard_count))
+            await self.shards.step()
+            self.shards.start()
 
     async def _after_reconnect(self) -> None:
         self.counters["reconnects"] += 1
@@ -469,6 +500,7 @@ class ManagerService:
             await self._feed(ConnectionRestored())
         finally:
             await self.transport.declare(self.topology.manager())
+            await self._resume_shards()
 
     async def _tick_forever(self) -> None:
         task = asyncio.current_task()

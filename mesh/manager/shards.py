@@ -175,6 +175,10 @@ class ShardOwnership:
             await self.step()
             await asyncio.sleep(self.lease_s / 3)
 
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
     async def stop(self, *, give_back: bool = True) -> None:
         """Stop stepping; with ``give_back`` hand every shard over at once (a clean stop)
         instead of letting the leases lapse."""

@@ -50,7 +50,8 @@ class Fleet:
         self.logs: list[IO[bytes]] = []
         self.leases = ShardLeases(dsn, SHARDS, schema=schema)
 
-    def start(self, manager_id: str) -> None:
+    def start(self, manager_id: str, amqp_url: str | None = None) -> None:
+        """A manager process; ``amqp_url`` another way to the broker (a TCP proxy)."""
         self.logs.append((self.tmp / f"{manager_id}.log").open("wb"))
         self.procs[manager_id] = subprocess.Popen(
             [
@@ -77,7 +78,11 @@ class Fleet:
                 "--operator-user",  # the test's producer publishes the descriptors
                 "guest",
             ],
-            env={**os.environ, "MESH_AMQP_URL": self.amqp_url, "MESH_NAMESPACE": self.namespace},
+            env={
+                **os.environ,
+                "MESH_AMQP_URL": amqp_url or self.amqp_url,
+                "MESH_NAMESPACE": self.namespace,
+            },
             stdout=subprocess.DEVNULL,
             stderr=self.logs[-1],
         )

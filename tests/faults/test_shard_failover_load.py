@@ -21,6 +21,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from integration.test_admission_competition import PgSchema
@@ -34,6 +35,7 @@ from mesh.manager.journal import SqliteJournal
 from mesh.producer import MeshClient
 from mesh.samples.echo import EchoAgent
 
+from .tcp_proxy import TcpProxy
 from .test_shard_failover import LEASE_S, SHARDS, STEP_S, Fleet, balanced, until
 from .test_shard_failover import fleet as fleet  # the fixture, used by name
 
@@ -230,6 +232,56 @@ async def test_managers_joining_and_leaving_under_load_rebalance_without_losing_
     finally:
         ledger.close()
         await producer.close()
+
+
+async def test_a_manager_cut_off_from_the_broker_gives_its_shards_up_and_comes_back(
+    fleet: Fleet, agents: list[str], amqp_url: str, namespace: str, pg_schema: PgSchema
+) -> None:
+    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    ledger = PostgresLedger(pg_schema.dsn, schema=pg_schema.schema, application_name="test")
+    async with TcpProxy() as proxy:
+        try:
+            # m2 again, but reaching the broker through the proxy (PostgreSQL directly).
+            fleet.procs["m2"].terminate()
+            assert fleet.procs["m2"].wait(timeout=30) == 0
+            del fleet.procs["m2"]
+            url = urlsplit(amqp_url)
+            fleet.start(
+                "m2",
+                urlunsplit(
+                    url._replace(netloc=f"{url.netloc.split('@')[0]}@127.0.0.1:{proxy.port}")
+                ),
+            )
+            everyone_registered = await ready_for_load(fleet, producer, len(agents))
+            load = Load(producer)
+            load.start()
+            await asyncio.sleep(LOAD_S)
+            before = dict(load.done)
+            held = fleet.held_by()["m2"]
+
+            proxy.reset()  # cut: every connection reset, new ones refused
+            cut = time.monotonic()
+            took = await until(lambda: spread(fleet, {"m0", "m1"}), "m2's shards taken")
+            await until(everyone_registered, "every agent registered with m0 or m1")
+            back = time.monotonic() - cut
+            proxy.pass_through()
+            rejoined = await until(lambda: spread(fleet, {"m0", "m1", "m2"}), "m2 back")
+            await until(everyone_registered, "every agent registered after m2 is back")
+            await asyncio.sleep(2.0)
+            await load.stop()
+            print(
+                f"\ncut of m2 ({len(held)} shards): given up and taken in {took:.2f} s, every "
+                f"agent registered again in {back:.2f} s, m2 holding shards again "
+                f"{rejoined:.2f} s after the link came back; in all {dict(load.done)}"
+            )
+            # Cut off, it gave its shards back rather than hold what it could not serve.
+            assert took <= LEASE_S / 2 + LEASE_S + 2 * STEP_S
+            given = [s for change, s, _ in fleet.shard_log("m2") if change == "given_back"]
+            assert set(given) >= held
+            assert_nothing_lost(load, before, ledger, fleet)
+        finally:
+            ledger.close()
+            await producer.close()
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
