@@ -128,8 +128,27 @@ def _header(doc: Mapping[str, Any], url: str) -> Text:
         f" · rejected {counters.get('admission.rejected', 0)}"
         f" · deferred {counters.get('admission.deferred', 0)}"
     )
+    shards = doc.get("shards")
+    if isinstance(shards, Mapping):
+        head.append(f"\n{shard_line(shards, doc.get('manager_id'))}")
     head.append(f"\n{status_url(url)}", style="dim")
     return head
+
+
+def shard_line(shards: Mapping[str, Any], me: Any) -> str:
+    """Several managers: ``shards 6: m0 0,3 · m1 (this one) 1,4 · m2 2,5``; the agents shown
+    are this manager's."""
+    held: dict[str, list[int]] = {}
+    for row in shards.get("owners") or []:
+        held.setdefault(str(row.get("owner")), []).append(int(row.get("shard", -1)))
+    parts = [
+        f"{owner}{' (this one)' if owner == me else ''} {','.join(map(str, sorted(s)))}"
+        for owner, s in sorted(held.items())
+    ]
+    free = int(shards.get("count") or 0) - sum(map(len, held.values()))
+    if free > 0:
+        parts.append(f"{free} not held")
+    return f"shards {shards.get('count')}: " + " · ".join(parts)
 
 
 def pressure_stage(doc: Mapping[str, Any]) -> str:

@@ -75,12 +75,14 @@ class Observer:
         management_url: str | None = None,
         queue_poll_interval_s: float = 5.0,
         shards: Callable[[], Mapping[int, int]] = dict,
+        shard_owners: Callable[[], tuple[int, list[tuple[int, str, int]]] | None] = lambda: None,
     ) -> None:
         self.manager_id = manager_id
         self.namespace = namespace
         self.vhost = vhost
         self.counters = counters
         self.started_at = started_at
+        self.shard_owners = shard_owners  # (count, [(shard, owner, fence)]) with shards
         self.history = StatusHistory()
         self.view = MeshView(
             tally=tally,
@@ -292,9 +294,17 @@ class Observer:
             pool["stage"] = p.stage.name if p is not None else None
             pool["stage_since"] = p.since if p is not None else None
         worst = max((p.stage for p in pressure.values()), default=None)
+        owners = self.shard_owners()
         return {
             "manager_id": self.manager_id,
             "namespace": self.namespace,
+            # Several managers: who holds which shard (this page shows this manager's agents).
+            "shards": None
+            if owners is None
+            else {
+                "count": owners[0],
+                "owners": [{"shard": s, "owner": o, "fence": f} for s, o, f in owners[1]],
+            },
             "uptime_s": time.monotonic() - self.started_at,
             "management_ui": ui,
             "pressure": {"stage": worst.name if worst is not None else None},

@@ -214,6 +214,7 @@ class ManagerService:
             management_url=settings.management_url,
             queue_poll_interval_s=settings.queue_poll_interval_s,
             shards=lambda: {} if self.shards is None else self.shards.owned(),
+            shard_owners=self._shard_owners,
         )
         self.heartbeats = HeartbeatSink(
             self.core,
@@ -224,6 +225,12 @@ class ManagerService:
             on_rejected=self.observer.heartbeat_rejected,
             verify_identity=settings.agent_identity,
         )
+
+    def _shard_owners(self) -> tuple[int, list[tuple[int, str, int]]] | None:
+        if self.shards is None:
+            return None
+        rows = [(r.shard, r.owner, r.fence) for r in self.shards.owners()]
+        return self.shards.leases.shard_count, rows
 
     @property
     def admitter(self) -> Admitter | None:

@@ -24,6 +24,7 @@ from mesh.manager.settings import ManagerSettings
 from mesh.producer import MeshClient
 from mesh.render import render_status
 from mesh.samples.echo import EchoAgent
+from mesh.top import shard_line
 from mesh.wire.models import AgentRegistration, Lease, Refusal, Released, StatusRequest
 from mesh.wire.reasons import Reason
 
@@ -119,6 +120,14 @@ async def test_two_managers_split_the_shards_and_a_clean_stop_hands_them_over(
     shown = render_status(reply)
     assert f"shards: {SHARDS} of {SHARDS} held" in shown
     assert "manager-b" in shown
+    # The status page's document (and so `mesh top`) names the holders too.
+    page = a.observer.document(0, 0)["shards"]
+    assert page["count"] == SHARDS
+    assert {(r["shard"], r["owner"]) for r in page["owners"]} == {
+        (row.shard, row.owner) for row in reply.shards or []
+    }
+    line = shard_line(page, "manager-a")
+    assert line.startswith(f"shards {SHARDS}: manager-a (this one) ") and "manager-b " in line
 
     handed = owned(b)
     await b.stop()

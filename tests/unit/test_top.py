@@ -14,7 +14,7 @@ from rich.console import Console, RenderableType
 
 from mesh.manager.metrics import QueueStat
 from mesh.manager.observe import Observer
-from mesh.top import StatusUnavailable, fetch_status, render, run_top, status_url
+from mesh.top import StatusUnavailable, fetch_status, render, run_top, shard_line, status_url
 from mesh.wire import StatusReply
 
 from .builders import tally_of
@@ -393,3 +393,16 @@ def test_the_loop_keeps_retrying_while_the_manager_is_away() -> None:
     last = console.export_text()  # the frame left on screen when it stopped
     assert "manager unreachable: down again; retrying" in last
     assert "manager manager-1" in last  # with the last status it could read
+
+
+def test_the_header_names_each_shards_holder_and_the_shards_nobody_holds() -> None:
+    shards = {
+        "count": 6,
+        "owners": [
+            {"shard": 3, "owner": "m0", "fence": 2},
+            {"shard": 0, "owner": "m0", "fence": 1},
+            {"shard": 1, "owner": "m1", "fence": 1},
+        ],
+    }
+    assert shard_line(shards, "m1") == "shards 6: m0 0,3 · m1 (this one) 1 · 3 not held"
+    assert shard_line({"count": 2, "owners": []}, "m0") == "shards 2: 2 not held"

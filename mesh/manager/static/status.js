@@ -96,12 +96,31 @@ function fillTable(id, rows, emptyText) {
   );
 }
 
+// "m0 0,3 · m1 (this one) 1,4 · 1 not held" (mesh.top.shard_line says the same)
+function shardLine(shards, me) {
+  const held = new Map();
+  for (const row of shards.owners ?? []) {
+    if (!held.has(row.owner)) held.set(row.owner, []);
+    held.get(row.owner).push(row.shard);
+  }
+  const parts = [...held.keys()].sort().map((owner) => {
+    const mine = owner === me ? " (this one)" : "";
+    return `${owner}${mine} ${held.get(owner).sort((a, b) => a - b).join(",")}`;
+  });
+  const free = shards.count - (shards.owners ?? []).length;
+  if (free > 0) parts.push(`${free} not held`);
+  return `${shards.count}: ${parts.join(" · ")}`;
+}
+
 // ---- sections -----------------------------------------------------------------------------
 function renderHeader(doc) {
   $("manager-id").textContent = doc.manager_id;
   $("namespace").textContent = doc.namespace;
   $("uptime").textContent = duration(doc.uptime_s);
   $("updated").textContent = clock(doc.served_at ?? Date.now() / 1000);
+  // Several managers: who holds which shard; the agents on this page are this manager's.
+  $("shards-fact").hidden = !doc.shards;
+  if (doc.shards) $("shards").textContent = shardLine(doc.shards, doc.manager_id);
   const ui = doc.management_ui;
   $("management-link").replaceChildren(
     ...(ui ? [" · ", link(`${ui}/#/queues`, "RabbitMQ management UI")] : []),
