@@ -1204,6 +1204,13 @@ class ManagerService:
     async def _scale(self, cmd: ScaleTo | DeletePod) -> None:
         if self.scaler is None:
             return
+        if self.shards is not None and self.settings.shard_count is not None:
+            # Several managers: only the owner of the pool's shard has the pool's agents in
+            # its registry, so only it may scale the pool's deployment (the others would see
+            # none of its agents and scale it up).
+            if not self.shards.holds(shard_of(cmd.deployment, self.settings.shard_count)):
+                self.counters["scaling_left_to_the_owner"] += 1
+                return
         try:
             if isinstance(cmd, ScaleTo):
                 log.info(

@@ -15,6 +15,7 @@ import pytest
 
 from mesh.agent import AgentRuntime, AgentSettings
 from mesh.agent.errors import RegistrationRefusedError
+from mesh.core.events import ScaleTo
 from mesh.core.pool import PoolSettings
 from mesh.core.shards import shard_of
 from mesh.errors import LocalProtocolError
@@ -304,6 +305,43 @@ async def test_shards_without_a_postgresql_ledger_are_a_clear_error(
     )
     with pytest.raises(LocalProtocolError, match="shards need a PostgreSQL ledger"):
         await ManagerService(settings).start()
+
+
+class RecordingScaler:
+    """Records what a manager asks of its scaler (a Deployment named after each pool)."""
+
+    def __init__(self) -> None:
+        self.scaled: list[tuple[str, int]] = []
+
+    async def current_replicas(self, deployment: str) -> int | None:
+        return 1
+
+    async def scale_to(
+        self, deployment: str, replicas: int, *, remove_first: str | None = None
+    ) -> None:
+        self.scaled.append((deployment, replicas))
+
+    async def delete_pod(self, deployment: str, pod: str) -> None:
+        self.scaled.append((deployment, -1))
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_only_the_owner_of_a_pools_shard_scales_its_deployment(
+    started: Callable[[str], asyncio.Future[ManagerService]],
+) -> None:
+    a = await started("manager-a")
+    b = await started("manager-b")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    for manager in (a, b):
+        manager.scaler = RecordingScaler()  # type: ignore[assignment]
+        for pool in POOLS:
+            await manager._scale(ScaleTo(pool, 3, "a capacity miss"))
+    for manager in (a, b):
+        mine = {p for p in POOLS if shard_of(p, SHARDS) in owned(manager)}
+        assert manager.scaler.scaled == [(p, 3) for p in POOLS if p in mine]  # type: ignore[union-attr]
+        assert manager.counters["scaling_left_to_the_owner"] == len(POOLS) - len(mine)
 
 
 async def test_shards_with_admission_bounded_by_live_agents_are_a_clear_error(
