@@ -638,20 +638,26 @@ class ManagerService:
         return False
 
     async def _refuse_unsharded(self, registration: AgentRegistration) -> None:
-        self.counters[f"registration_refused.{Reason.SHARDS_UNSUPPORTED}"] += 1
-        log.warning(
-            "registration refused",
-            extra={"agent_id": registration.agent_id, "reason": Reason.SHARDS_UNSUPPORTED.value},
-        )
         detail = (
             f"this namespace runs several managers, each owning shards of the registry; an "
             f"agent must list the {c.FEATURE_SHARDS!r} feature (route its heartbeats to its "
             "shard's owner): upgrade its SDK"
         )
+        await self._refuse_for(registration, Reason.SHARDS_UNSUPPORTED, detail)
+
+    async def _refuse_for(
+        self, registration: AgentRegistration, reason: Reason, detail: str
+    ) -> None:
+        """A final refusal of ``registration`` (it lacks a feature it needs), counted."""
+        self.counters[f"registration_refused.{reason}"] += 1
+        log.warning(
+            "registration refused",
+            extra={"agent_id": registration.agent_id, "reason": reason.value},
+        )
         refusal = RegistrationRefused(
             agent_id=registration.agent_id,
             incarnation=registration.incarnation,
-            reason=Reason.SHARDS_UNSUPPORTED,
+            reason=reason,
             detail=detail,
         )
         await self._send_to_agent(registration.agent_id, refusal)
@@ -699,18 +705,7 @@ class ManagerService:
             f"{c.FEATURE_DESCRIPTOR_EPOCHS!r} feature (an SDK older than epochs?) and would run "
             "tasks of a retired epoch"
         )
-        self.counters[f"registration_refused.{Reason.EPOCHS_UNSUPPORTED}"] += 1
-        log.warning(
-            "registration refused",
-            extra={"agent_id": registration.agent_id, "reason": Reason.EPOCHS_UNSUPPORTED.value},
-        )
-        refusal = RegistrationRefused(
-            agent_id=registration.agent_id,
-            incarnation=registration.incarnation,
-            reason=Reason.EPOCHS_UNSUPPORTED,
-            detail=detail,
-        )
-        await self._send_to_agent(registration.agent_id, refusal)
+        await self._refuse_for(registration, Reason.EPOCHS_UNSUPPORTED, detail)
 
     async def _handle_rpc(self, delivery: Delivery) -> None:
         message = decode_as(delivery.body, *_RPC_TYPES)

@@ -247,39 +247,9 @@ class Topology:
         """The manager's three inputs: announcements (quorum: losing one matters; a full
         queue nacks the agent, which retries), heartbeats (never backlog: drop-head and a
         short TTL), and API requests (a full queue nacks the requester)."""
-        dlx = self.dead_letter_exchange
-        announce = QueueSpec(
-            self.announce_queue,
-            arguments=QueueArguments(
-                queue_type="quorum",
-                max_length=self.announce_max_length,
-                max_length_bytes=self.announce_max_bytes,
-                overflow="reject-publish",
-                dead_letter_exchange=dlx,
-                delivery_limit=5,
-            ),
-        )
-        heartbeats = QueueSpec(
-            self.heartbeat_queue,
-            durable=False,
-            arguments=QueueArguments(
-                max_length=self.heartbeat_queue_max_length,
-                max_length_bytes=self.heartbeat_queue_max_bytes,
-                overflow="drop-head",
-                message_ttl_ms=self.heartbeat_ttl_ms,
-            ),
-        )
-        rpc = QueueSpec(
-            self.rpc_queue,
-            durable=False,
-            arguments=QueueArguments(
-                max_length=self.rpc_max_length,
-                max_length_bytes=self.rpc_max_bytes,
-                overflow="reject-publish",
-                message_ttl_ms=self.rpc_ttl_ms,
-                dead_letter_exchange=dlx,
-            ),
-        )
+        announce = self._announce_spec(self.announce_queue)
+        heartbeats = self._heartbeat_spec(self.heartbeat_queue)
+        rpc = self._rpc_spec(self.rpc_queue)
         bindings = (
             BindingSpec(announce.name, self.announce_exchange, f"{c.RK_AGENT}.*.*"),
             BindingSpec(heartbeats.name, self.heartbeat_exchange, f"{c.RK_HEARTBEAT}.*"),
@@ -304,43 +274,11 @@ class Topology:
         consumes them; single-active-consumer keeps deliveries on one manager while a handover has
         the old and the new owner subscribed for a moment. Every manager declares all of
         them, so a registration can be forwarded to a shard nobody holds yet."""
-        dlx = self.dead_letter_exchange
         queues, bindings = [], []
         for shard in range(shard_count):
-            announce = QueueSpec(
-                self.shard_announce_queue(shard),
-                arguments=QueueArguments(
-                    queue_type="quorum",
-                    max_length=self.announce_max_length,
-                    max_length_bytes=self.announce_max_bytes,
-                    overflow="reject-publish",
-                    dead_letter_exchange=dlx,
-                    delivery_limit=5,
-                    single_active_consumer=True,
-                ),
-            )
-            heartbeats = QueueSpec(
-                self.shard_heartbeat_queue(shard),
-                durable=False,
-                arguments=QueueArguments(
-                    max_length=self.heartbeat_queue_max_length,
-                    max_length_bytes=self.heartbeat_queue_max_bytes,
-                    overflow="drop-head",
-                    message_ttl_ms=self.heartbeat_ttl_ms,
-                    single_active_consumer=True,
-                ),
-            )
-            rpc = QueueSpec(  # other managers' questions for the owner (mesh.manager.peers)
-                self.shard_rpc_queue(shard),
-                durable=False,
-                arguments=QueueArguments(
-                    max_length=self.rpc_max_length,
-                    max_length_bytes=self.rpc_max_bytes,
-                    overflow="reject-publish",
-                    message_ttl_ms=self.rpc_ttl_ms,
-                    single_active_consumer=True,
-                ),
-            )
+            announce = self._announce_spec(self.shard_announce_queue(shard), single=True)
+            heartbeats = self._heartbeat_spec(self.shard_heartbeat_queue(shard), single=True)
+            rpc = self._rpc_spec(self.shard_rpc_queue(shard), single=True)
             queues += [announce, heartbeats, rpc]
             bindings += [
                 BindingSpec(announce.name, self.announce_exchange, f"{c.RK_AGENT}.*.*.{shard}"),
@@ -349,6 +287,50 @@ class Topology:
                 ),
             ]
         return Declarations(queues=tuple(queues), bindings=tuple(bindings))
+
+    def _announce_spec(self, name: str, *, single: bool | None = None) -> QueueSpec:
+        """Announcements: quorum (losing one matters), a full queue nacks the agent."""
+        return QueueSpec(
+            name,
+            arguments=QueueArguments(
+                queue_type="quorum",
+                max_length=self.announce_max_length,
+                max_length_bytes=self.announce_max_bytes,
+                overflow="reject-publish",
+                dead_letter_exchange=self.dead_letter_exchange,
+                delivery_limit=5,
+                single_active_consumer=single,
+            ),
+        )
+
+    def _heartbeat_spec(self, name: str, *, single: bool | None = None) -> QueueSpec:
+        """Heartbeats never backlog: drop-head and a short TTL."""
+        return QueueSpec(
+            name,
+            durable=False,
+            arguments=QueueArguments(
+                max_length=self.heartbeat_queue_max_length,
+                max_length_bytes=self.heartbeat_queue_max_bytes,
+                overflow="drop-head",
+                message_ttl_ms=self.heartbeat_ttl_ms,
+                single_active_consumer=single,
+            ),
+        )
+
+    def _rpc_spec(self, name: str, *, single: bool | None = None) -> QueueSpec:
+        """Requests: a full queue nacks the requester; unanswered ones expire."""
+        return QueueSpec(
+            name,
+            durable=False,
+            arguments=QueueArguments(
+                max_length=self.rpc_max_length,
+                max_length_bytes=self.rpc_max_bytes,
+                overflow="reject-publish",
+                message_ttl_ms=self.rpc_ttl_ms,
+                dead_letter_exchange=self.dead_letter_exchange,
+                single_active_consumer=single,
+            ),
+        )
 
     def pool(self, pool_id: str) -> Declarations:
         """A pool's task queue: what the admission path publishes granted tasks to.

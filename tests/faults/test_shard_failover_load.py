@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from integration.test_admission_competition import PgSchema
 from integration.test_backpressure import echo_descriptor, echo_requirements
 
 from mesh.agent import AgentRuntime, AgentSettings
@@ -107,6 +106,15 @@ class Load:
                 self.done["submit"] += 1
             except Exception as exc:
                 self.failures.append(f"submit: {exc!r}")
+
+
+@pytest.fixture
+async def producer(amqp_url: str, namespace: str) -> AsyncIterator[MeshClient]:
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 def pool_of(agent_id: str) -> str:
@@ -204,138 +212,118 @@ def spread(fleet: Fleet, managers: set[str]) -> bool:
 
 
 async def test_managers_joining_and_leaving_under_load_rebalance_without_losing_an_agent(
-    fleet: Fleet, agents: list[str], amqp_url: str, namespace: str, pg_schema: PgSchema
+    fleet: Fleet, agents: list[str], producer: MeshClient, ledger: PostgresLedger, amqp_url: str
 ) -> None:
-    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
-    ledger = PostgresLedger(pg_schema.dsn, schema=pg_schema.schema, application_name="test")
-    try:
+    everyone_registered = await ready_for_load(fleet, producer, len(agents))
+    load = Load(producer)
+    load.start()
+    await asyncio.sleep(LOAD_S)
+    before = dict(load.done)
+
+    fleet.start("m3")  # a fourth joins: it takes its share from the others
+    joined = await until(lambda: spread(fleet, {"m0", "m1", "m2", "m3"}), "a share for m3")
+    await until(everyone_registered, "every agent registered after the join")
+    fleet.procs["m0"].terminate()  # one leaves cleanly: it gives its shards back
+    assert fleet.procs["m0"].wait(timeout=30) == 0
+    left = await until(lambda: spread(fleet, {"m1", "m2", "m3"}), "m0's shards taken")
+    await until(everyone_registered, "every agent registered after the leave")
+    await asyncio.sleep(2.0)
+    await load.stop()
+    print(
+        f"\njoin rebalanced in {joined:.2f} s, leave in {left:.2f} s; requests before "
+        f"{before}, in all {dict(load.done)}"
+    )
+    assert_nothing_lost(load, before, ledger, fleet)
+
+
+async def test_a_manager_cut_off_from_the_broker_gives_its_shards_up_and_comes_back(
+    fleet: Fleet, agents: list[str], producer: MeshClient, ledger: PostgresLedger, amqp_url: str
+) -> None:
+    async with TcpProxy() as proxy:
+        # m2 again, but reaching the broker through the proxy (PostgreSQL directly).
+        fleet.procs["m2"].terminate()
+        assert fleet.procs["m2"].wait(timeout=30) == 0
+        del fleet.procs["m2"]
+        url = urlsplit(amqp_url)
+        fleet.start(
+            "m2",
+            urlunsplit(url._replace(netloc=f"{url.netloc.split('@')[0]}@127.0.0.1:{proxy.port}")),
+        )
         everyone_registered = await ready_for_load(fleet, producer, len(agents))
         load = Load(producer)
         load.start()
         await asyncio.sleep(LOAD_S)
         before = dict(load.done)
+        held = fleet.held_by()["m2"]
 
-        fleet.start("m3")  # a fourth joins: it takes its share from the others
-        joined = await until(lambda: spread(fleet, {"m0", "m1", "m2", "m3"}), "a share for m3")
-        await until(everyone_registered, "every agent registered after the join")
-        fleet.procs["m0"].terminate()  # one leaves cleanly: it gives its shards back
-        assert fleet.procs["m0"].wait(timeout=30) == 0
-        left = await until(lambda: spread(fleet, {"m1", "m2", "m3"}), "m0's shards taken")
-        await until(everyone_registered, "every agent registered after the leave")
+        proxy.reset()  # cut: every connection reset, new ones refused
+        cut = time.monotonic()
+        took = await until(lambda: spread(fleet, {"m0", "m1"}), "m2's shards taken")
+        await until(everyone_registered, "every agent registered with m0 or m1")
+        back = time.monotonic() - cut
+        proxy.pass_through()
+        rejoined = await until(lambda: spread(fleet, {"m0", "m1", "m2"}), "m2 back")
+        await until(everyone_registered, "every agent registered after m2 is back")
         await asyncio.sleep(2.0)
         await load.stop()
         print(
-            f"\njoin rebalanced in {joined:.2f} s, leave in {left:.2f} s; requests before "
-            f"{before}, in all {dict(load.done)}"
+            f"\ncut of m2 ({len(held)} shards): given up and taken in {took:.2f} s, every "
+            f"agent registered again in {back:.2f} s, m2 holding shards again "
+            f"{rejoined:.2f} s after the link came back; in all {dict(load.done)}"
         )
+        # Cut off, it gave its shards back rather than hold what it could not serve.
+        assert took <= LEASE_S / 2 + LEASE_S + 2 * STEP_S
+        given = [s for change, s, _ in fleet.shard_log("m2") if change == "given_back"]
+        assert set(given) >= held
         assert_nothing_lost(load, before, ledger, fleet)
-    finally:
-        ledger.close()
-        await producer.close()
-
-
-async def test_a_manager_cut_off_from_the_broker_gives_its_shards_up_and_comes_back(
-    fleet: Fleet, agents: list[str], amqp_url: str, namespace: str, pg_schema: PgSchema
-) -> None:
-    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
-    ledger = PostgresLedger(pg_schema.dsn, schema=pg_schema.schema, application_name="test")
-    async with TcpProxy() as proxy:
-        try:
-            # m2 again, but reaching the broker through the proxy (PostgreSQL directly).
-            fleet.procs["m2"].terminate()
-            assert fleet.procs["m2"].wait(timeout=30) == 0
-            del fleet.procs["m2"]
-            url = urlsplit(amqp_url)
-            fleet.start(
-                "m2",
-                urlunsplit(
-                    url._replace(netloc=f"{url.netloc.split('@')[0]}@127.0.0.1:{proxy.port}")
-                ),
-            )
-            everyone_registered = await ready_for_load(fleet, producer, len(agents))
-            load = Load(producer)
-            load.start()
-            await asyncio.sleep(LOAD_S)
-            before = dict(load.done)
-            held = fleet.held_by()["m2"]
-
-            proxy.reset()  # cut: every connection reset, new ones refused
-            cut = time.monotonic()
-            took = await until(lambda: spread(fleet, {"m0", "m1"}), "m2's shards taken")
-            await until(everyone_registered, "every agent registered with m0 or m1")
-            back = time.monotonic() - cut
-            proxy.pass_through()
-            rejoined = await until(lambda: spread(fleet, {"m0", "m1", "m2"}), "m2 back")
-            await until(everyone_registered, "every agent registered after m2 is back")
-            await asyncio.sleep(2.0)
-            await load.stop()
-            print(
-                f"\ncut of m2 ({len(held)} shards): given up and taken in {took:.2f} s, every "
-                f"agent registered again in {back:.2f} s, m2 holding shards again "
-                f"{rejoined:.2f} s after the link came back; in all {dict(load.done)}"
-            )
-            # Cut off, it gave its shards back rather than hold what it could not serve.
-            assert took <= LEASE_S / 2 + LEASE_S + 2 * STEP_S
-            given = [s for change, s, _ in fleet.shard_log("m2") if change == "given_back"]
-            assert set(given) >= held
-            assert_nothing_lost(load, before, ledger, fleet)
-        finally:
-            ledger.close()
-            await producer.close()
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 async def test_a_manager_killed_or_frozen_under_load_loses_no_request_no_grant_and_no_agent(
-    fault: str, fleet: Fleet, agents: list[str], amqp_url: str, namespace: str, pg_schema: PgSchema
+    fault: str, fleet: Fleet, agents: list[str], producer: MeshClient, ledger: PostgresLedger
 ) -> None:
     assert sorted(shard_of(pool, SHARDS) for pool in POOLS) == list(range(SHARDS))
-    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
-    ledger = PostgresLedger(pg_schema.dsn, schema=pg_schema.schema, application_name="test")
-    try:
-        everyone_registered = await ready_for_load(fleet, producer, len(agents))
-        load = Load(producer)
-        load.start()
-        await asyncio.sleep(LOAD_S)
-        before_kill = dict(load.done)
+    everyone_registered = await ready_for_load(fleet, producer, len(agents))
+    load = Load(producer)
+    load.start()
+    await asyncio.sleep(LOAD_S)
+    before_kill = dict(load.done)
 
-        held = fleet.held_by()
-        victim = max(held, key=lambda m: (len(held[m]), m))
-        survivors = set(fleet.procs) - {victim}
-        faulted = time.monotonic()
-        if fault == "kill":
-            fleet.procs[victim].send_signal(signal.SIGKILL)
-            fleet.procs[victim].wait()
-        else:
-            fleet.procs[victim].send_signal(signal.SIGSTOP)
+    held = fleet.held_by()
+    victim = max(held, key=lambda m: (len(held[m]), m))
+    survivors = set(fleet.procs) - {victim}
+    faulted = time.monotonic()
+    if fault == "kill":
+        fleet.procs[victim].send_signal(signal.SIGKILL)
+        fleet.procs[victim].wait()
+    else:
+        fleet.procs[victim].send_signal(signal.SIGSTOP)
 
-        def taken_over() -> bool:
-            owners = fleet.held_by()
-            return set(owners) <= survivors and sum(map(len, owners.values())) == SHARDS
+    def taken_over() -> bool:
+        owners = fleet.held_by()
+        return set(owners) <= survivors and sum(map(len, owners.values())) == SHARDS
 
-        took = await until(taken_over, "the survivors hold every shard")
-        if fault == "freeze":
-            # Frozen past its lease and a heartbeat interval, then woken: the first thing it
-            # does with any message is to learn what it lost.
-            await asyncio.sleep(HEARTBEAT_S)
-            woke_at = time.time()
-            fleet.procs[victim].send_signal(signal.SIGCONT)
-        await until(everyone_registered, "every agent registered again")
-        back = time.monotonic() - faulted
-        await asyncio.sleep(max(0.0, AFTER_S - back))
-        await load.stop()
-        done = load.done
-        print(
-            f"\n{fault} of {victim} ({len(held[victim])} shards): shards owned again after "
-            f"{took:.2f} s, every agent registered again after {back:.2f} s; "
-            f"requests done before the fault {before_kill}, in all {dict(done)}"
-        )
-        if fault == "freeze":
-            assert_it_acted_on_nothing_it_lost(fleet, victim, held[victim], woke_at)
+    took = await until(taken_over, "the survivors hold every shard")
+    if fault == "freeze":
+        # Frozen past its lease and a heartbeat interval, then woken: the first thing it
+        # does with any message is to learn what it lost.
+        await asyncio.sleep(HEARTBEAT_S)
+        woke_at = time.time()
+        fleet.procs[victim].send_signal(signal.SIGCONT)
+    await until(everyone_registered, "every agent registered again")
+    back = time.monotonic() - faulted
+    await asyncio.sleep(max(0.0, AFTER_S - back))
+    await load.stop()
+    done = load.done
+    print(
+        f"\n{fault} of {victim} ({len(held[victim])} shards): shards owned again after "
+        f"{took:.2f} s, every agent registered again after {back:.2f} s; "
+        f"requests done before the fault {before_kill}, in all {dict(done)}"
+    )
+    if fault == "freeze":
+        assert_it_acted_on_nothing_it_lost(fleet, victim, held[victim], woke_at)
 
-        assert took <= LEASE_S + 2 * STEP_S + 0.5
-        if fault == "kill":
-            assert back <= LEASE_S + 2 * STEP_S + HEARTBEAT_S + 2.0
-        assert_nothing_lost(load, before_kill, ledger, fleet)
-    finally:
-        ledger.close()
-        await producer.close()
+    assert took <= LEASE_S + 2 * STEP_S + 0.5
+    if fault == "kill":
+        assert back <= LEASE_S + 2 * STEP_S + HEARTBEAT_S + 2.0
+    assert_nothing_lost(load, before_kill, ledger, fleet)
