@@ -11,6 +11,11 @@ The policy tests pin what the schemas cannot see: no broker credentials, secrets
 reference, the agent probes and drain hook, a grace period longer than the agent's own drain
 bound (read from ``AgentSettings``), the labels the samples actually announce, RBAC limited to
 what the scaler uses, and a scaling file that names real Deployments.
+
+The several-managers overlay (``deploy/k8s-several-managers``) is rendered with
+``kubectl kustomize`` (skipped without kubectl) and checked the same way, plus what several
+managers need: replicas, a journal volume each, shards on the PostgreSQL ledger from the
+Secret, a disruption budget over the manager pods, and no single-replica manager left.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -492,3 +499,200 @@ def test_the_keda_queue_pattern_matches_exactly_its_pods_task_queues() -> None:
     for other in AGENT_DEPLOYMENTS.keys() - {target}:
         assert not matches(names.agent_task_queue(namespace, f"{other}-7c9f8d6b5-x2v9q"))
     assert not matches(names.agent_task_queue(namespace, f"{target}-1a2b3c"))  # a local agent
+
+
+# ---- several managers (deploy/k8s-several-managers) -------------------------------------------
+#
+# The overlay is checked as Kubernetes would receive it: rendered by `kubectl kustomize` (the
+# base with its manager replaced), every document validated strictly like the base's, then
+# the properties several managers depend on. Kustomize refuses an overlay inside its own base
+# ("cycle detected"), hence a directory beside deploy/k8s rather than under it.
+
+OVERLAY = ROOT / "deploy" / "k8s-several-managers"
+LEDGER_KEY = "ledger-url"
+
+
+def kustomize(directory: Path) -> list[Doc]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the overlay cannot be rendered (kubectl kustomize)")
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc is not None]
+
+
+@pytest.fixture(scope="module")
+def overlay() -> list[Doc]:
+    return kustomize(OVERLAY)
+
+
+@pytest.fixture(scope="module")
+def base() -> list[Doc]:
+    return kustomize(K8S)
+
+
+def named(docs: list[Doc], kind: str, name: str) -> Doc:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected exactly one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def managers(docs: list[Doc]) -> Doc:
+    return named(docs, "StatefulSet", "mesh-manager")
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_the_overlay_renders_to_documents_that_validate_strictly(overlay: list[Doc]) -> None:
+    for doc in overlay:
+        where = f"{doc['kind']} {doc['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{where}: {exc}")
+    assert {d["kind"] for d in overlay} >= {"StatefulSet", "PodDisruptionBudget", "Service"}
+
+
+def test_the_overlay_replaces_the_single_manager_and_keeps_the_rest_of_the_base(
+    overlay: list[Doc], base: list[Doc]
+) -> None:
+    def key(doc: Doc) -> tuple[str, str]:
+        return (doc["kind"], doc["metadata"]["name"])
+
+    replaced = {("Deployment", "mesh-manager"), ("PersistentVolumeClaim", "mesh-manager-journal")}
+    added = {
+        ("StatefulSet", "mesh-manager"),
+        ("Service", "mesh-manager-pods"),
+        ("PodDisruptionBudget", "mesh-manager"),
+    }
+    base_by_key = {key(d): d for d in base}
+    overlay_by_key = {key(d): d for d in overlay}
+    assert replaced <= base_by_key.keys(), "the base's single manager is what the overlay removes"
+    assert overlay_by_key.keys() == (base_by_key.keys() - replaced) | added
+    for k in base_by_key.keys() - replaced:
+        assert overlay_by_key[k] == base_by_key[k], f"{k}: changed by the overlay"
+
+
+def test_several_managers_run_in_parallel_each_with_its_own_journal_volume(
+    overlay: list[Doc],
+) -> None:
+    spec = managers(overlay)["spec"]
+    assert spec["replicas"] >= 2
+    assert spec["podManagementPolicy"] == "Parallel"
+    assert spec["updateStrategy"] == {"type": "RollingUpdate"}
+    c = container(managers(overlay))
+    journal = Path(arg(c, "--journal"))
+    (template,) = [t for t in spec["volumeClaimTemplates"] if t["metadata"]["name"] == "journal"]
+    assert template["spec"]["accessModes"] == ["ReadWriteOnce"]
+    pod_volumes = {v["name"] for v in spec["template"]["spec"]["volumes"]}
+    assert "journal" not in pod_volumes, "a pod volume would shadow the per-replica claim"
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "journal"]
+    assert journal.parent == Path(mount["mountPath"])
+    assert not [d for d in overlay if d["kind"] == "PersistentVolumeClaim"], "no shared claim"
+
+
+def test_managers_share_shards_on_the_postgresql_ledger_from_the_secret(
+    overlay: list[Doc],
+) -> None:
+    from mesh.cli import build_parser
+
+    c = container(managers(overlay))
+    parsed = build_parser().parse_args(c["args"])  # SystemExit on an unknown flag or choice
+    assert parsed.command == "manager" and parsed.scaler == "kubernetes"
+    assert c["args"].count("--shards") == 1 and int(arg(c, "--shards")) >= 2
+    assert arg(c, "--admission-capacity") == "descriptor"
+    assert "--ledger" not in c["args"], "the DSN holds a password: only from the Secret"
+    env = env_of(c)
+    assert env["MESH_LEDGER_URL"]["valueFrom"] == {
+        "secretKeyRef": {"name": SECRET_NAME, "key": LEDGER_KEY}
+    }
+    (secret,) = docs_of("Secret", path="secret.example.yaml")
+    assert secret["stringData"][LEDGER_KEY].startswith("postgresql://")
+    assert env["MESH_AMQP_URL"]["valueFrom"] == {
+        "secretKeyRef": {"name": SECRET_NAME, "key": SECRET_KEY}
+    }
+    # Each manager is named after its pod: distinct per replica, stable across restarts.
+    assert env["MESH_MANAGER_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    sources = "\n".join(p.read_text() for p in (ROOT / "mesh").rglob("*.py"))
+    for var in env:
+        assert f'"{var}"' in sources, f"nothing in mesh/ reads {var}"
+
+
+def test_the_disruption_budget_lets_one_manager_go_at_a_time(overlay: list[Doc]) -> None:
+    pdb = named(overlay, "PodDisruptionBudget", "mesh-manager")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    spec = managers(overlay)["spec"]
+    assert selector == spec["selector"]["matchLabels"]
+    assert matches(selector, spec["template"]["metadata"]["labels"])
+    for d in overlay:
+        if d["kind"] == "Deployment":
+            assert not matches(selector, d["spec"]["template"]["metadata"]["labels"])
+    assert spec["replicas"] - pdb["spec"]["maxUnavailable"] >= 1, "one manager always serves"
+
+
+def test_the_services_select_the_manager_pods(overlay: list[Doc]) -> None:
+    labels = managers(overlay)["spec"]["template"]["metadata"]["labels"]
+    service = named(overlay, "Service", "mesh-manager")
+    assert matches(service["spec"]["selector"], labels)
+    headless = named(overlay, "Service", managers(overlay)["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert matches(headless["spec"]["selector"], labels)
+    for d in overlay:
+        if d["kind"] == "Deployment":
+            agent_labels = d["spec"]["template"]["metadata"]["labels"]
+            assert not matches(service["spec"]["selector"], agent_labels)
+
+
+def test_the_managers_keep_the_single_managers_hardening_and_scaler_access(
+    overlay: list[Doc], base: list[Doc]
+) -> None:
+    single = named(base, "Deployment", "mesh-manager")["spec"]["template"]
+    several = managers(overlay)["spec"]["template"]
+    for field_name in (
+        "securityContext",
+        "serviceAccountName",
+        "automountServiceAccountToken",
+        "enableServiceLinks",
+        "terminationGracePeriodSeconds",
+    ):
+        assert several["spec"][field_name] == single["spec"][field_name], field_name
+    assert several["metadata"] == single["metadata"]
+    one_c, many_c = single["spec"]["containers"][0], several["spec"]["containers"][0]
+    for field_name in (
+        "image",
+        "securityContext",
+        "readinessProbe",
+        "livenessProbe",
+        "resources",
+        "ports",
+    ):
+        assert many_c[field_name] == one_c[field_name], field_name
+    kept = ("MESH_NAMESPACE", "MESH_SCALER", "MESH_SCALING_FILE", "MESH_K8S_NAMESPACE")
+    for var in kept:
+        assert env_of(many_c)[var] == env_of(one_c)[var], var
+    for flag in ("--scaler", "--scaling", "--journal", "--http-port"):
+        assert arg(many_c, flag) == arg(one_c, flag), flag
+    assert {m["mountPath"] for m in many_c["volumeMounts"]} == {
+        m["mountPath"] for m in one_c["volumeMounts"]
+    }
+    # The scaler's Role is bound to the account every manager runs as.
+    binding = named(overlay, "RoleBinding", "mesh-manager-scaler")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": several["spec"]["serviceAccountName"]}
+    ]
+    named(overlay, "Role", binding["roleRef"]["name"])
+
+
+@pytest.mark.parametrize("path", sorted(OVERLAY.glob("*.yaml")), ids=lambda p: p.name)
+def test_the_overlay_names_no_namespace_and_no_credentials(path: Path) -> None:
+    text = path.read_text()
+    assert "guest" not in text.lower()
+    assert not re.search(r"(amqp|postgres(ql)?)://\S+@", text), "a URL with credentials"
+    for doc in yaml.safe_load_all(text):
+        assert "namespace" not in doc.get("metadata", {}) and "namespace" not in doc
