@@ -1,5 +1,7 @@
 # One image for every mesh role: `docker run agent-mesh manager`, `… agent calc`, `… demo`.
-# Used by docker-compose.yml; the broker URL comes from MESH_AMQP_URL.
+# Used by docker-compose.yml; the broker URL comes from MESH_AMQP_URL. `pip install .` brings
+# the PostgreSQL driver too (psycopg[binary], libpq included), so `mesh manager --ledger
+# postgresql://…` works in this slim image with no system package.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

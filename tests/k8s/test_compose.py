@@ -16,6 +16,7 @@ import hashlib
 import json
 import re
 import shlex
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ def test_the_vendored_schema_is_the_recorded_upstream_copy() -> None:
 
 def test_schema_validation_does_catch_mistakes() -> None:
     misspelt = copy.deepcopy(compose())
-    misspelt["services"]["manager"]["comand"] = ["manager"]
+    misspelt["services"]["manager-1"]["comand"] = ["manager"]
     bad_condition = copy.deepcopy(compose())
     bad_condition["services"]["calc"]["depends_on"]["rabbitmq"]["condition"] = "healthy"
     bad_type = copy.deepcopy(compose())
@@ -109,8 +110,8 @@ def test_the_image_entrypoint_is_mesh() -> None:
 
 
 def test_the_compose_file_runs_the_whole_mesh() -> None:
-    """The issue's list: the broker with its UI and a healthcheck, the manager, two or three
-    sample agents and a producer."""
+    """The issue's list: the broker with its UI and a healthcheck, the manager (two of them on
+    PostgreSQL since issue 21), two or three sample agents and a producer."""
     all_services = services()
     broker = all_services["rabbitmq"]
     assert broker["image"].startswith("rabbitmq:3-management")
@@ -118,7 +119,7 @@ def test_the_compose_file_runs_the_whole_mesh() -> None:
     assert any(str(port).endswith(":15672") for port in broker["ports"])
 
     commands = {name: command_of(svc) for name, svc in mesh_services().items()}
-    assert [c for c in commands.values() if c[0] == "manager"] == [["manager"]]
+    assert len(manager_services()) == 2
     agents = [c[1] for c in commands.values() if c[0] == "agent"]
     assert 2 <= len(agents) <= 3 and len(set(agents)) == len(agents)
     producers = [c for c in commands.values() if c[0] == "demo"]
@@ -128,6 +129,84 @@ def test_the_compose_file_runs_the_whole_mesh() -> None:
         assert svc["depends_on"]["rabbitmq"]["condition"] == "service_healthy", name
         host = urlsplit(svc["environment"]["MESH_AMQP_URL"]).hostname
         assert host in all_services, f"{name}: the broker URL names no compose service"
+
+
+# ---- several managers ---------------------------------------------------------------------------
+
+
+def manager_services() -> dict[str, dict[str, Any]]:
+    return {n: svc for n, svc in mesh_services().items() if command_of(svc)[0] == "manager"}
+
+
+def effective_settings(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The service's command parsed by the real CLI under the service's environment (the
+    parser takes its defaults from MESH_… variables, as in the container)."""
+    from mesh.cli import build_parser
+
+    with monkeypatch.context() as patched:
+        for var, value in service["environment"].items():
+            patched.setenv(var, str(value))
+        return build_parser().parse_args(command_of(service))
+
+
+def test_two_managers_share_the_same_shards_on_the_postgresql_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = {n: effective_settings(svc, monkeypatch) for n, svc in manager_services().items()}
+    assert len(settings) == 2
+    shard_counts = {s.shards for s in settings.values()}
+    assert len(shard_counts) == 1, f"every manager needs the same --shards: {shard_counts}"
+    (shard_count,) = shard_counts
+    assert shard_count is not None and shard_count >= len(settings)
+    ledgers = {s.ledger for s in settings.values()}
+    assert len(ledgers) == 1, "one shared ledger"
+    for name, s in settings.items():
+        assert s.admission_capacity == "descriptor", f"{name}: --shards refuses to start without"
+        assert s.ledger_schema == settings[min(settings)].ledger_schema
+    assert len({s.manager_id for s in settings.values()}) == len(settings), "distinct IDs"
+
+    (dsn,) = ledgers
+    url = urlsplit(dsn)
+    assert url.scheme in ("postgresql", "postgres")
+    database = services()[str(url.hostname)]
+    assert database["image"].startswith("postgres:")
+    assert "test" in database["healthcheck"]
+    env = database["environment"]
+    assert (url.username, url.password) == (env["POSTGRES_USER"], env["POSTGRES_PASSWORD"])
+    assert url.path.lstrip("/") == env["POSTGRES_DB"]
+    for name, svc in manager_services().items():
+        assert svc["depends_on"][str(url.hostname)]["condition"] == "service_healthy", name
+
+
+def test_each_manager_has_its_own_journal_volume_and_status_port() -> None:
+    journals, host_ports = [], []
+    for name, svc in manager_services().items():
+        (volume,) = svc["volumes"]
+        source, target = volume.split(":")[:2]
+        assert target == "/home/mesh/.mesh", f"{name}: the default journal's directory"
+        assert source in compose()["volumes"], f"{name}: a named volume"
+        journals.append(source)
+        (port,) = svc["ports"]
+        host_port, container_port = str(port).split(":")
+        assert container_port == "8090"
+        host_ports.append(int(host_port))
+    assert len(set(journals)) == len(journals), "a journal is SQLite with one writer"
+    assert sorted(host_ports) == [8090, 8091]
+
+
+def test_agents_and_the_producer_start_after_every_manager() -> None:
+    for name, svc in mesh_services().items():
+        if command_of(svc)[0] != "manager":
+            assert manager_services().keys() <= svc["depends_on"].keys(), name
+
+
+def test_the_image_has_the_postgresql_driver_the_managers_need() -> None:
+    """The Dockerfile installs the project with its dependencies (`pip install .`); psycopg
+    with its binary extra brings libpq along, so the slim base image needs no system one."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"psycopg\[binary\]", d) for d in dependencies), dependencies
+    installs = re.findall(r"^RUN pip install ([^\n&\\]*)", DOCKERFILE.read_text(), re.M)
+    assert [i.split() for i in installs] == [["."]], "the project, its dependencies included"
 
 
 def compose_seconds(duration: str) -> float:
