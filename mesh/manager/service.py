@@ -366,9 +366,17 @@ class ManagerService:
         for shard in left:
             await self._leave_shard(shard)
         await self.execute([AppendLog(e) for e in entries])
-        for entry in entries:
-            if entry.reason == "taken" and not self._stopping:
-                await self._join_shard(int(entry.detail["shard"]))
+        taken = {int(e.detail["shard"]) for e in entries if e.reason == "taken"}
+        for shard in sorted(taken):
+            if not self._stopping:
+                await self._join_shard(shard)
+        if taken and self.settings.shard_count is not None:
+            # The deployments it now scales: their replicas as they are now (another
+            # manager may have scaled them since this one last looked).
+            count = self.settings.shard_count
+            for deployment in self.core.scaling.deployments:
+                if shard_of(deployment, count) in taken:
+                    await self._observe(deployment)
 
     async def _join_shard(self, shard: int) -> None:
         if shard in self._shard_consumers:
@@ -897,8 +905,8 @@ class ManagerService:
         """Several managers: the fleet over every owner's registry. The summaries (totals,
         pools by state, capabilities) are added up — each a running tally, so this stays
         cheap at any fleet size; the page of agent rows is the slice of all owners' rows in
-        agent-ID order (each owner sends its first ``offset + limit``). Counters and the
-        pools' admission figures are this manager's (the ledger's are shared)."""
+        agent-ID order (each owner sends its first ``offset + limit``), the pools' live
+        figures added up too. Counters are this manager's."""
         assert self.peers is not None
         mine = self.status(_first_rows(request))
         replies = [mine]
@@ -925,8 +933,23 @@ class ManagerService:
                     (load.agents, load.taking_work, load.in_flight, load.capacity)
                 ):
                     summed[i] += n
+        # Each pool's live figures come from its owner's registry (the others count none of
+        # its agents): added up; the ledger's figures (granted, model slots) are shared.
+        live: dict[tuple[str, str], tuple[int, int]] = {}
+        for reply in replies:
+            for figure in reply.pools:
+                agents, slots = live.get((figure.pool_id, figure.capability), (0, 0))
+                live[figure.pool_id, figure.capability] = (
+                    agents + figure.live_agents,
+                    slots + figure.live_slots,
+                )
+        pools = []
+        for figure in mine.pools:
+            agents, slots = live[figure.pool_id, figure.capability]
+            pools.append(figure.model_copy(update={"live_agents": agents, "live_slots": slots}))
         return mine.model_copy(
             update={
+                "pools": pools,
                 "agents": rows[offset : offset + request.agents_limit],
                 "agents_offset": offset,
                 "agents_total": sum(reply.agents_total or 0 for reply in replies),

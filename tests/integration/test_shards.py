@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ from mesh.agent import AgentRuntime, AgentSettings
 from mesh.agent.errors import RegistrationRefusedError
 from mesh.core.events import ScaleTo
 from mesh.core.pool import PoolSettings
+from mesh.core.scaling import ScalingPolicy
 from mesh.core.shards import shard_of
 from mesh.errors import LocalProtocolError
 from mesh.manager.journal import SqliteJournal
@@ -32,6 +34,7 @@ from mesh.wire.reasons import Reason
 from . import test_admission_competition as competition
 from .harness import eventually
 from .test_admission_competition import PgSchema
+from .test_backpressure import echo_descriptor
 
 pg_schema = competition.pg_schema  # the competition tests' fixture: a schema of the test's own
 
@@ -50,7 +53,8 @@ async def started(
     dsn, schema = pg_schema.dsn, pg_schema.schema
     services: list[ManagerService] = []
 
-    async def start(manager_id: str) -> ManagerService:
+    async def start(manager_id: str, scaler: Any = None) -> ManagerService:
+        scaling = tuple(ScalingPolicy(p, min_replicas=0) for p in POOLS) if scaler else ()
         settings = ManagerSettings(
             amqp_url=amqp_url,
             namespace=namespace,
@@ -61,9 +65,10 @@ async def started(
             admission_capacity="descriptor",
             shard_count=SHARDS,
             shard_lease_s=LEASE_S,
-            pool=PoolSettings(reregister_backoff_s=0.5),
+            pool=PoolSettings(reregister_backoff_s=0.5, scaling=scaling),
+            operator_user="guest",  # the test publishes descriptors
         )
-        service = ManagerService(settings)
+        service = ManagerService(settings, scaler=scaler)
         services.append(service)
         await service.start()
         return service
@@ -234,7 +239,11 @@ async def test_any_manager_finds_acquires_and_releases_on_every_shard(
         for _ in range(6):
             assert {x.agent_id for x in await client.find("test.echo")} == everyone
         assert len(await client.find("test.echo", limit=3)) == 3
-        # Status: the summary added up over both registries, the rows paged in ID order.
+        # Status: the summary added up over both registries, the rows paged in ID order, the
+        # described pool's live figures from its owner whichever manager answers.
+        described = echo_descriptor(8).model_copy(update={"policy_generation": 1})
+        assert (await client.publish_descriptor(described)).type.endswith("accepted.v1")
+        await until(lambda: all(m.admission.descriptors for m in (a, b)), "both know the pool")
         for _ in range(4):
             first = await client.status(agents_limit=3)
             rest = await client.status(agents_offset=3, agents_limit=3)
@@ -243,6 +252,8 @@ async def test_any_manager_finds_acquires_and_releases_on_every_shard(
             assert {p.pool_id for p in first.pool_states or []} == set(POOLS)
             (echo,) = first.capability_loads or []
             assert (echo.name, echo.agents) == ("test.echo", len(POOLS))
+            (pool,) = first.pools
+            assert (pool.pool_id, pool.live_agents, pool.live_slots) == ("echo", 1, 8), pool
         # Acquire by capability takes the least loaded agent of all: 8 leases, 2 on each.
         leases = [await client.acquire("test.echo") for _ in range(2 * len(POOLS))]
         assert all(isinstance(lease, Lease) for lease in leases), leases
@@ -312,8 +323,10 @@ class RecordingScaler:
 
     def __init__(self) -> None:
         self.scaled: list[tuple[str, int]] = []
+        self.read: list[str] = []
 
     async def current_replicas(self, deployment: str) -> int | None:
+        self.read.append(deployment)
         return 1
 
     async def scale_to(
@@ -331,17 +344,23 @@ class RecordingScaler:
 async def test_only_the_owner_of_a_pools_shard_scales_its_deployment(
     started: Callable[[str], asyncio.Future[ManagerService]],
 ) -> None:
-    a = await started("manager-a")
-    b = await started("manager-b")
+    scalers = {m: RecordingScaler() for m in ("manager-a", "manager-b")}
+    a = await started("manager-a", scalers["manager-a"])
+    b = await started("manager-b", scalers["manager-b"])
     await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
     for manager in (a, b):
-        manager.scaler = RecordingScaler()  # type: ignore[assignment]
         for pool in POOLS:
             await manager._scale(ScaleTo(pool, 3, "a capacity miss"))
     for manager in (a, b):
         mine = {p for p in POOLS if shard_of(p, SHARDS) in owned(manager)}
-        assert manager.scaler.scaled == [(p, 3) for p in POOLS if p in mine]  # type: ignore[union-attr]
+        assert scalers[manager.settings.manager_id].scaled == [(p, 3) for p in POOLS if p in mine]
         assert manager.counters["scaling_left_to_the_owner"] == len(POOLS) - len(mine)
+    # Taking b's shards, a reads their deployments' replicas afresh (b may have scaled them).
+    scalers["manager-a"].read.clear()
+    moving = {p for p in POOLS if shard_of(p, SHARDS) in owned(b)}
+    await b.stop()
+    await until(lambda: owned(a) == set(range(SHARDS)), "a holds every shard")
+    await until(lambda: set(scalers["manager-a"].read) >= moving, "a reads their replicas")
 
 
 async def test_shards_with_admission_bounded_by_live_agents_are_a_clear_error(
