@@ -28,6 +28,7 @@ from mesh.wire import (
     decode,
     decode_as,
     encode,
+    models,
 )
 
 from .samples import ADD_INPUT_SCHEMA, CALC_ADD, SAMPLES, sample_json
@@ -232,6 +233,25 @@ def test_a_capability_with_an_invalid_json_schema_is_refused(
 ) -> None:
     with pytest.raises(ValidationError, match="not a valid JSON Schema"):
         Capability.model_validate(capability_json(**{which: schema}))
+
+
+def test_a_schema_sent_again_is_checked_against_its_metaschema_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    checked: list[dict[str, Any]] = []
+    check = models._schema_problem_of
+    monkeypatch.setattr(models, "_schema_problem_of", lambda s: checked.append(s) or check(s))
+    models._schema_problem.cache_clear()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    reordered = {"required": ["n"], "properties": {"n": {"type": "integer"}}, "type": "object"}
+    bad = {"type": "object", "required": "n"}
+
+    for _ in range(3):
+        Capability.model_validate(capability_json(input_schema=schema, output_schema=reordered))
+        with pytest.raises(ValidationError, match="not a valid JSON Schema"):
+            Capability.model_validate(capability_json(input_schema=bad, output_schema=schema))
+
+    assert checked == [schema, bad]
 
 
 @pytest.mark.parametrize(
