@@ -664,14 +664,21 @@ class AmqpTransport:
                 self._fast_channel = await self._connection.channel(publisher_confirms=False)
             # Straight to aiormq (the robust channel's current underlying channel): without
             # confirms, aio-pika's Exchange and Message objects only add per-message work.
-            channel = await self._fast_channel.get_underlay_channel()
+            channel = cast(aiormq.Channel, await self._fast_channel.get_underlay_channel())
             properties = (
                 _FAST_PROPERTIES
                 if user_id is None
                 else aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE, user_id=user_id)
             )
+            # ``wait=False``: handed to the connection's writer, not waited for until it is
+            # flushed (aiormq would hold the channel's lock meanwhile, so a burst of these went
+            # out one loop turn each); there is no confirm to wait for anyway.
             await channel.basic_publish(
-                body, exchange=exchange, routing_key=routing_key, properties=properties
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                properties=properties,
+                wait=False,
             )
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
             raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
