@@ -75,6 +75,7 @@ from mesh.errors import (
 from mesh.ledger.store import LedgerStore
 from mesh.manager.admission import Admitter, ExternalGrantor
 from mesh.manager.admission_service import AdmissionService
+from mesh.manager.batching import GroupCommit
 from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
 from mesh.manager.journal import Journal, SqliteJournal
@@ -187,6 +188,12 @@ class ManagerService:
         self._consumers: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # Announcements (registrations above all) that arrived together — in one loop turn,
+        # or while the batch before was being handled — handled as one batch: one journal
+        # commit, their answers and events published together.
+        self._announcements: GroupCommit[tuple[Delivery, str], None] = GroupCommit(
+            self._announce_batch, max_batch=settings.announce_batch
+        )
         self._started_at = self.clock.now().mono
         self.shards: ShardOwnership | None = None  # with settings.shard_count
         self._shard_thread: ThreadPoolExecutor | None = None
@@ -294,7 +301,9 @@ class ManagerService:
         await self._feed(Tick())
         t = self.topology
         self._consumers = [
-            await self.transport.consume(t.announce_queue, self._on_announce, prefetch=s.prefetch),
+            await self.transport.consume(
+                t.announce_queue, self._on_announce, prefetch=2 * s.announce_batch
+            ),
             await self.transport.consume(t.rpc_queue, self._on_rpc, prefetch=s.prefetch),
             await self.transport.consume_raw(t.heartbeat_queue, self.heartbeats),
         ]
@@ -387,13 +396,13 @@ class ManagerService:
         rpc = t.shard_rpc_queue(shard)
 
         async def on_announce(delivery: Delivery) -> None:
-            await self._guarded(delivery, announce, self._handle_announce)
+            await self._announcements.submit((delivery, announce))
 
         async def on_rpc(delivery: Delivery) -> None:
             await self._guarded(delivery, rpc, self._handle_rpc)
 
         self._shard_consumers[shard] = [
-            await self.transport.consume(announce, on_announce, prefetch=s.prefetch),
+            await self.transport.consume(announce, on_announce, prefetch=2 * s.announce_batch),
             await self.transport.consume_raw(t.shard_heartbeat_queue(shard), self._shard_beats),
             await self.transport.consume(rpc, on_rpc, prefetch=s.prefetch),
         ]
@@ -446,6 +455,7 @@ class ManagerService:
         for consumer in self._consumers:
             await consumer.cancel()
         self._consumers = []
+        await self._announcements.close()  # what was taken is handled, kept and acked
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -537,7 +547,7 @@ class ManagerService:
 
     # ---- inputs ---------------------------------------------------------------------------
     async def _on_announce(self, delivery: Delivery) -> None:
-        await self._guarded(delivery, self.topology.announce_queue, self._handle_announce)
+        await self._announcements.submit((delivery, self.topology.announce_queue))
 
     async def _on_rpc(self, delivery: Delivery) -> None:
         await self._guarded(delivery, self.topology.rpc_queue, self._handle_rpc)
@@ -556,8 +566,73 @@ class ManagerService:
             self.counters["shard_checks_before_acting"] += 1
             await self.shards.step()
 
-    async def _handle_announce(self, delivery: Delivery) -> None:
-        await self._shards_checked()
+    async def _announce_batch(self, items: list[tuple[Delivery, str]]) -> list[None]:
+        """Announcements that arrived together, each handled as it would be alone, in
+        order: decoded, its sender checked, fed to the core (or answered, forwarded or
+        dead-lettered on its own). What the core returns for all of them is carried out
+        together (:meth:`execute_many`: one journal commit, then the events and the answers
+        published without waiting on each other); each delivery is acked only after that —
+        after what it changed is kept. A transport failure hands the batch's deliveries back
+        to be redelivered (the core's handling is idempotent); a bug rejects them. Never
+        raises: every delivery is settled here."""
+        await self._settle_announcements(items)
+        return [None] * len(items)
+
+    async def _settle_announcements(self, items: list[tuple[Delivery, str]]) -> None:
+        self.counters["announce_batches"] += 1  # received.* over this: the mean batch
+        await self._shards_checked()  # a paused manager learns what it lost first
+        fed: list[tuple[Sequence[Command], Delivery]] = []
+        for delivery, queue in items:
+            try:
+                try:
+                    event = await self._announce_event(delivery)
+                except MessageRejected as exc:
+                    await self._dead_letter(delivery, queue, exc)
+                    event = None
+                if event is not None:
+                    await self._shards_checked()  # no await between it and the core: _feed
+                    fed.append((self.core.handle(event, self.clock.now()), delivery))
+                    continue
+            except TransportError as exc:
+                await self._hand_back([delivery], queue, exc)
+                continue
+            except Exception:
+                await self._reject_on_bug([delivery], queue)
+                continue
+            await delivery.ack()
+        if not fed:
+            return
+        deliveries = [delivery for _, delivery in fed]
+        try:
+            await self.execute_many(fed)
+        except TransportError as exc:
+            await self._hand_back(deliveries, items[0][1], exc)
+            return
+        except Exception:
+            await self._reject_on_bug(deliveries, items[0][1])
+            return
+        await asyncio.gather(*(delivery.ack() for delivery in deliveries))
+
+    async def _hand_back(self, deliveries: list[Delivery], queue: str, exc: Exception) -> None:
+        """A transport failure (replies and agent messages are best-effort, so this is the
+        channel or broker going away): the messages go back to be redelivered; if even that
+        fails the broker requeues them anyway."""
+        log.warning("could not finish a delivery", extra={"queue": queue, "error": str(exc)})
+        for delivery in deliveries:
+            with contextlib.suppress(Exception):
+                await delivery.reject(requeue=True)
+
+    async def _reject_on_bug(self, deliveries: list[Delivery], queue: str) -> None:
+        self.counters["handler_errors"] += len(deliveries)
+        log.exception("bug while handling a delivery", extra={"queue": queue})
+        for delivery in deliveries:
+            with contextlib.suppress(Exception):
+                await delivery.reject(requeue=False)
+
+    async def _announce_event(self, delivery: Delivery) -> Event | None:
+        """What an announcement asks of the core, or ``None`` when it was answered here
+        (a standing or admission-state request, a refused or forwarded registration).
+        ``MessageRejected`` for bad input or a sender speaking for another agent."""
         message = decode_as(delivery.body, *_ANNOUNCE_TYPES)
         event: Event
         if isinstance(message, AgentRegistration):
@@ -582,20 +657,20 @@ class ManagerService:
             )
         if isinstance(message, AgentRegistration) and self.shards is not None:
             if not await self._registration_is_mine(message, delivery, publisher):
-                return
+                return None
         self.counters[f"received.{message.type}"] += 1
         if isinstance(message, StandingRequest):
             await self._send_to_agent(message.agent_id, self._standing(message))
-            return
+            return None
         if isinstance(message, AdmissionStateRequest):
             await self._send_to_agent(message.agent_id, await self._admission_state(message))
-            return
+            return None
         if isinstance(message, AgentRegistration) and not self.admission.understands_epochs(
             message
         ):
             await self._refuse_registration(message, delivery)
-            return
-        await self._feed(event, delivery)  # a drain request may carry reply_to
+            return None
+        return event  # a drain request may carry reply_to: its delivery is the request
 
     def _publisher_of(self, delivery: Delivery) -> str | None:
         """The broker user a message is from: its validated ``user_id``, or for a
@@ -1089,10 +1164,33 @@ class ManagerService:
         (``command_errors``) and the rest still run — above all the reply its requester
         waits for; a transport failure propagates (the delivery is redelivered, and the
         core's handling is idempotent)."""
-        logs = [cmd.entry for cmd in commands if isinstance(cmd, AppendLog)]
+        await self.execute_many([(commands, request)])
+
+    async def execute_many(
+        self, batches: Sequence[tuple[Sequence[Command], Delivery | None]]
+    ) -> None:
+        """Several requests' commands, as :meth:`execute` would carry out each: their log
+        entries journaled in one commit (in order) and published, then each request's other
+        commands in order — the requests side by side, so their publishes wait for their
+        confirms together. The first transport failure propagates once all have run."""
+        logs = [
+            cmd.entry for commands, _ in batches for cmd in commands if isinstance(cmd, AppendLog)
+        ]
         stored = self.append(logs) if logs else []
         for event in stored:
             await self.publish_event(names.log_key(event.agent_id, event.kind), event)
+        if len(batches) == 1:
+            await self._carry_out_all(*batches[0])
+            return
+        outcomes = await asyncio.gather(
+            *(self._carry_out_all(commands, request) for commands, request in batches),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _carry_out_all(self, commands: Sequence[Command], request: Delivery | None) -> None:
         for cmd in commands:
             try:
                 await self._carry_out(cmd, request)

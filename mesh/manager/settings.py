@@ -25,6 +25,9 @@ class ManagerSettings:
     tick_interval_s: float = 1.0
     publish_timeout_s: float = c.DEFAULT_PUBLISH_TIMEOUT_S
     prefetch: int = 64
+    # Announcements handled as one batch at most; the announce queue's prefetch is twice
+    # that, so the next batch gathers while one is handled.
+    announce_batch: int = 128
     pool: PoolSettings = field(default_factory=PoolSettings)
     # The reservation ledger: "sqlite:<path>" (embedded default) or a postgresql:// DSN
     # when several managers share one ledger.
