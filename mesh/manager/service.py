@@ -6,7 +6,9 @@ Three consumers feed the core, all on one event loop, so the core never needs
 a lock (its ``handle`` is synchronous and never interleaves):
 
 * ``<ns>.manager.announce`` (quorum): registrations, deregistrations, drain
-  requests from agents. Acked only after the core's commands were carried out.
+  requests from agents, taken in batches (those that arrived together): each is
+  fed to the core in order, then the batch's commands are carried out together
+  (one journal commit) and only then is each acked.
 * ``<ns>.manager.heartbeats``: no-ack, straight into :class:`HeartbeatSink`.
 * ``<ns>.manager.rpc``: the client API (find, acquire, release, drain,
   status); each request is answered on its ``reply_to`` with its
@@ -614,15 +616,17 @@ class ManagerService:
         await asyncio.gather(*(delivery.ack() for delivery in deliveries))
 
     async def _hand_back(self, deliveries: list[Delivery], queue: str, exc: Exception) -> None:
-        """A transport failure (replies and agent messages are best-effort, so this is the
-        channel or broker going away): the messages go back to be redelivered; if even that
-        fails the broker requeues them anyway."""
+        """A transport failure while handling: replies and agent messages are best-effort
+        (counted where they fail), so this is the channel or broker going away. The messages
+        go back to be redelivered (the core's handling is idempotent); if even that fails
+        the broker requeues them anyway."""
         log.warning("could not finish a delivery", extra={"queue": queue, "error": str(exc)})
         for delivery in deliveries:
             with contextlib.suppress(Exception):
                 await delivery.reject(requeue=True)
 
     async def _reject_on_bug(self, deliveries: list[Delivery], queue: str) -> None:
+        """A bug while handling (called from an ``except``): counted, logged, rejected."""
         self.counters["handler_errors"] += len(deliveries)
         log.exception("bug while handling a delivery", extra={"queue": queue})
         for delivery in deliveries:
@@ -1073,17 +1077,10 @@ class ManagerService:
             except MessageRejected as exc:
                 await self._dead_letter(delivery, queue, exc)
         except TransportError as exc:
-            # Replies and agent messages are best-effort (counted where they fail), so this is
-            # the channel or broker going away: hand the message back to be redelivered (the
-            # core's handling is idempotent); if even that fails the broker requeues it anyway.
-            log.warning("could not finish a delivery", extra={"queue": queue, "error": str(exc)})
-            with contextlib.suppress(Exception):
-                await delivery.reject(requeue=True)
+            await self._hand_back([delivery], queue, exc)
             return
         except Exception:
-            self.counters["handler_errors"] += 1
-            log.exception("bug while handling a delivery", extra={"queue": queue})
-            await delivery.reject(requeue=False)
+            await self._reject_on_bug([delivery], queue)
             return
         await delivery.ack()
 

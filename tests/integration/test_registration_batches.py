@@ -9,6 +9,7 @@ a whole fleet registers at once)."""
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -61,16 +62,20 @@ def registration(agent_id: str) -> AgentRegistration:
 
 
 async def publish_all(
-    transport: AmqpTransport, topology: Topology, bodies: list[tuple[str, bytes]]
+    transport: AmqpTransport,
+    topology: Topology,
+    bodies: list[tuple[str, bytes]],
+    user_id: str | None = None,
 ) -> None:
-    """Every body on the announce exchange at once, as agents registering together do."""
+    """Every body on the announce exchange at once, as agents registering together do;
+    ``user_id`` as the broker validates it (this transport's user)."""
     await asyncio.gather(
         *(
             transport.publish(
                 topology.announce_exchange,
                 names.agent_announce_key(agent_id, "register"),
                 body,
-                user_id="guest" if agent_id == "guest" else None,
+                user_id=user_id,
             )
             for agent_id, body in bodies
         )
@@ -83,12 +88,13 @@ async def backlog_then_manager(
     bodies: list[tuple[str, bytes]],
     amqp_url: str,
     tmp_path: Path,
+    user_id: str | None = None,
     **overrides: Any,
 ) -> ManagerService:
     """The manager's queues declared, ``bodies`` waiting in the announce queue, then the
     manager started on them."""
     await transport.declare(topology.manager())
-    await publish_all(transport, topology, bodies)
+    await publish_all(transport, topology, bodies, user_id)
     settings = manager_settings(
         topology.namespace, tmp_path / "journal.sqlite3", amqp_url=amqp_url, **overrides
     )
@@ -162,25 +168,27 @@ async def test_a_bad_registration_in_a_batch_is_dead_lettered_and_the_others_acc
 async def test_in_a_batch_each_registration_speaks_only_for_its_own_broker_user(
     transport_factory: Any, topology: Topology, amqp_url: str, tmp_path: Path
 ) -> None:
-    # With agent identities on, only the registration of the agent named as the publishing
-    # broker user (this test's user, "guest", validated by RabbitMQ) is accepted; the ones
-    # it publishes for other agents in the same burst are dead-lettered NOT_AUTHORIZED.
+    # With agent identities on, a registration counts only for the agent named as its
+    # publishing broker user: of one burst published as this test's broker user (validated
+    # by RabbitMQ), the agent named as that user is accepted and the ten for other agents
+    # are dead-lettered NOT_AUTHORIZED, wherever they sit in the batch.
+    user = urllib.parse.urlsplit(amqp_url).username or "guest"
     transport = await transport_factory()
     inbox = Inbox()
     await inbox.open(transport, topology)
-    own = registration("guest")
+    own = registration(user)
     forged = [registration(f"someone-{n}") for n in range(10)]
     bodies = [(r.agent_id, encode(r)) for r in forged[:5]]
     bodies += [(own.agent_id, encode(own))]
     bodies += [(r.agent_id, encode(r)) for r in forged[5:]]
     manager = await backlog_then_manager(
-        transport, topology, bodies, amqp_url, tmp_path, agent_identity=True
+        transport, topology, bodies, amqp_url, tmp_path, user_id=user, agent_identity=True
     )
     try:
         await eventually(lambda: manager.counters["dead_lettered"] == 10, what="10 dead letters")
         await eventually(lambda: len(inbox.accepted) == 1, what="the acceptance")
-        assert inbox.accepted[0].agent_id == "guest"
-        assert set(manager.core.agents) == {"guest"}
+        assert inbox.accepted[0].agent_id == user
+        assert set(manager.core.agents) == {user}
         assert manager.counters[f"dead_lettered.{Reason.NOT_AUTHORIZED}"] == 10
         assert not inbox.other  # nobody was answered on another agent's control key
     finally:
