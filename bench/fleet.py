@@ -309,6 +309,7 @@ class Fleet:
                             content_type=c.CONTENT_TYPE, delivery_mode=2
                         ),
                         mandatory=True,
+                        wait=False,  # the confirm is the wait (not each frame's flush)
                     )
                     for a in agents[start : start + window]
                 )
@@ -398,6 +399,7 @@ class Fleet:
                     exchange=exchange,
                     routing_key=key,
                     properties=properties,
+                    wait=False,  # handed to the writer: one loop turn per beat would lag
                 )
 
 
