@@ -464,10 +464,25 @@ async def run_one_manager(
     await admin.declare(topology.manager())
     await admin.close()
     fleet = Fleet(url, topology, sharded=False)
-    await fleet.open()
-    new = fleet.grow(agents)
-    await fleet.register(new, window=1000)
-    manager = await ManagerProcess.start(url, topology.namespace, workdir, "m0", [])
+    manager: ManagerProcess | None = None
+    try:
+        await fleet.open()
+        new = fleet.grow(agents)
+        await fleet.register(new, window=1000)
+        manager = await ManagerProcess.start(url, topology.namespace, workdir, "m0", [])
+        figures = await one_manager_figures(fleet, manager, agents, warm_s, window_s)
+    except BaseException:
+        await fleet.close()
+        if manager is not None:
+            await manager.stop()
+        await delete_namespace(url, topology)
+        raise
+    return figures, fleet, manager
+
+
+async def one_manager_figures(
+    fleet: Fleet, manager: ManagerProcess, agents: int, warm_s: float, window_s: float
+) -> ConfigFigures:
     cpu0, rss0 = manager.cpu_seconds(), manager.rss_bytes()
     if not await fleet.wait_accepted(agents, timeout_s=agents / 50 + 60):
         raise RuntimeError(f"only {fleet.counts.accepted} of {agents} accepted")
@@ -475,7 +490,7 @@ async def run_one_manager(
     rate = (agents - 1) / max(fleet.last_accepted_at - fleet.first_accepted_at, 1e-9)
     fleet.start_heartbeats()
     rates, rss = await steady_window(fleet, [manager], warm_s, window_s)
-    figures = ConfigFigures(
+    return ConfigFigures(
         "one manager",
         agents,
         rate,
@@ -493,7 +508,6 @@ async def run_one_manager(
         fleet.beat_lag_s,
         fleet.counts.reregister_asked,
     )
-    return figures, fleet, manager
 
 
 async def run_two_managers(
