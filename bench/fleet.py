@@ -467,6 +467,9 @@ async def run_one_manager(
     manager: ManagerProcess | None = None
     try:
         await fleet.open()
+        # An agent beats from its acceptance on (the beats cover accepted agents only): the
+        # first of a large backlog would be declared lost waiting for the last otherwise.
+        fleet.start_heartbeats()
         new = fleet.grow(agents)
         await fleet.register(new, window=1000)
         manager = await ManagerProcess.start(url, topology.namespace, workdir, "m0", [])
@@ -488,7 +491,6 @@ async def one_manager_figures(
         raise RuntimeError(f"only {fleet.counts.accepted} of {agents} accepted")
     registration_cpu = manager.cpu_seconds() - cpu0
     rate = (agents - 1) / max(fleet.last_accepted_at - fleet.first_accepted_at, 1e-9)
-    fleet.start_heartbeats()
     rates, rss = await steady_window(fleet, [manager], warm_s, window_s)
     return ConfigFigures(
         "one manager",
@@ -543,6 +545,7 @@ async def run_two_managers(
                 raise RuntimeError("the two managers did not split the shards evenly")
             await asyncio.sleep(0.5)
         await fleet.open()
+        fleet.start_heartbeats()  # each agent from its acceptance on
         base = [(m.cpu_seconds(), m.rss_bytes()) for m in managers]
         new = fleet.grow(agents)
         started = time.perf_counter()
@@ -551,7 +554,6 @@ async def run_two_managers(
             raise RuntimeError(f"only {fleet.counts.accepted} of {agents} accepted")
         rate = agents / (fleet.last_accepted_at - started)
         registration_cpu = [m.cpu_seconds() - b[0] for m, b in zip(managers, base, strict=True)]
-        fleet.start_heartbeats()
         rates, rss = await steady_window(fleet, managers, warm_s, window_s)
         return ConfigFigures(
             "two managers",
@@ -715,21 +717,21 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         workdir = Path(tmp)
         print(header)
+        # Two managers first: the one manager's fleet then beats on through the ramp.
+        two: ConfigFigures | None = None
+        if why_not_pg is None:
+            two = await run_two_managers(
+                args.amqp_url, args.postgres_dsn, workdir, agents, warm_s, window_s
+            )
+            print_config(two, report)
+        else:
+            print(f"   two managers skipped: {why_not_pg}")
+            report.skipped.append(f"two managers: {why_not_pg}")
         one, fleet, manager = await run_one_manager(
             args.amqp_url, workdir, agents, warm_s, window_s
         )
         print_config(one, report)
-        two: ConfigFigures | None = None
         try:
-            await fleet.stop_heartbeats()  # the two managers' fleet runs alone
-            if why_not_pg is None:
-                two = await run_two_managers(
-                    args.amqp_url, args.postgres_dsn, workdir, agents, warm_s, window_s
-                )
-                print_config(two, report)
-            else:
-                print(f"   two managers skipped: {why_not_pg}")
-                report.skipped.append(f"two managers: {why_not_pg}")
             print()
             print(
                 f"   the largest fleet one manager holds at a {INTERVAL_S:g} s heartbeat, "
@@ -739,8 +741,6 @@ async def run(args: argparse.Namespace, report: Report) -> None:
                 f"   {'agents':>8}  {'reg/s':>10}  {'hb/s':>10}  {'CPU':>8}  {'lost':>6}  "
                 f"{'lag s':>7}"
             )
-            fleet.start_heartbeats()
-            await asyncio.sleep(warm_s)
             steps = await ramp(fleet, manager, step, hold_s, budget_s)
         finally:
             await fleet.close()
