@@ -16,7 +16,9 @@ an agent in another language would — an ``AgentRegistration`` published on the
 exchange with confirms, heartbeats on the heartbeat exchange without, JSON built from the
 schemas, the acceptance read from the agents exchange (one queue bound to ``#`` stands for
 every agent's control queue), a ``ReRegisterRequest`` answered by registering again — on
-one raw aiormq connection, so the fleet costs the machine as little as it can.
+one raw aiormq connection, so the fleet costs the machine as little as it can. Each agent
+beats every 10 s from its acceptance on. Two managers run first, then one manager, whose
+fleet keeps beating through the ramp.
 
 Figures, per configuration:
 
