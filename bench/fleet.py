@@ -234,6 +234,7 @@ class FleetCounts:
     accepted: int = 0
     refused: int = 0
     reregister_asked: int = 0
+    reregister_failed: int = 0
     lost: set[str] = field(default_factory=set)
     other: int = 0
 
@@ -317,11 +318,24 @@ class Fleet:
                 )
             )
 
-    async def wait_accepted(self, total: int, timeout_s: float) -> bool:
-        """Until ``total`` agents are accepted (or ``timeout_s``): whether they were."""
+    async def register_paced(self, agents: list[SimAgent], per_s: float) -> None:
+        """Publish the registrations at about ``per_s``, in chunks of a tenth of a second."""
+        chunk = max(1, int(per_s / 10))
+        started = time.monotonic()
+        for n in range(0, len(agents), chunk):
+            await self.register(agents[n : n + chunk])
+            await asyncio.sleep(max(0.0, started + (n + chunk) / per_s - time.monotonic()))
+
+    async def wait_accepted(
+        self, total: int, timeout_s: float, give_up_after_losses: int | None = None
+    ) -> bool:
+        """Until ``total`` agents are accepted (or ``timeout_s``, or the fleet has more than
+        ``give_up_after_losses`` agents declared lost): whether they were."""
         self.wanted = total
         deadline = time.monotonic() + timeout_s
         while self.counts.accepted < total:
+            if give_up_after_losses is not None and len(self.counts.lost) > give_up_after_losses:
+                return False
             self.accepted_event.clear()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -354,13 +368,21 @@ class Fleet:
             agent = self.by_id.get(answer.agent_id)
             self.counts.reregister_asked += 1
             if agent is not None:
-                task = asyncio.create_task(self.register([agent]))
+                task = asyncio.create_task(self._register_again(agent))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         elif answer.type == "mesh.registration-refused.v1":
             self.counts.refused += 1
         else:
             self.counts.other += 1
+
+    async def _register_again(self, agent: SimAgent) -> None:
+        """Asked to: registers again (a refused publish, the announce queue full, is counted;
+        the manager asks again on the agent's next heartbeat)."""
+        try:
+            await self.register([agent])
+        except aiormq.exceptions.AMQPError:
+            self.counts.reregister_failed += 1
 
     def start_heartbeats(self) -> None:
         self._beating = asyncio.create_task(self._beat_forever())
@@ -601,9 +623,15 @@ class Step:
 
 
 async def ramp(
-    fleet: Fleet, manager: ManagerProcess, step: int, hold_s: float, budget_s: float
+    fleet: Fleet,
+    manager: ManagerProcess,
+    step: int,
+    per_s: float,
+    hold_s: float,
+    budget_s: float,
 ) -> list[Step]:
-    """Grow the fleet by ``step`` agents at a time (registered live), holding each size for
+    """Grow the fleet by ``step`` agents at a time, registered at about ``per_s`` (a fleet
+    scaling out, not a burst: the question is what one manager holds), holding each size for
     ``hold_s`` (past the loss window, three intervals) while every agent beats, until an
     agent is falsely lost, the registrations do not all come through, or the time budget
     would be overrun by one more step."""
@@ -616,19 +644,22 @@ async def ramp(
         fleet.beat_lag_s = 0.0
         new = fleet.grow(step)
         begun = time.perf_counter()
-        await fleet.register(new, window=1000)
-        accepted = await fleet.wait_accepted(len(fleet.agents), timeout_s=step / 50 + 60)
+        await fleet.register_paced(new, per_s)
+        accepted = await fleet.wait_accepted(
+            len(fleet.agents), timeout_s=60, give_up_after_losses=lost_before
+        )
         rate = step / (fleet.last_accepted_at - begun)
         before = await sample([manager])
-        await asyncio.sleep(hold_s)
+        await asyncio.sleep(hold_s if accepted else 0.0)
         after = await sample([manager])
+        held_s = max(hold_s if accepted else 0.0, 1e-9)
         lost = len(fleet.counts.lost) - lost_before
         steps.append(
             Step(
                 len(fleet.agents),
                 rate if accepted else 0.0,
-                (after[0][1] - before[0][1]) / hold_s,
-                (after[0][0] - before[0][0]) / hold_s,
+                (after[0][1] - before[0][1]) / held_s,
+                (after[0][0] - before[0][0]) / held_s,
                 lost,
                 fleet.beat_lag_s,
             )
@@ -708,7 +739,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     quick = args.quick
     agents = args.agents or (5_000 if quick else 30_000)
     warm_s, window_s = (11.0, 12.0) if quick else (12.0, 30.0)
-    step = args.step or (5_000 if quick else 20_000)
+    step = args.step or (5_000 if quick else 10_000)
     hold_s = 35.0  # past the loss window (3 x 10 s), with a margin
     budget_s = 100.0 if quick else 420.0
     why_not_pg = postgres_reachable(args.postgres_dsn)
@@ -737,13 +768,14 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             print()
             print(
                 f"   the largest fleet one manager holds at a {INTERVAL_S:g} s heartbeat, "
-                f"+{step:,} agents a step, each held {hold_s:g} s"
+                f"+{step:,} agents a step registered at {args.ramp_rate:g}/s, each held "
+                f"{hold_s:g} s"
             )
             print(
                 f"   {'agents':>8}  {'reg/s':>10}  {'hb/s':>10}  {'CPU':>8}  {'lost':>6}  "
                 f"{'lag s':>7}"
             )
-            steps = await ramp(fleet, manager, step, hold_s, budget_s)
+            steps = await ramp(fleet, manager, step, args.ramp_rate, hold_s, budget_s)
         finally:
             await fleet.close()
             await manager.stop()
@@ -824,6 +856,9 @@ def main() -> int:
     )
     parser.add_argument("--agents", type=int, help="the fleet of both configurations")
     parser.add_argument("--step", type=int, help="agents added per step of the ramp")
+    parser.add_argument(
+        "--ramp-rate", type=float, default=300.0, help="registrations/s during the ramp"
+    )
     add_json_argument(parser)
     args = parser.parse_args()
     logging.getLogger("mesh").setLevel(logging.ERROR)
