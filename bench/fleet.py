@@ -48,6 +48,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -318,13 +319,23 @@ class Fleet:
                 )
             )
 
-    async def register_paced(self, agents: list[SimAgent], per_s: float) -> None:
-        """Publish the registrations at about ``per_s``, in chunks of a tenth of a second."""
+    async def register_paced(
+        self, agents: list[SimAgent], per_s: float, give_up_after_losses: int
+    ) -> bool:
+        """Publish the registrations at about ``per_s``, in chunks of a tenth of a second;
+        stop early (``False``) once more than ``give_up_after_losses`` agents were declared
+        lost or the broker refused a registration (the announce queue full)."""
         chunk = max(1, int(per_s / 10))
         started = time.monotonic()
         for n in range(0, len(agents), chunk):
-            await self.register(agents[n : n + chunk])
+            if len(self.counts.lost) > give_up_after_losses:
+                return False
+            try:
+                await self.register(agents[n : n + chunk])
+            except aiormq.exceptions.AMQPError:
+                return False
             await asyncio.sleep(max(0.0, started + (n + chunk) / per_s - time.monotonic()))
+        return True
 
     async def wait_accepted(
         self, total: int, timeout_s: float, give_up_after_losses: int | None = None
@@ -644,11 +655,11 @@ async def ramp(
         fleet.beat_lag_s = 0.0
         new = fleet.grow(step)
         begun = time.perf_counter()
-        await fleet.register_paced(new, per_s)
-        accepted = await fleet.wait_accepted(
+        published = await fleet.register_paced(new, per_s, give_up_after_losses=lost_before)
+        accepted = published and await fleet.wait_accepted(
             len(fleet.agents), timeout_s=60, give_up_after_losses=lost_before
         )
-        rate = step / (fleet.last_accepted_at - begun)
+        rate = step / max(fleet.last_accepted_at - begun, 1e-9)
         before = await sample([manager])
         await asyncio.sleep(hold_s if accepted else 0.0)
         after = await sample([manager])
@@ -864,6 +875,8 @@ def main() -> int:
     logging.getLogger("mesh").setLevel(logging.ERROR)
     for client in ("aio_pika", "aiormq"):
         logging.getLogger(client).setLevel(logging.CRITICAL)
+    # A TERM (``timeout``, a CI's stop) unwinds like Ctrl-C: managers stopped, queues deleted.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     started = time.perf_counter()
     report = Report("fleet")
     why_not = asyncio.run(reachable(args.amqp_url))
