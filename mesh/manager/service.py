@@ -857,14 +857,26 @@ class ManagerService:
 
     # ---- several managers: the lease path across shards -------------------------------------
     def _peer_queues(self) -> list[str]:
-        """One RPC queue of each other live shard owner (it answers for all its shards), as
-        this manager last read the lease table."""
-        assert self.shards is not None
+        """RPC queues that reach every shard this manager does not hold: one of each other
+        owner's as it last read the lease table (an owner answers for all its shards), and
+        the shard's own for a shard that table says nobody else holds — a view a step old
+        may still name this manager, or nobody, for a shard another has taken since. An
+        owner reached twice answers twice: the callers merge by agent."""
+        assert self.shards is not None and self.settings.shard_count is not None
+        me, held = self.settings.manager_id, self.shards.owned()
+        view = self.shards.last_view
+        owners = {} if view is None else view.owners()
         first: dict[str, int] = {}
-        for row in self.shards.owners():
-            if row.owner != self.settings.manager_id:
-                first[row.owner] = min(first.get(row.owner, row.shard), row.shard)
-        return [self.topology.shard_rpc_queue(shard) for shard in sorted(first.values())]
+        alone: list[int] = []
+        for shard in range(self.settings.shard_count):
+            owner = owners.get(shard)
+            if shard in held:
+                continue
+            if owner is None or owner == me:
+                alone.append(shard)
+            else:
+                first[owner] = min(first.get(owner, shard), shard)
+        return [self.topology.shard_rpc_queue(s) for s in sorted({*first.values(), *alone})]
 
     def _forward_headers(self, publisher: str | None, **extra: str) -> dict[str, str]:
         headers = {c.H_FORWARDED_BY: self.settings.manager_id, **extra}
@@ -908,7 +920,13 @@ class ManagerService:
             if isinstance(answer, FindReply):
                 found += [(agent, queue) for agent in answer.agents]
         found.sort(key=lambda pair: rank(pair[0].cost_class, pair[0].in_flight))
-        return found
+        seen: set[str] = set()  # an owner reached through two queues answers twice
+        unique: list[tuple[AgentSummary, str | None]] = []
+        for agent, via in found:
+            if agent.agent_id not in seen:
+                seen.add(agent.agent_id)
+                unique.append((agent, via))
+        return unique
 
     async def _acquire_everywhere(
         self, request: AcquireRequest, lease_id: str, holder: str | None, delivery: Delivery
@@ -995,7 +1013,10 @@ class ManagerService:
             headers=self._forward_headers(None),
             timeout_s=self.settings.peer_timeout_s,
         ):
-            if isinstance(answer, StatusReply):
+            # An owner reached through two of its queues answers twice: counted once.
+            if isinstance(answer, StatusReply) and all(
+                answer.manager_id != r.manager_id for r in replies
+            ):
                 replies.append(answer)
         offset = request.agents_offset or 0
         rows = sorted((row for reply in replies for row in reply.agents), key=_agent_key)

@@ -67,6 +67,7 @@ async def started(
             shard_lease_s=LEASE_S,
             pool=PoolSettings(reregister_backoff_s=0.5, scaling=scaling),
             operator_user="guest",  # the test publishes descriptors
+            peer_timeout_s=10.0,  # these tests check merged answers, not a slow peer left out
         )
         service = ManagerService(settings, scaler=scaler)
         services.append(service)
