@@ -370,12 +370,7 @@ class ManagerService:
         manager consumes exactly the queues of the shards it holds. A shard it no longer
         holds is left first (its consumers cancelled, its agents forgotten: they register
         with the new owner when it asks), then the new ones are joined."""
-        left = [int(e.detail["shard"]) for e in entries if e.reason != "taken"]
-        if left and self.settings.shard_count is not None:
-            count, gone = self.settings.shard_count, set(left)
-            self.core.hand_over(lambda pool: shard_of(pool, count) in gone)  # before any await
-        for shard in left:
-            await self._leave_shard(shard)
+        await self._leave_shards({int(e.detail["shard"]) for e in entries if e.reason != "taken"})
         await self.execute([AppendLog(e) for e in entries])
         taken = {int(e.detail["shard"]) for e in entries if e.reason == "taken"}
         for shard in sorted(taken):
@@ -405,25 +400,26 @@ class ManagerService:
 
         self._shard_consumers[shard] = [
             await self.transport.consume(announce, on_announce, prefetch=2 * s.announce_batch),
-            await self.transport.consume_raw(t.shard_heartbeat_queue(shard), self._shard_beats),
+            await self.transport.consume_raw(
+                t.shard_heartbeat_queue(shard), _ShardHeartbeats(self)
+            ),
             await self.transport.consume(rpc, on_rpc, prefetch=s.prefetch),
         ]
         log.info("consuming shard", extra={"shard": shard})
 
-    @property
-    def _shard_beats(self) -> _ShardHeartbeats:
-        return _ShardHeartbeats(self)
-
-    async def _leave_shard(self, shard: int) -> None:
-        # Its agents first, before any await: a handler running meanwhile (the consumers'
-        # cancels yield) must not find them here any more.
+    async def _leave_shards(self, shards: set[int]) -> None:
+        if not shards:
+            return
+        # Their agents first, in one pass and before any await: a handler running meanwhile
+        # (the consumers' cancels yield) must not find them here any more.
         if self.settings.shard_count is not None:
             count = self.settings.shard_count
-            forgotten = self.core.hand_over(lambda pool: shard_of(pool, count) == shard)
-            log.info("left shard", extra={"shard": shard, "agents_forgotten": forgotten})
-        for consumer in self._shard_consumers.pop(shard, []):
-            with contextlib.suppress(Exception):  # the channel may be gone already
-                await consumer.cancel()
+            forgotten = self.core.hand_over(lambda pool: shard_of(pool, count) in shards)
+            log.info("left shards", extra={"shards": sorted(shards), "agents_forgotten": forgotten})
+        for shard in shards:
+            for consumer in self._shard_consumers.pop(shard, []):
+                with contextlib.suppress(Exception):  # the channel may be gone already
+                    await consumer.cancel()
 
     async def _stop_shards(self) -> None:
         if self._shard_suspension is not None:
@@ -433,8 +429,7 @@ class ManagerService:
         if self._shard_step is not None:
             await asyncio.gather(self._shard_step, return_exceptions=True)
             self._shard_step = None
-        for shard in list(self._shard_consumers):
-            await self._leave_shard(shard)
+        await self._leave_shards(set(self._shard_consumers))
         if self.peers is not None:
             await self.peers.close()
             self.peers = None
