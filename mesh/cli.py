@@ -806,9 +806,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("live", "descriptor"),
         default=_env("MESH_ADMISSION_CAPACITY", "live"),
         help="live: a pool admits at most what its live agents can run and its descriptor "
-        "allows (no live agent, no grant: NO_LIVE_AGENT); descriptor: the descriptor alone, "
-        "for several managers on one PostgreSQL ledger (env MESH_ADMISSION_CAPACITY, "
-        "default live)",
+        "allows (no live agent, no grant: NO_LIVE_AGENT; with --shards each pool's owner "
+        "shares its figures through the ledger); descriptor: the descriptor alone, for "
+        "several managers on one PostgreSQL ledger without --shards "
+        "(env MESH_ADMISSION_CAPACITY, default live)",
     )
     p.add_argument(
         "--ledger-schema",

@@ -54,7 +54,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from mesh.core import ranking
-from mesh.core.capacity import LIVE_SLOTS_PREFIX, LiveCapacity, live_slots_resource
+from mesh.core.capacity import (
+    LIVE_SLOTS_PREFIX,
+    LiveCapacity,
+    described_free,
+    live_slots_resource,
+)
 from mesh.core.eligibility import (
     MODEL_SLOTS,
     TENANT_TOKENS_PREFIX,
@@ -330,6 +335,10 @@ class AdmissionCore:
     # (pool, live_slots resource) -> the capacity last committed to the ledger
     live_written: dict[tuple[str, str], int] = field(default_factory=dict)
     live_checked: tuple[int, int] | None = None  # what live_written is known to match
+    # Each batch first brings the ledger's live-slot capacities up to the live snapshot it is
+    # given. Off with several managers: each pool's owner writes them, fenced by its shard
+    # lease (mesh.manager.live_share), and every manager decides against what is written.
+    writes_live: bool = True
     lines: dict[str, PoolLine] = field(default_factory=dict)  # per pool: deferred for capacity
 
     def __post_init__(self) -> None:
@@ -444,7 +453,7 @@ class AdmissionCore:
         agents (the ledger's own tests and benchmarks). With no requests, the batch only
         brings the ledger's live-slot capacities up to ``live``."""
         batch = Batch(view, dict(view.counters), sorted(view.fences, reverse=True))
-        if live is not None:
+        if live is not None and self.writes_live:
             self._write_live(batch, live)
         for index, (request, tenant) in enumerate(requests):
             batch.decisions.append(self._admit(batch, index, request, tenant, now, live))
@@ -533,13 +542,11 @@ class AdmissionCore:
         checked = (live.version, self.descriptors_version)
         if checked == self.live_checked:
             return  # neither the registry nor the descriptors changed since the last write
-        targets = {}
-        for pool_id, descriptor in self.descriptors.items():
-            for offered in descriptor.capabilities:
-                key = (pool_id, live_slots_resource(offered.name))
-                free = live.free(pool_id, offered.name, offered.version_spec)
-                if self.live_written.get(key) != free:
-                    targets[key] = free
+        targets = {
+            key: free
+            for key, free in described_free(self.descriptors, live, self.descriptors).items()
+            if self.live_written.get(key) != free
+        }
         for (pool_id, resource), capacity in sorted(targets.items()):
             batch.ops.append(SetCapacity(pool_id, resource, capacity))
             used = batch.counters.get((pool_id, resource), (0, 0))[0]

@@ -22,11 +22,15 @@ estimate), the retry hint of a refusal for want of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mesh.core.index import parse_spec, parse_version
 from mesh.core.ranking import cheapest
+
+if TYPE_CHECKING:
+    from mesh.wire.admission import CapabilityDescriptor
 
 LIVE_SLOTS_PREFIX = "live_slots:"
 
@@ -85,3 +89,67 @@ class LiveCapacity:
         """The pool's cost class for the capability: the cheapest its live agents offer at a
         matching version (``None``: none does) — what pool choice ranks it by."""
         return cheapest([offer.cost_class for offer in self.matching(pool_id, capability, *specs)])
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLive:
+    """One pool's live offers as its shard's owner last wrote them for the other managers
+    (several managers, :mod:`mesh.manager.live_share`): ``(capability, offer)`` pairs, the
+    scale planner's retry hint, and the shard and fence they were written under."""
+
+    shard: int
+    fence: int
+    offers: tuple[tuple[str, LiveOffer], ...]
+    retry_s: float | None = None
+
+    def agents(self) -> int:
+        return sum(offer.agents for _, offer in self.offers)
+
+
+def pool_lives(live: LiveCapacity, pools: set[str], shard: int, fence: int) -> dict[str, PoolLive]:
+    """``live``'s figures for ``pools`` as rows for the shared table: only pools with an offer
+    or a retry hint (a pool with neither has no row)."""
+    offers: dict[str, list[tuple[str, LiveOffer]]] = {}
+    for (pool_id, capability), versions in live.offers.items():
+        if pool_id in pools:
+            offers.setdefault(pool_id, []).extend((capability, o) for o in versions)
+    rows = {}
+    for pool_id in pools:
+        found = tuple(sorted(offers.get(pool_id, ()), key=lambda pair: (pair[0], pair[1].version)))
+        retry = live.retry_s.get(pool_id)
+        if found or retry is not None:
+            rows[pool_id] = PoolLive(shard, fence, found, retry)
+    return rows
+
+
+def merged_live(
+    own: LiveCapacity, shared: Mapping[str, PoolLive], from_own: Callable[[str], bool], version: int
+) -> LiveCapacity:
+    """One snapshot for admission with several managers: a pool this manager answers for
+    (``from_own``) from its own registry, every other pool from its owner's shared row."""
+    offers: dict[tuple[str, str], tuple[LiveOffer, ...]] = {
+        key: versions for key, versions in own.offers.items() if from_own(key[0])
+    }
+    retry = {pool_id: eta for pool_id, eta in own.retry_s.items() if from_own(pool_id)}
+    for pool_id, row in shared.items():
+        if from_own(pool_id):
+            continue
+        for capability, offer in row.offers:
+            offers[(pool_id, capability)] = (*offers.get((pool_id, capability), ()), offer)
+        if row.retry_s is not None:
+            retry[pool_id] = row.retry_s
+    return LiveCapacity(offers, retry, version)
+
+
+def described_free(
+    descriptors: Mapping[str, CapabilityDescriptor], live: LiveCapacity, pools: Iterable[str]
+) -> dict[tuple[str, str], int]:
+    """The ledger's live-slot capacity of each described pool in ``pools`` and capability:
+    the free concurrency of the live agents whose version the descriptor's range covers."""
+    out = {}
+    for pool_id in pools:
+        descriptor = descriptors.get(pool_id)
+        for offered in descriptor.capabilities if descriptor is not None else ():
+            key = (pool_id, live_slots_resource(offered.name))
+            out[key] = live.free(pool_id, offered.name, offered.version_spec)
+    return out

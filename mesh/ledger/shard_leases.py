@@ -13,10 +13,10 @@ server's (``clock_timestamp()``), so the managers' own clocks never have to agre
   was stopped (SIGSTOP, a long pause, a cut network) past its lease finds on waking that its
   renewal returns nothing: it has lost the shard and must not act on it.
 - **Fenced writes.** A write the owner makes on behalf of a shard (the live capacity of its
-  pools in the ledger) runs :func:`fenced` in the same transaction first: it locks the lease
-  row ``FOR SHARE`` and checks owner, fence and expiry. So a manager whose lease lapsed is
-  refused by the store, and a take by the next owner waits for a write already under way to
-  commit: nothing an old owner writes lands after the new owner has begun.
+  pools, :meth:`ShardLeases.publish_live`) runs :func:`fenced` in the same transaction first:
+  it locks the lease row ``FOR SHARE`` and checks owner, fence and expiry. So a manager whose
+  lease lapsed is refused by the store, and a take by the next owner waits for a write already
+  under way to commit: nothing an old owner writes lands after the new owner has begun.
 - **Give back.** A manager hands a shard over (rebalancing, a clean stop) by clearing its
   owner; the next take bumps the fence.
 
@@ -35,8 +35,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
+import orjson
 import psycopg
 
+from mesh.core.capacity import LiveOffer, PoolLive
 from mesh.core.shards import check_shard_count
 from mesh.errors import LocalProtocolError, StoreError
 
@@ -84,6 +86,16 @@ def _ddl(s: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS "{s}".manager_presence (
             manager_id TEXT        PRIMARY KEY,
             expires_at TIMESTAMPTZ NOT NULL
+        )""",
+        # Each pool's live offers as its shard's owner last wrote them ([[capability, version,
+        # cost class, agents, free], ...]), for the other managers' admission decisions.
+        f"""CREATE TABLE IF NOT EXISTS "{s}".live_offer (
+            pool_id    TEXT             PRIMARY KEY,
+            shard      INTEGER          NOT NULL,
+            fence      BIGINT           NOT NULL,
+            offers     JSONB            NOT NULL,
+            retry_s    DOUBLE PRECISION,
+            written_at TIMESTAMPTZ      NOT NULL
         )""",
     ]
 
@@ -249,6 +261,80 @@ class ShardLeases:
             return work(cur)
 
         return self._transaction(guarded)
+
+    def publish_live(
+        self,
+        shard: int,
+        owner: str,
+        fence: int,
+        pools: Mapping[str, PoolLive],
+        capacities: Mapping[tuple[str, str], int],
+    ) -> bool:
+        """As ``shard``'s owner at ``fence``: replace the shard's rows of the live-offer table
+        by ``pools`` (a pool of the shard left out has no live offer) and set the ledger's
+        live-slot ``capacities`` ((pool, resource) → capacity; the ledger's own table, same
+        schema), in one transaction fenced by the lease. False: refused, nothing written."""
+        self._check_shard(shard)
+        rows = [
+            (
+                pool_id,
+                orjson.dumps(
+                    [[c, o.version, o.cost_class, o.agents, o.free] for c, o in row.offers]
+                ).decode(),
+                row.retry_s,
+            )
+            for pool_id, row in sorted(pools.items())
+        ]
+
+        def write(cur: psycopg.Cursor[Any]) -> bool:
+            cur.execute(
+                f'DELETE FROM "{self.schema}".live_offer WHERE shard = %s '
+                "AND NOT (pool_id = ANY(%s::text[]))",
+                (shard, [pool_id for pool_id, _, _ in rows]),
+            )
+            if rows:
+                cur.executemany(
+                    f'INSERT INTO "{self.schema}".live_offer '
+                    "(pool_id, shard, fence, offers, retry_s, written_at) "
+                    "VALUES (%s, %s, %s, %s::jsonb, %s, clock_timestamp()) "
+                    "ON CONFLICT (pool_id) DO UPDATE SET shard = EXCLUDED.shard, "
+                    "fence = EXCLUDED.fence, offers = EXCLUDED.offers, "
+                    "retry_s = EXCLUDED.retry_s, written_at = EXCLUDED.written_at",
+                    [(pool_id, shard, fence, offers, retry) for pool_id, offers, retry in rows],
+                )
+            # In the (pool, resource) byte order admission batches lock counters in.
+            for (pool_id, resource), capacity in sorted(capacities.items()):
+                cur.execute(
+                    f'INSERT INTO "{self.schema}".ledger_capacity '
+                    "(pool_id, resource, capacity, used) VALUES (%s, %s, %s, 0) "
+                    "ON CONFLICT (pool_id, resource) DO UPDATE SET capacity = EXCLUDED.capacity",
+                    (pool_id, resource, capacity),
+                )
+            return True
+
+        return self.run_fenced(shard, owner, fence, write) is not None
+
+    def read_live(self) -> dict[str, PoolLive]:
+        """Every pool's live offers as its owner last wrote them."""
+
+        def read(cur: psycopg.Cursor[Any]) -> dict[str, PoolLive]:
+            cur.execute(
+                f'SELECT pool_id, shard, fence, offers, retry_s FROM "{self.schema}".live_offer'
+            )
+            return {
+                str(pool_id): PoolLive(
+                    int(shard),
+                    int(fence),
+                    tuple(
+                        (str(c), LiveOffer(str(v), int(agents), int(free), str(cost)))
+                        for c, v, cost, agents, free in offers
+                    ),
+                    None if retry is None else float(retry),
+                )
+                for pool_id, shard, fence, offers, retry in cur.fetchall()
+            }
+
+        return self._transaction(read)
 
     def close(self) -> None:
         with self._lock:

@@ -374,7 +374,7 @@ class Admitter:
         """Bring the ledger's live-slot capacities up to ``live`` without deciding anything
         (every tick: so the ledger, ``mesh status`` and the pressure stages show the pool's
         live figure even while no admission comes). One transaction, only if one changed."""
-        if not self.core.live_unchanged(live):
+        if self.core.writes_live and not self.core.live_unchanged(live):
             self._in_one_transaction([], now, live)
 
     def _in_one_transaction(

@@ -345,7 +345,16 @@ class AdmissionService:
         it, ``admission_capacity="descriptor"``)."""
         if self.settings.admission_capacity != "live":
             return None
+        if self.host.shared_live is not None:
+            return self.host.shared_live.view()
         return self.host.core.live_capacity(now)
+
+    def share_live(self) -> None:
+        """Several managers share live capacity (mesh.manager.live_share): each pool's owner
+        writes its ledger live-slot capacities, fenced by its shard lease; this manager's
+        admission batches no longer write them."""
+        assert self.admitter is not None, "start the admission service first"
+        self.admitter.core.writes_live = False
 
     async def _revoke_admission(
         self, admitter: Admitter, message: AdmissionRevoke, request: Delivery, now: float

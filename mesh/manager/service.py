@@ -128,6 +128,7 @@ from mesh.wire.models import (
 from mesh.wire.reasons import Reason
 
 if TYPE_CHECKING:
+    from mesh.manager.live_share import SharedLive
     from mesh.manager.shards import ShardOwnership
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,7 @@ class ManagerService:
         )
         self._started_at = self.clock.now().mono
         self.shards: ShardOwnership | None = None  # with settings.shard_count
+        self.shared_live: SharedLive | None = None  # with shards and live admission capacity
         self._shard_thread: ThreadPoolExecutor | None = None
         # Several managers: the consumers of each held shard's announce and heartbeat queues.
         self._shard_consumers: dict[int, list[Subscription]] = {}
@@ -324,15 +326,6 @@ class ManagerService:
                 "shards need a PostgreSQL ledger (--ledger postgresql://…): with SQLite one "
                 "manager owns the whole registry"
             )
-        if s.admission_capacity == "live":
-            # Each manager's registry holds its own shards' agents: its live figure for
-            # another owner's pool would be nothing. Live capacity per pool, written by the
-            # pool's owner for every manager to read, is not built yet.
-            raise LocalProtocolError(
-                "with shards, admission must be bounded by the descriptors "
-                "(--admission-capacity descriptor): live capacity across managers is not "
-                "built yet"
-            )
         from mesh.ledger.shard_leases import ShardLeases  # psycopg: only where it is used
         from mesh.manager.shards import ShardOwnership
 
@@ -364,6 +357,21 @@ class ManagerService:
         await self.peers.start()
         await self.shards.step()  # its first share before it consumes anything
         self.shards.start()
+        if s.admission_capacity == "live":
+            from mesh.manager.live_share import SharedLive
+
+            self.shared_live = SharedLive(
+                self.shards,
+                run_blocking=run_blocking,
+                own=lambda: self.core.live_capacity(self.clock.now()),
+                descriptors=lambda: self.admission.descriptors,
+                interval_s=s.live_share_interval_s,
+                handover_s=s.live_handover_s,
+                counters=self.counters,
+            )
+            self.admission.share_live()
+            await self.shared_live.step()
+            self.shared_live.start()
 
     async def _shards_changed(self, entries: list[LogEntry]) -> None:
         """Shards taken, given back or lost (``ShardOwnership``): journaled, and this
@@ -430,6 +438,9 @@ class ManagerService:
             await asyncio.gather(self._shard_step, return_exceptions=True)
             self._shard_step = None
         await self._leave_shards(set(self._shard_consumers))
+        if self.shared_live is not None:
+            await self.shared_live.stop()
+            self.shared_live = None
         if self.peers is not None:
             await self.peers.close()
             self.peers = None

@@ -73,8 +73,8 @@ class ManagerSettings:
     liveness_probe_s: float | None = None
     # What bounds admission in a pool: "live", the smaller of its descriptor's limits and the
     # free concurrency of its live agents (no live agent, no grant); "descriptor", the
-    # descriptor's limits alone — for several managers sharing one PostgreSQL ledger, each of
-    # which sees only the agents that registered with it until the registry is sharded.
+    # descriptor's limits alone (several managers sharing one PostgreSQL ledger without
+    # shards, each of which sees only the agents that registered with it).
     admission_capacity: Literal["live", "descriptor"] = "live"
     # Several managers (docs/architecture.md, "Several managers"): the registry's shards,
     # owned through lease rows in the PostgreSQL ledger's database, renewed every third of
@@ -87,6 +87,11 @@ class ManagerSettings:
     # candidates an acquire tries by name before it gives up.
     peer_timeout_s: float = 2.0
     peer_acquire_candidates: int = 8
+    # With shards and live admission capacity (mesh.manager.live_share): how often each
+    # manager writes its shards' live figures and reads everyone's, and how long a new owner
+    # keeps the previous owner's figures while the shard's agents register again.
+    live_share_interval_s: float = 0.25
+    live_handover_s: float = 15.0
 
 
 _POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)

@@ -65,6 +65,7 @@ class ShardOwnership:
         # from *before* the call that took or renewed it, so never later than the table's.
         self._valid_until: dict[int, float] = {}
         self._stepping = asyncio.Lock()  # the periodic step and one run on demand
+        self.taken_at: dict[int, float] = {}  # held shard -> monotonic time this tenure began
 
     def lapsed(self) -> list[int]:
         """The shards this manager still counts as held though their leases may have run
@@ -124,6 +125,7 @@ class ShardOwnership:
             self._valid_until[shard] = asked_at + self.lease_s
         for shard in lost:
             self._valid_until.pop(shard, None)
+            self.taken_at.pop(shard, None)
         if lost:
             self.counters["shards_lost"] += len(lost)
             log.warning("shard leases lost", extra={"shards": list(lost)})
@@ -139,12 +141,14 @@ class ShardOwnership:
             if await self._run(self.leases.give_back, self.manager_id, shard, fence):
                 changes.append(("given_back", shard, fence))
             self.keeper.gave_back(shard)  # given back, or already not ours: either way
+            self.taken_at.pop(shard, None)
         for shard in moves.take:
             asked_at = time.monotonic()
             fence = await self._run(self.leases.take, self.manager_id, shard, self.lease_s)
             if fence is not None:
                 self.keeper.took(shard, fence)
                 self._valid_until[shard] = asked_at + self.lease_s
+                self.taken_at[shard] = time.monotonic()
                 changes.append(("taken", shard, fence))
         if changes:
             self.counters["shards_taken"] += sum(1 for c in changes if c[0] == "taken")
@@ -195,5 +199,6 @@ class ShardOwnership:
                 return
             for shard in held:
                 self.keeper.gave_back(shard)
+                self.taken_at.pop(shard, None)
             self.counters["shards_given_back"] += len(held)
             await self._log([("given_back", shard, fence) for shard, fence in held.items()])

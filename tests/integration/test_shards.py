@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from mesh.agent import AgentRuntime, AgentSettings
@@ -28,13 +29,14 @@ from mesh.producer import MeshClient
 from mesh.render import render_status
 from mesh.samples.echo import EchoAgent
 from mesh.top import shard_line
+from mesh.wire import AdmissionReason
 from mesh.wire.models import AgentRegistration, Lease, Refusal, Released, StatusRequest
 from mesh.wire.reasons import Reason
 
 from . import test_admission_competition as competition
 from .harness import eventually
 from .test_admission_competition import PgSchema
-from .test_backpressure import echo_descriptor
+from .test_backpressure import echo_descriptor, echo_requirements
 
 pg_schema = competition.pg_schema  # the competition tests' fixture: a schema of the test's own
 
@@ -53,7 +55,9 @@ async def started(
     dsn, schema = pg_schema.dsn, pg_schema.schema
     services: list[ManagerService] = []
 
-    async def start(manager_id: str, scaler: Any = None) -> ManagerService:
+    async def start(
+        manager_id: str, scaler: Any = None, capacity: str = "descriptor"
+    ) -> ManagerService:
         scaling = tuple(ScalingPolicy(p, min_replicas=0) for p in POOLS) if scaler else ()
         settings = ManagerSettings(
             amqp_url=amqp_url,
@@ -62,7 +66,7 @@ async def started(
             manager_id=manager_id,
             ledger_url=dsn,
             ledger_schema=schema,
-            admission_capacity="descriptor",
+            admission_capacity=capacity,  # type: ignore[arg-type]
             shard_count=SHARDS,
             shard_lease_s=LEASE_S,
             pool=PoolSettings(reregister_backoff_s=0.5, scaling=scaling),
@@ -364,21 +368,63 @@ async def test_only_the_owner_of_a_pools_shard_scales_its_deployment(
     await until(lambda: set(scalers["manager-a"].read) >= moving, "a reads their replicas")
 
 
-async def test_shards_with_admission_bounded_by_live_agents_are_a_clear_error(
-    amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path
+async def test_admission_is_bounded_by_live_agents_whichever_manager_decides(
+    started: Callable[..., asyncio.Future[ManagerService]],
+    amqp_url: str,
+    namespace: str,
+    pg_schema: PgSchema,
 ) -> None:
-    settings = ManagerSettings(
-        amqp_url=amqp_url,
-        namespace=namespace,
-        journal_path=tmp_path / "journal.sqlite3",
-        ledger_url=pg_schema.dsn,
-        ledger_schema=pg_schema.schema,
-        shard_count=4,
-    )
-    assert settings.admission_capacity == "live"  # the default
-    service = ManagerService(settings)
+    """Live capacity across managers (mesh.manager.live_share): the echo pool's owner writes
+    its agents' free concurrency, fenced by its shard lease, and both managers admit against
+    it — at most the live agents' 8 slots though the descriptor allows 100; with no live
+    agent left, either manager refuses NO_LIVE_AGENT. With ``descriptor`` capacity all 12
+    would be granted."""
+    a = await started("manager-a", capacity="live")
+    b = await started("manager-b", capacity="live")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    owner = a if shard_of("echo", SHARDS) in owned(a) else b
+    agent = pool_agent(amqp_url, namespace, "echo")
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
     try:
-        with pytest.raises(LocalProtocolError, match="--admission-capacity descriptor"):
-            await service.start()
+        described = echo_descriptor(100).model_copy(update={"policy_generation": 1})
+        assert (await client.publish_descriptor(described)).type.endswith("accepted.v1")
+        await until(lambda: all(m.admission.descriptors for m in (a, b)), "both know the pool")
+        await agent.start()
+        assert registered(owner) == {"echo-1"}
+        await until(
+            lambda: all(m.admission._live(m.clock.now()).free("echo", "test.echo") == 8
+                        for m in (a, b)),
+            "both managers see the owner's 8 free slots",
+        )  # fmt: skip
+        with psycopg.connect(pg_schema.dsn) as conn:
+            row = conn.execute(
+                f'SELECT shard, fence, offers FROM "{pg_schema.schema}".live_offer '
+                "WHERE pool_id = 'echo'"
+            ).fetchone()
+            capacity = conn.execute(
+                f'SELECT capacity FROM "{pg_schema.schema}".ledger_capacity '
+                "WHERE pool_id = 'echo' AND resource = 'live_slots:test.echo'"
+            ).fetchone()
+        assert owner.shards is not None
+        shard, fence = shard_of("echo", SHARDS), owner.shards.owned()[shard_of("echo", SHARDS)]
+        assert row == (shard, fence, [["test.echo", "1.0.0", "C", 1, 8]]), row
+        assert capacity == (8,)
+
+        batches = {m: m.counters["admission_batches"] for m in (a, b)}
+        decisions = [await client.admit(echo_requirements()) for _ in range(12)]
+        granted = [d for d in decisions if d.outcome == "admitted"]
+        assert len(granted) == 8, [(d.outcome, d.reason) for d in decisions]
+        assert all(m.counters["admission_batches"] > batches[m] for m in (a, b)), "one decided all"
+        assert a.counters["live_writes_fenced"] == b.counters["live_writes_fenced"] == 0
+
+        await agent.stop()  # deregisters: its owner writes that the pool has no live agent
+        await until(
+            lambda: all(m.admission._live(m.clock.now()).agents("echo", "test.echo") == 0
+                        for m in (a, b)),
+            "both managers see no live agent",
+        )  # fmt: skip
+        refusals = [await client.admit(echo_requirements()) for _ in range(6)]
+        assert {d.reason for d in refusals} == {AdmissionReason.NO_LIVE_AGENT}, refusals
     finally:
-        await service.stop()
+        await client.close()
+        await agent.stop()

@@ -604,7 +604,7 @@ def test_managers_share_shards_on_the_postgresql_ledger_from_the_secret(
     parsed = build_parser().parse_args(c["args"])  # SystemExit on an unknown flag or choice
     assert parsed.command == "manager" and parsed.scaler == "kubernetes"
     assert c["args"].count("--shards") == 1 and int(arg(c, "--shards")) >= 2
-    assert arg(c, "--admission-capacity") == "descriptor"
+    assert "--admission-capacity" not in c["args"], "live (the default): owners share it"
     assert "--ledger" not in c["args"], "the DSN holds a password: only from the Secret"
     env = env_of(c)
     assert env["MESH_LEDGER_URL"]["valueFrom"] == {

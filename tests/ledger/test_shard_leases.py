@@ -11,7 +11,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from mesh.core.capacity import LiveOffer, PoolLive
 from mesh.errors import LocalProtocolError
+from mesh.ledger import PostgresLedger
 from mesh.ledger.shard_leases import ShardLeases
 
 from .conftest import schema_name
@@ -184,3 +186,41 @@ def test_a_shard_out_of_range_is_a_clear_error(open_leases: OpenLeases) -> None:
     leases = open_leases(4)
     with pytest.raises(LocalProtocolError, match=r"shard must be 0\.\.3, got 4"):
         leases.take("m1", 4, ttl_s=30)
+
+
+def test_live_offers_are_written_by_the_owner_only_and_a_lapsed_owner_is_refused(
+    open_leases: OpenLeases, postgres_dsn: str
+) -> None:
+    """publish_live replaces a shard's rows and sets the ledger's live-slot capacities in one
+    fenced transaction: the next owner's rows replace the old ones, the old owner's late
+    write changes nothing."""
+    a, b = open_leases(), open_leases()
+    ledger = PostgresLedger(postgres_dsn, schema=a.schema)  # the ledger's own tables
+    try:
+        old = a.take("m1", 0, ttl_s=0.3)
+        assert old is not None
+        offer = LiveOffer("1.2.0", agents=2, free=5, cost_class="standard")
+        rows = {"calc": PoolLive(0, old, (("math.add", offer),), retry_s=None)}
+        assert a.publish_live(0, "m1", old, rows, {("calc", "live_slots:math.add"): 5})
+        assert b.read_live() == rows
+        assert ledger.usage()[("calc", "live_slots:math.add")] == (0, 5)
+
+        time.sleep(0.4)  # m1 is paused past its lease; m2 takes the shard
+        new = b.take("m2", 0, ttl_s=30)
+        assert new == old + 1
+        empty = {"calc": PoolLive(0, new, (), retry_s=2.5)}  # its agents are gone
+        assert b.publish_live(0, "m2", new, empty, {("calc", "live_slots:math.add"): 0})
+        # m1 wakes and writes what it knew: refused, nothing of it lands.
+        assert not a.publish_live(0, "m1", old, rows, {("calc", "live_slots:math.add"): 5})
+        assert a.read_live() == empty
+        assert ledger.usage()[("calc", "live_slots:math.add")] == (0, 0)
+
+        # A pool of the shard left out of a write has no row any more; other shards' stay.
+        other = b.take("m2", 1, ttl_s=30)
+        assert other is not None
+        iota = {"iota": PoolLive(1, other, (("math.add", offer),))}
+        assert b.publish_live(1, "m2", other, iota, {})
+        assert b.publish_live(0, "m2", new, {}, {})
+        assert b.read_live() == iota
+    finally:
+        ledger.close()
