@@ -67,8 +67,6 @@ class Fleet:
                 self.dsn,
                 "--ledger-schema",
                 self.schema,
-                "--admission-capacity",
-                "descriptor",
                 "--shards",
                 str(SHARDS),
                 "--shard-lease",
