@@ -74,6 +74,7 @@ from mesh.wire.models import AgentRegistration, Heartbeat, RegistrationAccepted,
 DEFAULT_PG_DSN = "postgresql://postgres@127.0.0.1:5432/mesh_test"
 TARGET_REGISTRATIONS_PER_S = 2_000.0  # one manager, agents/s
 TARGET_CPU_SHARE = 0.6  # each of two managers' CPU for the same fleet / one manager's
+TARGET_STATUS_S = 1.0  # `mesh status`, the whole command, at the largest fleet held
 INTERVAL_S = 10.0  # the agents' heartbeat interval (the default)
 POOLS = 64  # pools the fleet is spread over (shards are chosen by pool)
 SHARDS = 8  # shards of the two-manager configuration
@@ -631,6 +632,25 @@ class Step:
     cpu_share: float
     false_losses: int
     fleet_lag_s: float
+    status_s: float  # `mesh status` (the summary), the whole command, wall time
+    status_bytes: int  # what it printed
+    status_page_s: float  # `mesh status --agents --limit 100`
+
+
+async def timed_status(url: str, namespace: str, *extra: str) -> tuple[float, int]:
+    """Run the real ``mesh status`` command as an operator would (a fresh process: start,
+    connect, ask, print) against the manager; its wall time and the bytes it printed."""
+    began = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "mesh", "--amqp-url", url, "--namespace", namespace,
+        "status", *extra,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    took = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise RuntimeError(f"mesh status failed ({proc.returncode}): {err.decode()[-500:]}")
+    return took, len(out)
 
 
 async def ramp(
@@ -665,6 +685,9 @@ async def ramp(
         after = await sample([manager])
         held_s = max(hold_s if accepted else 0.0, 1e-9)
         lost = len(fleet.counts.lost) - lost_before
+        namespace = fleet.topology.namespace
+        status_s, status_bytes = await timed_status(fleet.url, namespace)
+        page_s, _ = await timed_status(fleet.url, namespace, "--agents", "--limit", "100")
         steps.append(
             Step(
                 len(fleet.agents),
@@ -673,12 +696,16 @@ async def ramp(
                 (after[0][0] - before[0][0]) / held_s,
                 lost,
                 fleet.beat_lag_s,
+                status_s,
+                status_bytes,
+                page_s,
             )
         )
         print(
             f"   {len(fleet.agents):>8,}  {steps[-1].registrations_per_s:>10,.0f}  "
             f"{steps[-1].heartbeats_per_s:>10,.0f}  {steps[-1].cpu_share:>8.0%}  "
-            f"{lost:>6,}  {fleet.beat_lag_s:>7.2f}",
+            f"{lost:>6,}  {fleet.beat_lag_s:>7.2f}  {status_s:>8.2f}  {status_bytes:>8,}  "
+            f"{page_s:>8.2f}",
             flush=True,
         )
         if lost or not accepted:
@@ -784,7 +811,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             )
             print(
                 f"   {'agents':>8}  {'reg/s':>10}  {'hb/s':>10}  {'CPU':>8}  {'lost':>6}  "
-                f"{'lag s':>7}"
+                f"{'lag s':>7}  {'status s':>8}  {'bytes':>8}  {'page s':>8}"
             )
             steps = await ramp(fleet, manager, step, args.ramp_rate, hold_s, budget_s)
         finally:
@@ -804,6 +831,21 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     )
     report.figure(largest_fleet_without_false_loss=largest, limit_reached=not limit)
     targets(one, two, report)
+    if steps:
+        biggest = max(steps, key=lambda s: s.agents)
+        slowest = max(biggest.status_s, biggest.status_page_s)
+        report.targets.append(
+            Target(
+                "mesh_status_at_the_largest_fleet",
+                slowest <= TARGET_STATUS_S,
+                f"`mesh status` at {biggest.agents:,} agents answers in {biggest.status_s:.2f} s "
+                f"({biggest.status_bytes:,} bytes), a page of 100 agent rows in "
+                f"{biggest.status_page_s:.2f} s: the whole command, a fresh process "
+                f"(target ≤ {TARGET_STATUS_S:g} s)",
+                value=slowest,
+                bound=f"<= {TARGET_STATUS_S:g}",
+            )
+        )
 
 
 def targets(one: ConfigFigures, two: ConfigFigures | None, report: Report) -> None:

@@ -326,9 +326,13 @@ class AdmissionService:
         # Every decision is journaled (``mesh log``) and recorded in the ledger (``mesh
         # explain``); the live feed carries only the refusals — what someone following it can
         # act on — so a busy mesh does not pay one more broker message per grant.
-        for event in self.host.append(entries):
-            if event.detail.get("outcome") != "admitted":
-                await self.host.publish_event(names.log_key(event.agent_id, event.kind), event)
+        await self.host.publish_events(
+            [
+                (names.log_key(event.agent_id, event.kind), event)
+                for event in self.host.append(entries)
+                if event.detail.get("outcome") != "admitted"
+            ]
+        )
         for eviction in evictions:  # after the journal: the producer learns of it from here on
             victim = eviction.victim
             self.counters["admissions_evicted"] += 1

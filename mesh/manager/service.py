@@ -1194,15 +1194,22 @@ class ManagerService:
         self, batches: Sequence[tuple[Sequence[Command], Delivery | None]]
     ) -> None:
         """Several requests' commands, as :meth:`execute` would carry out each: their log
-        entries journaled in one commit (in order) and published, then each request's other
+        entries journaled in one commit (in order); the live feed's events (those entries,
+        then the capability announcements) published in one write; then each request's other
         commands in order — the requests side by side, so their publishes wait for their
         confirms together. The first transport failure propagates once all have run."""
         logs = [
             cmd.entry for commands, _ in batches for cmd in commands if isinstance(cmd, AppendLog)
         ]
         stored = self.append(logs) if logs else []
-        for event in stored:
-            await self.publish_event(names.log_key(event.agent_id, event.kind), event)
+        feed = [(names.log_key(event.agent_id, event.kind), event) for event in stored]
+        for commands, _ in batches:
+            for cmd in commands:
+                if isinstance(cmd, Announce):
+                    event, fits = self._wire_event(cmd.entry)
+                    if fits:
+                        feed.append((names.capability_key(cmd.capability, cmd.agent_id), event))
+        await self.publish_events(feed)
         if len(batches) == 1:
             await self._carry_out_all(*batches[0])
             return
@@ -1237,10 +1244,7 @@ class ManagerService:
                 if not delivered and isinstance(cmd.message, LeaseGranted):
                     await self._release_unclaimed(cmd.message.lease.lease_id)
         elif isinstance(cmd, Announce):
-            key = names.capability_key(cmd.capability, cmd.agent_id)
-            event, fits = self._wire_event(cmd.entry)
-            if fits:
-                await self.publish_event(key, event)
+            pass  # published with the feed's other events (execute_many)
         elif isinstance(cmd, ScaleTo | DeletePod):
             await self._scale(cmd)
         elif isinstance(cmd, FenceAgent):
@@ -1281,17 +1285,27 @@ class ManagerService:
             return OrchestrationEvent.as_stored(_wire_fields(entry)), False
 
     async def publish_event(self, routing_key: str, event: OrchestrationEvent) -> None:
-        # The journal holds the durable copy; the events exchange is a live feed, and a feed
-        # entry lost while the broker is away must not stop the commands after it.
-        if event.seq is not None and event.seq in self._unfit_seqs:
-            self._unfit_seqs.discard(event.seq)
+        await self.publish_events([(routing_key, event)])
+
+    async def publish_events(self, events: Sequence[tuple[str, OrchestrationEvent]]) -> None:
+        """Put ``(routing key, event)`` pairs on the live feed, in order, in one write. The
+        journal holds the durable copy; the events exchange is a live feed, and feed entries
+        lost while the broker is away must not stop the commands after them (counted)."""
+        wanted = []
+        for routing_key, event in events:
+            if event.seq is not None and event.seq in self._unfit_seqs:
+                self._unfit_seqs.discard(event.seq)  # journaled only: see _wire_event
+                continue
+            wanted.append((routing_key, encode(event)))
+        if not wanted:
             return
         try:
-            await self.transport.publish_fast(
-                self.topology.events_exchange, routing_key, encode(event)
-            )
+            if len(wanted) == 1:
+                await self.transport.publish_fast(self.topology.events_exchange, *wanted[0])
+            else:
+                await self.transport.publish_fast_many(self.topology.events_exchange, wanted)
         except TransportError:
-            self.counters["events_unpublished"] += 1
+            self.counters["events_unpublished"] += len(wanted)
 
     # ---- scaling ----------------------------------------------------------------------------
     async def _observe_deployments(self) -> None:

@@ -1008,6 +1008,11 @@ class InMemoryTransport:
             log.debug("fast publish to a missing exchange dropped", extra={"exchange": exchange})
         await asyncio.sleep(0)
 
+    async def publish_fast_many(self, exchange: str, messages: Sequence[tuple[str, bytes]]) -> None:
+        """:meth:`publish_fast` of each ``(routing key, body)``, in order."""
+        for routing_key, body in messages:
+            await self.publish_fast(exchange, routing_key, body)
+
     async def dead_letter(
         self,
         delivery: Delivery,

@@ -36,6 +36,9 @@ from aio_pika.abc import (
     AbstractRobustConnection,
     AbstractRobustQueue,
 )
+from aiormq.abc import ChannelFrame
+from pamqp.body import ContentBody
+from pamqp.header import ContentHeader
 
 from mesh import constants as c
 from mesh.errors import (
@@ -654,17 +657,21 @@ class AmqpTransport:
                 f"publish to {exchange}/{routing_key} failed: the connection closed"
             ) from None
 
+    async def _fast_underlay(self) -> aiormq.Channel:
+        """The confirm-less channel's current underlying aiormq channel (opened on first use).
+        Straight to aiormq: without confirms, aio-pika's Exchange and Message objects only add
+        per-message work."""
+        if self._fast_channel is None:
+            self._fast_channel = await self._connection.channel(publisher_confirms=False)
+        return cast(aiormq.Channel, await self._fast_channel.get_underlay_channel())
+
     async def publish_fast(
         self, exchange: str, routing_key: str, body: bytes, *, user_id: str | None = None
     ) -> None:
         """Fire-and-forget on a channel without confirms: for superseded messages (heartbeats).
         ``user_id`` as for :meth:`publish` (RabbitMQ validates it: the manager may trust it)."""
         try:
-            if self._fast_channel is None:
-                self._fast_channel = await self._connection.channel(publisher_confirms=False)
-            # Straight to aiormq (the robust channel's current underlying channel): without
-            # confirms, aio-pika's Exchange and Message objects only add per-message work.
-            channel = cast(aiormq.Channel, await self._fast_channel.get_underlay_channel())
+            channel = await self._fast_underlay()
             properties = (
                 _FAST_PROPERTIES
                 if user_id is None
@@ -682,6 +689,38 @@ class AmqpTransport:
             )
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
             raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
+
+    async def publish_fast_many(self, exchange: str, messages: Sequence[tuple[str, bytes]]) -> None:
+        """:meth:`publish_fast` of several ``(routing key, body)`` messages, in order, as one
+        write to the connection: their frames are encoded together and handed to aiormq's
+        writer once (one lock, one queue hand-off, one socket send) instead of once each — a
+        batch of registrations publishes hundreds of feed events at a time.
+
+        aiormq has no batch publish, so this builds what ``Channel.basic_publish`` builds for
+        each message (a ``basic.publish`` method frame, a content header, the body in frames
+        of at most the negotiated size) on a channel without confirms, where no delivery tag
+        or confirm is tracked."""
+        if not messages:
+            return
+        try:
+            channel = await self._fast_underlay()
+            if channel.is_closed:  # frames on a closed channel would close the connection
+                raise RuntimeError("the channel is closed")
+            frames: list[Any] = []
+            for routing_key, body in messages:
+                if len(routing_key) > 255:
+                    raise ValueError(f"routing key longer than 255 bytes: {routing_key[:64]}…")
+                frames.append(aiormq.spec.Basic.Publish(exchange=exchange, routing_key=routing_key))
+                frames.append(ContentHeader(properties=_FAST_PROPERTIES, body_size=len(body)))
+                size = channel.max_content_size
+                frames += [ContentBody(body[i : i + size]) for i in range(0, len(body), size)]
+            payload = ChannelFrame.marshall(channel_number=channel.number, frames=frames)
+            async with channel.lock:  # after any publish already under way on the channel
+                await channel.write_queue.put(payload)
+        except (aiormq.exceptions.AMQPError, RuntimeError, OSError, ValueError) as exc:
+            raise TransportError(
+                f"publish of {len(messages)} messages to {exchange} failed: {exc}"
+            ) from exc
 
     # ---- consuming ------------------------------------------------------------------------
     async def consume(

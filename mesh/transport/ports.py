@@ -55,6 +55,10 @@ class Transport(Protocol):
         self, exchange: str, routing_key: str, body: bytes, *, user_id: str | None = None
     ) -> None: ...
 
+    async def publish_fast_many(
+        self, exchange: str, messages: Sequence[tuple[str, bytes]]
+    ) -> None: ...
+
     async def dead_letter(
         self,
         delivery: Delivery,

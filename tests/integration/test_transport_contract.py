@@ -158,6 +158,38 @@ async def test_a_topic_exchange_routes_by_words_with_star_for_one_and_hash_for_a
     assert depths == [1, 2, 2]
 
 
+async def test_fast_publishes_in_one_write_arrive_in_order_each_where_its_key_routes(
+    backend: Backend,
+) -> None:
+    """publish_fast_many (the manager's feed events of a batch, one write): every message
+    arrives once, in order, whole — one body larger than a frame (128 KiB) is split across
+    body frames and joined again — and an empty batch publishes nothing."""
+    t = await backend.transport()
+    x, logs, caps = (backend.name(s) for s in ("fx", "logs", "caps"))
+    await t.declare(
+        Declarations(
+            exchanges=(ExchangeSpec(x),),
+            queues=(classic(logs), classic(caps)),
+            bindings=(BindingSpec(logs, x, "log.#"), BindingSpec(caps, x, "capability.#")),
+        )
+    )
+    large = bytes(range(256)) * 1200  # 300 KiB
+    batch = [(f"log.agent-{n}.ready", b"%d" % n) for n in range(300)]
+    batch.insert(150, ("capability.calc.agent-150", large))
+    batch.append(("nobody.listens", b"dropped"))  # fire-and-forget: unroutable is dropped
+    await t.publish_fast_many(x, [])
+    await t.publish_fast_many(x, batch)
+
+    async def queued() -> bool:
+        return [await t.queue_depth(q) for q in (logs, caps)] == [300, 1]
+
+    await eventually(queued, "the batch in both queues")
+    got = [await _get(t, logs) for _ in range(300)]
+    assert [(d.routing_key, d.body) for d in got] == [(k, b) for k, b in batch if k[0] == "l"]
+    (whole,) = [await _get(t, caps)]
+    assert (whole.routing_key, whole.body) == ("capability.calc.agent-150", large)
+
+
 async def test_the_default_exchange_routes_to_the_queue_the_key_names(backend: Backend) -> None:
     t = await backend.transport()
     q = backend.name("direct")
