@@ -77,6 +77,9 @@ class MeshView:
     manager_id: str = ""
     shards: Callable[[], Mapping[int, int]] = dict
     shard_transfers: Callable[[], Mapping[str, int]] = dict
+    # Live capacity written for the shards it holds (mesh.manager.live_share): "written", or
+    # "fenced" (refused: its lease was no longer its own).
+    live_writes: Callable[[], Mapping[str, int]] = dict
 
 
 class ManagerMetrics:
@@ -395,6 +398,15 @@ def _shard_series(view: MeshView) -> Iterator[Metric]:
     )
     for change, n in sorted(view.shard_transfers().items()):
         transfers.add_metric([view.manager_id, change], n)
+    live = CounterMetricFamily(
+        "mesh_live_writes",
+        "Writes of its shards' live capacity to the ledger by this manager: written, or "
+        "fenced (refused by the store: the shard's lease was no longer this manager's).",
+        labels=["manager", "outcome"],
+    )
+    for outcome, n in sorted(view.live_writes().items()):
+        live.add_metric([view.manager_id, outcome], n)
     yield held
     yield count
     yield transfers
+    yield live

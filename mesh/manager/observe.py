@@ -100,6 +100,11 @@ class Observer:
                 for change in ("taken", "given_back", "lost")
                 if counters[f"shards_{change}"]
             },
+            live_writes=lambda: {
+                outcome: counters[name]
+                for outcome, name in (("written", "live_writes"), ("fenced", "live_writes_fenced"))
+                if counters[name]
+            },
         )
         self.metrics = ManagerMetrics(self.view)
         self.management_url = management_url

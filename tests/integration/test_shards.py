@@ -409,6 +409,9 @@ async def test_admission_is_bounded_by_live_agents_whichever_manager_decides(
         shard, fence = shard_of("echo", SHARDS), owner.shards.owned()[shard_of("echo", SHARDS)]
         assert row == (shard, fence, [["test.echo", "1.0.0", "C", 1, 8]]), row
         assert capacity == (8,)
+        metrics = owner.observer.metrics.render().decode()
+        me = owner.settings.manager_id
+        assert f'mesh_live_writes_total{{manager="{me}",outcome="written"}}' in metrics
 
         batches = {m: m.counters["admission_batches"] for m in (a, b)}
         decisions = [await client.admit(echo_requirements()) for _ in range(12)]
