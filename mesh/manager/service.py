@@ -1210,6 +1210,22 @@ class ManagerService:
                     if fits:
                         feed.append((names.capability_key(cmd.capability, cmd.agent_id), event))
         await self.publish_events(feed)
+        if len(batches) > 1 and all(
+            isinstance(cmd, AppendLog | Announce | SendToAgent)
+            for commands, _ in batches
+            for cmd in commands
+        ):
+            # Only messages to agents are left (a batch of registrations: an acceptance each):
+            # one write, their confirms awaited together.
+            await self._send_to_agents(
+                [
+                    (cmd.agent_id, cmd.message)
+                    for c, _ in batches
+                    for cmd in c
+                    if isinstance(cmd, SendToAgent)
+                ]
+            )
+            return
         if len(batches) == 1:
             await self._carry_out_all(*batches[0])
             return
@@ -1421,18 +1437,36 @@ class ManagerService:
     async def _send_to_agent(self, agent_id: str, message: Message) -> None:
         try:
             await self.transport.publish(self.topology.agents_exchange, agent_id, message)
-        except (PublishNacked, PublishTimeout) as exc:
-            self.counters["agent_message_failed"] += 1
-            log.warning(
-                "message to agent not confirmed",
-                extra={"agent_id": agent_id, "message_type": message.type, "error": str(exc)},
-            )
-        except PublishUnroutable:
+        except (PublishNacked, PublishTimeout, PublishUnroutable) as exc:
+            self._not_delivered(agent_id, message, exc)
+
+    async def _send_to_agents(self, messages: Sequence[tuple[str, Message]]) -> None:
+        """:meth:`_send_to_agent` for several, in one write (``publish_many``); a transport
+        failure propagates once all are settled."""
+        sent = [(agent_id, self._with_shard(self._with_pool_epoch(m))) for agent_id, m in messages]
+        outcomes = await self.transport.publish_many(self.topology.agents_exchange, sent)
+        failed: TransportError | None = None
+        for (agent_id, message), outcome in zip(sent, outcomes, strict=True):
+            if isinstance(outcome, PublishNacked | PublishTimeout | PublishUnroutable):
+                self._not_delivered(agent_id, message, outcome)
+            elif outcome is not None:
+                failed = outcome
+        if failed is not None:
+            raise failed
+
+    def _not_delivered(self, agent_id: str, message: Message, error: TransportError) -> None:
+        if isinstance(error, PublishUnroutable):
             self.counters["agent_unreachable"] += 1
             log.info(
                 "agent has no control queue",
                 extra={"agent_id": agent_id, "message_type": message.type},
             )
+            return
+        self.counters["agent_message_failed"] += 1
+        log.warning(
+            "message to agent not confirmed",
+            extra={"agent_id": agent_id, "message_type": message.type, "error": str(error)},
+        )
 
     async def _reply(self, request: Delivery, message: Message) -> bool:
         """Best-effort: a reply that cannot be delivered is counted, never retried forever."""

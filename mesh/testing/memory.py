@@ -1008,6 +1008,24 @@ class InMemoryTransport:
             log.debug("fast publish to a missing exchange dropped", extra={"exchange": exchange})
         await asyncio.sleep(0)
 
+    async def publish_many(
+        self,
+        exchange: str,
+        messages: Sequence[tuple[str, Message]],
+        *,
+        timeout_s: float | None = None,
+    ) -> list[TransportError | None]:
+        """:meth:`publish` (mandatory) of each ``(routing key, message)``; each outcome is
+        ``None`` or the error it raised."""
+        outcomes: list[TransportError | None] = []
+        for routing_key, message in messages:
+            try:
+                await self.publish(exchange, routing_key, message, timeout_s=timeout_s)
+                outcomes.append(None)
+            except TransportError as exc:
+                outcomes.append(exc)
+        return outcomes
+
     async def publish_fast_many(self, exchange: str, messages: Sequence[tuple[str, bytes]]) -> None:
         """:meth:`publish_fast` of each ``(routing key, body)``, in order."""
         for routing_key, body in messages:

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -303,6 +304,14 @@ class RawConsumer:
                 await self._channel.close()
         except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
             log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
+
+
+def _forget_message_id(
+    channel: aiormq.Channel, message_id: str, tag: int, _: asyncio.Future[Any]
+) -> None:
+    """A settled publish's message ID no longer maps to its tag (as aiormq does)."""
+    if channel.message_id_delivery_tag.get(message_id) == tag:
+        channel.message_id_delivery_tag.pop(message_id)
 
 
 class AmqpTransport:
@@ -656,6 +665,118 @@ class AmqpTransport:
             raise TransportError(
                 f"publish to {exchange}/{routing_key} failed: the connection closed"
             ) from None
+
+    async def publish_many(
+        self,
+        exchange: str,
+        messages: Sequence[tuple[str, Message]],
+        *,
+        timeout_s: float | None = None,
+    ) -> list[TransportError | None]:
+        """:meth:`publish` (mandatory, not persistent) of several ``(routing key, message)``
+        pairs in one write to the confirming channel, waiting for all their confirms
+        together: each outcome is ``None`` (confirmed) or the error :meth:`publish` would
+        have raised for it (:class:`PublishUnroutable`, :class:`PublishNacked`,
+        :class:`PublishTimeout`, :class:`TransportError`). A batch of registrations answers
+        its agents with this.
+
+        aiormq publishes one message per call; this does what ``Channel.basic_publish``
+        does for each (a delivery tag and a confirm future per message, its message ID mapped
+        to the tag so a return finds it) under the channel's lock once, and hands all the
+        frames to the connection's writer as one write."""
+        if not messages:
+            return []
+        timeout = self.publish_timeout_s if timeout_s is None else timeout_s
+        outcomes: list[TransportError | None] = [None] * len(messages)
+        try:
+            async with asyncio.timeout(timeout):
+                channel = cast(aiormq.Channel, await self._publish_channel.get_underlay_channel())
+                if channel.is_closed:  # frames on a closed channel would close the connection
+                    raise RuntimeError("the channel is closed")
+                confirms = await self._put_confirmed(channel, exchange, messages)
+                answers = await asyncio.gather(*confirms, return_exceptions=True)
+        except TimeoutError:
+            return [
+                PublishTimeout(
+                    f"no confirm within {timeout:g} s for {exchange or '<default>'}/{key}; "
+                    "the message may still be enqueued"
+                )
+                for key, _ in messages
+            ]
+        except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
+            failed = TransportError(f"publish of {len(messages)} to {exchange} failed: {exc}")
+            return [failed] * len(messages)
+        for index, ((key, _), answer) in enumerate(zip(messages, answers, strict=True)):
+            where = f"{exchange or '<default>'}/{key}"
+            if isinstance(answer, aiormq.exceptions.PublishError):
+                outcomes[index] = PublishUnroutable(f"no queue bound for {where} ({answer})")
+            elif isinstance(answer, aiormq.exceptions.DeliveryError):
+                outcomes[index] = PublishNacked(f"broker refused publish to {where} ({answer})")
+            elif isinstance(answer, BaseException):
+                outcomes[index] = TransportError(f"publish to {where} failed: {answer!r}")
+        return outcomes
+
+    @staticmethod
+    async def _put_confirmed(
+        channel: aiormq.Channel, exchange: str, messages: Sequence[tuple[str, Message]]
+    ) -> list[asyncio.Future[Any]]:
+        """Under the channel's lock: a delivery tag and a confirm future per message, then
+        every message's frames in one write (``Channel.basic_publish``'s bookkeeping)."""
+        frames: list[Any] = []
+        confirms: list[asyncio.Future[Any]] = []
+        async with channel.lock:
+            first = channel.delivery_tag + 1
+            try:
+                await AmqpTransport._write_confirmed(channel, exchange, messages, frames, confirms)
+            except BaseException:
+                # The broker has seen none of them: give their tags back, as aiormq does (the
+                # broker numbers what it receives; a tag skipped here would shift every later
+                # confirm onto the wrong publish).
+                for tag in range(first, channel.delivery_tag + 1):
+                    channel.confirmations.pop(tag, None)
+                channel.delivery_tag = first - 1
+                for confirm in confirms:
+                    confirm.cancel()
+                raise
+        return confirms
+
+    @staticmethod
+    async def _write_confirmed(
+        channel: aiormq.Channel,
+        exchange: str,
+        messages: Sequence[tuple[str, Message]],
+        frames: list[Any],
+        confirms: list[asyncio.Future[Any]],
+    ) -> None:
+        size = channel.max_content_size
+        for routing_key, message in messages:
+            if len(routing_key) > 255:
+                raise RuntimeError(f"routing key longer than 255 bytes: {routing_key[:64]}…")
+            body = encode(message)
+            message_id = uuid.uuid4().hex
+            properties = aiormq.spec.Basic.Properties(
+                content_type=c.CONTENT_TYPE,
+                message_type=message.type,
+                message_id=message_id,
+                delivery_mode=1,
+            )
+            channel.delivery_tag += 1
+            tag = channel.delivery_tag
+            confirm = channel.create_future()
+            channel.confirmations[tag] = confirm
+            channel.message_id_delivery_tag[message_id] = tag
+            confirm.add_done_callback(partial(_forget_message_id, channel, message_id, tag))
+            confirms.append(confirm)
+            frames.append(
+                aiormq.spec.Basic.Publish(
+                    exchange=exchange, routing_key=routing_key, mandatory=True
+                )
+            )
+            frames.append(ContentHeader(properties=properties, body_size=len(body)))
+            frames += [ContentBody(body[i : i + size]) for i in range(0, len(body), size)]
+        await channel.write_queue.put(
+            ChannelFrame.marshall(channel_number=channel.number, frames=frames)
+        )
 
     async def _fast_underlay(self) -> aiormq.Channel:
         """The confirm-less channel's current underlying aiormq channel (opened on first use).

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from mesh.errors import TransportError
 from mesh.topology.specs import Declarations
 from mesh.transport.delivery import Delivery, Handler
 from mesh.wire.models import Message
@@ -54,6 +55,14 @@ class Transport(Protocol):
     async def publish_fast(
         self, exchange: str, routing_key: str, body: bytes, *, user_id: str | None = None
     ) -> None: ...
+
+    async def publish_many(
+        self,
+        exchange: str,
+        messages: Sequence[tuple[str, Message]],
+        *,
+        timeout_s: float | None = None,
+    ) -> list[TransportError | None]: ...
 
     async def publish_fast_many(
         self, exchange: str, messages: Sequence[tuple[str, bytes]]

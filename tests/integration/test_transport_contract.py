@@ -22,6 +22,9 @@ from mesh.testing import InMemoryBroker, InMemoryTransport
 from mesh.topology import BindingSpec, Declarations, ExchangeSpec, QueueArguments, QueueSpec
 from mesh.transport import Delivery
 from mesh.transport.ports import ClientTransport
+from mesh.wire.codec import encode
+from mesh.wire.models import Refusal
+from mesh.wire.reasons import Reason
 
 BACKENDS = ("memory", "rabbitmq")
 WAIT_S = 10.0
@@ -231,6 +234,34 @@ async def test_a_bounded_queue_nacks_the_publish_past_the_bound_and_holds_exactl
         await t.publish("", q, b"one too many")
 
     assert await t.queue_depth(q) == 3
+
+
+async def test_confirmed_publishes_in_one_write_each_get_their_own_outcome(
+    backend: Backend,
+) -> None:
+    """publish_many (a registration batch's acceptances, one write): each message is
+    confirmed, returned unroutable or nacked on its own, in order; publishes after it are
+    confirmed as usual (its delivery tags did not shift theirs)."""
+    t = await backend.transport()
+    q, bounded = backend.name("many"), backend.name("many-bounded")
+    await t.declare(
+        Declarations(queues=(classic(q), classic(bounded, max_length=1, overflow="reject-publish")))
+    )
+    hello = [Refusal(reason=Reason.UNKNOWN_AGENT, detail=f"m{n}") for n in range(4)]
+    outcomes = await t.publish_many(
+        "",
+        [(q, hello[0]), (backend.name("nobody"), hello[1]), (bounded, hello[2]),
+         (bounded, hello[3])],
+    )  # fmt: skip
+    assert [type(o).__name__ for o in outcomes] == [
+        "NoneType", "PublishUnroutable", "NoneType", "PublishNacked",
+    ]  # fmt: skip
+    assert await t.publish_many("", []) == []
+    await t.publish("", q, b"after")  # its confirm is its own
+    first, after = await _get(t, q), await _get(t, q)
+    assert (first.body, after.body) == (encode(hello[0]), b"after")
+    assert first.message_id and first.routing_key == q
+    assert (await _get(t, bounded)).body == encode(hello[2])
 
 
 async def test_drop_head_keeps_the_newest_messages(backend: Backend) -> None:
