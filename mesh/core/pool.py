@@ -180,6 +180,10 @@ class PoolCore:
         self.scaling = ScalePlanner(self.settings.scaling)
         self._deployments_by_capability: dict[str, Counter[str]] = {}
         self._expiry_heap: list[tuple[float, str]] = []
+        # Liveness deadlines, (when, agent ID), each as of when it was queued; the current one
+        # of each agent is the one in _liveness_due (older entries are skipped): _evict_silent
+        self._liveness: list[tuple[float, str]] = []
+        self._liveness_due: dict[str, float] = {}
         self._recently_terminated: OrderedDict[str, str] = OrderedDict()  # id -> incarnation
         self._finished_leases: OrderedDict[str, None] = OrderedDict()
         self._reregister_asked: dict[str, float] = {}
@@ -311,6 +315,7 @@ class PoolCore:
         if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
             return out + self._refuse_registration(agent, reg, now)
         self.agents[agent.agent_id] = agent
+        self._watch_liveness(agent)
         self._recently_terminated.pop(agent.agent_id, None)
         self._reregister_asked.pop(agent.agent_id, None)
         for cap in reg.capabilities:
@@ -791,13 +796,36 @@ class PoolCore:
                 ]
         return out
 
-    def _evict_silent(self, now: Instant) -> list[Command]:
+    def _watch_liveness(self, agent: AgentRecord) -> None:
+        """Queue ``agent``'s liveness deadline (when its silence would make it lost, as its
+        last heartbeat says now) for :meth:`_evict_silent`."""
         misses = self.settings.missed_heartbeats_before_lost
-        lost = [
-            a
-            for a in self.agents.values()
-            if now.mono - a.last_seen > misses * a.heartbeat_interval_s
-        ]
+        deadline = agent.last_seen + misses * agent.heartbeat_interval_s
+        self._liveness_due[agent.agent_id] = deadline
+        heapq.heappush(self._liveness, (deadline, agent.agent_id))
+
+    def _evict_silent(self, now: Instant) -> list[Command]:
+        """Agents silent past their window are lost. The deadlines wait in a heap, each as
+        of when it was queued: one that comes due is checked against the agent's last
+        heartbeat, and queued again if it has beaten since — so a tick costs the agents
+        whose (possibly old) deadline passed, about a window's share of the fleet, not a
+        walk over every agent."""
+        heap, due = self._liveness, self._liveness_due
+        lost = []
+        while heap and heap[0][0] < now.mono:
+            deadline, agent_id = heapq.heappop(heap)
+            if due.get(agent_id) != deadline:
+                continue  # superseded by a later entry for this agent
+            agent = self.agents.get(agent_id)
+            if agent is None:
+                del due[agent_id]  # it left
+                continue
+            misses = self.settings.missed_heartbeats_before_lost
+            if now.mono - agent.last_seen > misses * agent.heartbeat_interval_s:
+                del due[agent_id]
+                lost.append(agent)
+            else:
+                self._watch_liveness(agent)
         out: list[Command] = []
         for agent in lost:
             silence = now.mono - agent.last_seen

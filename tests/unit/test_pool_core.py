@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from mesh.core import (
     ConnectionRestored,
     FenceAgent,
     InvalidVersionSpec,
+    PoolCore,
     PoolSettings,
     Reply,
     SendToAgent,
@@ -673,6 +675,52 @@ def test_a_lease_expiring_on_a_draining_agent_completes_the_drain() -> None:
 
 
 # ---- heartbeats and liveness ---------------------------------------------------------------
+
+
+class CountingAgents(dict[str, Any]):
+    """The registry's agent table, counting the lookups and walks a tick makes."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.looked_up = 0
+        self.walks = 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.looked_up += 1
+        return super().get(key, default)
+
+    def values(self) -> Any:
+        self.walks += 1
+        return super().values()
+
+
+def test_a_tick_looks_only_at_the_agents_whose_liveness_deadline_came_due() -> None:
+    """Loss detection costs what comes due, not the fleet: 20,000 agents that beat on time
+    cost a tick nothing until their first deadline (as of registration) passes; then each
+    is looked at once per loss window (and queued again), and a silent one is lost on time."""
+    pool = Pool()
+    pool.core = PoolCore(pool.settings)  # the checked core recounts the tally every event
+    for n in range(20_000):
+        pool.register(f"a-{n:05d}", capability("calc.add", "1.0.0"))
+    agents = pool.core.agents = CountingAgents(pool.core.agents)
+    beating = [a for a in agents if a != "a-00007"]
+    for _ in range(29):  # 29 s of heartbeats (every agent beats every second here, cheaply)
+        pool.clock.advance(1.0)
+        for agent_id in beating:
+            pool.core.agents[agent_id].last_seen = pool.clock.now().mono
+        pool.tick()
+    assert (agents.looked_up, agents.walks) == (0, 0)  # the first deadlines are at 30 s
+    pool.clock.advance(1.5)
+    for agent_id in beating:
+        pool.core.agents[agent_id].last_seen = pool.clock.now().mono
+    out = pool.tick()
+    assert [e.agent_id for e in log_entries(out, "lost")] == ["a-00007"]
+    # Each looked at once (and the lost one's removal looks it up again); none walked.
+    looked = agents.looked_up
+    assert 20_000 <= looked <= 20_005 and agents.walks == 0
+    pool.clock.advance(1.0)
+    pool.tick()
+    assert agents.looked_up == looked  # queued again a window ahead: nothing due now
 
 
 def test_an_agent_silent_for_three_intervals_is_lost_and_never_found_again(pool: Pool) -> None:
