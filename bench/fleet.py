@@ -628,6 +628,7 @@ async def run_two_managers(
 @dataclass(frozen=True, slots=True)
 class Step:
     agents: int
+    held: bool  # every registration of the step came through, and the size was held
     registrations_per_s: float
     heartbeats_per_s: float
     cpu_share: float
@@ -719,7 +720,7 @@ async def ramp(
         before = await sample([manager])
         await asyncio.sleep(hold_s if accepted else 0.0)
         after = await sample([manager])
-        held_s = max(hold_s if accepted else 0.0, 1e-9)
+        held_s = hold_s if accepted else float("nan")  # not held: no steady figures
         lost = len(fleet.counts.lost) - lost_before
         namespace = fleet.topology.namespace
         status_s, status_bytes = await timed_status(fleet.url, namespace)
@@ -728,6 +729,7 @@ async def ramp(
         steps.append(
             Step(
                 len(fleet.agents),
+                bool(accepted),
                 rate if accepted else 0.0,
                 (after[0][1] - before[0][1]) / held_s,
                 (after[0][0] - before[0][0]) / held_s,
@@ -739,13 +741,13 @@ async def ramp(
                 answer_s,
             )
         )
-        print(
+        line = (
             f"   {len(fleet.agents):>8,}  {steps[-1].registrations_per_s:>10,.0f}  "
             f"{steps[-1].heartbeats_per_s:>10,.0f}  {steps[-1].cpu_share:>8.0%}  "
             f"{lost:>6,}  {fleet.beat_lag_s:>7.2f}  {status_s:>8.2f}  {status_bytes:>8,}  "
-            f"{page_s:>8.2f}  {answer_s:>8.3f}",
-            flush=True,
+            f"{page_s:>8.2f}  {answer_s:>8.3f}"
         )
+        print(line.replace("nan%", "  —").replace("nan", "—"), flush=True)
         if lost or not accepted:
             break
         last_step_s = time.monotonic() - step_started
@@ -856,13 +858,15 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             await fleet.close()
             await manager.stop()
             await delete_namespace(args.amqp_url, fleet.topology)
-    held = [s.agents for s in steps if not s.false_losses] + (
+    held = [s.agents for s in steps if s.held and not s.false_losses] + (
         [agents] if not one.false_losses else []
     )
     largest = max(held, default=0)
     for s in steps:
         report.figure(ramp_agents=s.agents, **{k: getattr(s, k) for k in Step.__slots__})
-    limit = "not reached within the time budget" if steps and not steps[-1].false_losses else ""
+    last = steps[-1] if steps else None
+    reached = last is None or not last.held or last.false_losses
+    limit = "" if reached else "not reached within the time budget"
     print(
         f"   largest fleet held with no false loss: {largest:,} agents"
         + (f" ({limit})" if limit else "")
@@ -870,7 +874,8 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     report.figure(largest_fleet_without_false_loss=largest, limit_reached=not limit)
     targets(one, two, report)
     if steps:
-        biggest = max(steps, key=lambda s: s.agents)
+        held_steps = [s for s in steps if s.held and not s.false_losses] or steps
+        biggest = max(held_steps, key=lambda s: s.agents)
         start_s = await command_start_s()
         report.targets.append(
             Target(
