@@ -84,8 +84,8 @@ class SharedLive:
         own = self._own()
         mine = frozenset(s for s in self.shards.owned() if self._answers_for(s))
         cached = self._merged
-        if cached is not None and cached[:3] == (own, self._shared_version, mine):
-            return cached[3]
+        if cached is not None and cached[0] is own and cached[1:3] == (self._shared_version, mine):
+            return cached[3]  # the registry hands out the same snapshot while nothing changed
         self._versions += 1
 
         def from_own(pool_id: str) -> bool:
