@@ -371,7 +371,7 @@ class PoolCore:
         until the live one would be declared lost, journaled and counted. A restarted agent
         (kill -9, then the same ID) retries and is accepted once the old incarnation
         deregisters or is declared lost; the registered one keeps running meanwhile."""
-        window = self.settings.missed_heartbeats_before_lost * existing.heartbeat_interval_s
+        window = self._silence_allowed_s(existing)
         wait_s = max(1.0, existing.last_seen + window - now.mono)
         detail = (
             f"agent {reg.agent_id!r} is live as incarnation {existing.incarnation!r} (last "
@@ -796,11 +796,14 @@ class PoolCore:
                 ]
         return out
 
+    def _silence_allowed_s(self, agent: AgentRecord) -> float:
+        """How long ``agent`` may be silent before it is lost."""
+        return self.settings.missed_heartbeats_before_lost * agent.heartbeat_interval_s
+
     def _watch_liveness(self, agent: AgentRecord) -> None:
         """Queue ``agent``'s liveness deadline (when its silence would make it lost, as its
         last heartbeat says now) for :meth:`_evict_silent`."""
-        misses = self.settings.missed_heartbeats_before_lost
-        deadline = agent.last_seen + misses * agent.heartbeat_interval_s
+        deadline = agent.last_seen + self._silence_allowed_s(agent)
         self._liveness_due[agent.agent_id] = deadline
         heapq.heappush(self._liveness, (deadline, agent.agent_id))
 
@@ -820,8 +823,7 @@ class PoolCore:
             if agent is None:
                 del due[agent_id]  # it left
                 continue
-            misses = self.settings.missed_heartbeats_before_lost
-            if now.mono - agent.last_seen > misses * agent.heartbeat_interval_s:
+            if now.mono - agent.last_seen > self._silence_allowed_s(agent):
                 del due[agent_id]
                 lost.append(agent)
             else:

@@ -1252,8 +1252,7 @@ class ManagerService:
 
     async def _carry_out(self, cmd: Command, request: Delivery | None) -> None:
         if isinstance(cmd, SendToAgent):
-            message = self._with_shard(self._with_pool_epoch(cmd.message))
-            await self._send_to_agent(cmd.agent_id, message)
+            await self._send_to_agent(cmd.agent_id, self._outgoing(cmd.message))
         elif isinstance(cmd, Reply):
             if request is not None:
                 delivered = await self._reply(request, cmd.message)
@@ -1316,10 +1315,7 @@ class ManagerService:
         if not wanted:
             return
         try:
-            if len(wanted) == 1:
-                await self.transport.publish_fast(self.topology.events_exchange, *wanted[0])
-            else:
-                await self.transport.publish_fast_many(self.topology.events_exchange, wanted)
+            await self.transport.publish_fast_many(self.topology.events_exchange, wanted)
         except TransportError:
             self.counters["events_unpublished"] += len(wanted)
 
@@ -1434,6 +1430,11 @@ class ManagerService:
             return message
         return message.model_copy(update={"shard": shard_of(agent.deployment, count)})
 
+    def _outgoing(self, message: Message) -> Message:
+        """A core's message to an agent as sent: an acceptance carries the pool's epoch and
+        the agent's shard where the agent takes them."""
+        return self._with_shard(self._with_pool_epoch(message))
+
     async def _send_to_agent(self, agent_id: str, message: Message) -> None:
         try:
             await self.transport.publish(self.topology.agents_exchange, agent_id, message)
@@ -1443,7 +1444,7 @@ class ManagerService:
     async def _send_to_agents(self, messages: Sequence[tuple[str, Message]]) -> None:
         """:meth:`_send_to_agent` for several, in one write (``publish_many``); a transport
         failure propagates once all are settled."""
-        sent = [(agent_id, self._with_shard(self._with_pool_epoch(m))) for agent_id, m in messages]
+        sent = [(agent_id, self._outgoing(message)) for agent_id, message in messages]
         outcomes = await self.transport.publish_many(self.topology.agents_exchange, sent)
         failed: TransportError | None = None
         for (agent_id, message), outcome in zip(sent, outcomes, strict=True):

@@ -306,6 +306,27 @@ class RawConsumer:
             log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
 
 
+def _message_frames(
+    channel: aiormq.Channel,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    properties: aiormq.spec.Basic.Properties,
+    *,
+    mandatory: bool,
+) -> list[Any]:
+    """One message's frames as ``Channel.basic_publish`` builds them: the ``basic.publish``
+    method, the content header, the body in frames of at most the negotiated size."""
+    if len(routing_key) > 255:
+        raise ValueError(f"routing key longer than 255 bytes: {routing_key[:64]}…")
+    size = channel.max_content_size
+    return [
+        aiormq.spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory),
+        ContentHeader(properties=properties, body_size=len(body)),
+        *(ContentBody(body[i : i + size]) for i in range(0, len(body), size)),
+    ]
+
+
 def _forget_message_id(
     channel: aiormq.Channel, message_id: str, tag: int, _: asyncio.Future[Any]
 ) -> None:
@@ -703,7 +724,7 @@ class AmqpTransport:
                 )
                 for key, _ in messages
             ]
-        except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
+        except (aiormq.exceptions.AMQPError, RuntimeError, OSError, ValueError) as exc:
             failed = TransportError(f"publish of {len(messages)} to {exchange} failed: {exc}")
             return [failed] * len(messages)
         for index, ((key, _), answer) in enumerate(zip(messages, answers, strict=True)):
@@ -748,11 +769,7 @@ class AmqpTransport:
         frames: list[Any],
         confirms: list[asyncio.Future[Any]],
     ) -> None:
-        size = channel.max_content_size
         for routing_key, message in messages:
-            if len(routing_key) > 255:
-                raise RuntimeError(f"routing key longer than 255 bytes: {routing_key[:64]}…")
-            body = encode(message)
             message_id = uuid.uuid4().hex
             properties = aiormq.spec.Basic.Properties(
                 content_type=c.CONTENT_TYPE,
@@ -767,13 +784,9 @@ class AmqpTransport:
             channel.message_id_delivery_tag[message_id] = tag
             confirm.add_done_callback(partial(_forget_message_id, channel, message_id, tag))
             confirms.append(confirm)
-            frames.append(
-                aiormq.spec.Basic.Publish(
-                    exchange=exchange, routing_key=routing_key, mandatory=True
-                )
+            frames += _message_frames(
+                channel, exchange, routing_key, encode(message), properties, mandatory=True
             )
-            frames.append(ContentHeader(properties=properties, body_size=len(body)))
-            frames += [ContentBody(body[i : i + size]) for i in range(0, len(body), size)]
         await channel.write_queue.put(
             ChannelFrame.marshall(channel_number=channel.number, frames=frames)
         )
@@ -829,12 +842,9 @@ class AmqpTransport:
                 raise RuntimeError("the channel is closed")
             frames: list[Any] = []
             for routing_key, body in messages:
-                if len(routing_key) > 255:
-                    raise ValueError(f"routing key longer than 255 bytes: {routing_key[:64]}…")
-                frames.append(aiormq.spec.Basic.Publish(exchange=exchange, routing_key=routing_key))
-                frames.append(ContentHeader(properties=_FAST_PROPERTIES, body_size=len(body)))
-                size = channel.max_content_size
-                frames += [ContentBody(body[i : i + size]) for i in range(0, len(body), size)]
+                frames += _message_frames(
+                    channel, exchange, routing_key, body, _FAST_PROPERTIES, mandatory=False
+                )
             payload = ChannelFrame.marshall(channel_number=channel.number, frames=frames)
             async with channel.lock:  # after any publish already under way on the channel
                 await channel.write_queue.put(payload)
