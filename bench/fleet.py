@@ -61,10 +61,10 @@ from typing import Any
 
 import aiormq
 import orjson
-from report import Report, Target, add_json_argument
+from report import Report, Target, add_json_argument, broker_unreachable, postgres_unreachable
 
 from mesh import constants as c
-from mesh.errors import BrokerUnavailable, RequestTimeout
+from mesh.errors import RequestTimeout
 from mesh.producer import MeshClient
 from mesh.topology import names
 from mesh.topology.specs import Topology
@@ -564,8 +564,6 @@ async def run_two_managers(
         dsn,
         "--ledger-schema",
         schema,
-        "--admission-capacity",
-        "descriptor",
         "--shard-lease",
         "5",
     ]
@@ -776,16 +774,6 @@ def drop_schema(dsn: str, schema: str) -> None:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def postgres_reachable(dsn: str) -> str | None:
-    try:
-        import psycopg
-
-        with psycopg.connect(dsn, connect_timeout=5):
-            return None
-    except Exception as exc:
-        return f"cannot reach {dsn}: {exc}".strip()
-
-
 # ---- main ----------------------------------------------------------------------------------------
 
 
@@ -820,7 +808,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     step = args.step or (5_000 if quick else 10_000)
     hold_s = 35.0  # past the loss window (3 x 10 s), with a margin
     budget_s = 100.0 if quick else 420.0
-    why_not_pg = postgres_reachable(args.postgres_dsn)
+    why_not_pg = postgres_unreachable(args.postgres_dsn)
     header = (
         f"   {'configuration':<13} {'agents':>7}  {'reg/s':>8} {'(how)':<9}  {'mgr':>4}  "
         f"{'µs/reg':>8}  {'hb/s':>8}  {'CPU':>6}  {'B/agent':>8}  {'lost':>5}  {'lag s':>6}"
@@ -909,13 +897,22 @@ def targets(one: ConfigFigures, two: ConfigFigures | None, report: Report) -> No
     if two is not None:
         worst = max(m.cpu_share for m in two.managers)
         ratio = worst / single
+        # Half the CPU each is only a result if the two hold the fleet between them: every
+        # heartbeat handled (by its agent's owner: a manager handed another's heartbeat asks
+        # that agent to register again) and nobody lost. Two managers without shards share
+        # the heartbeat queue, so each sees half the beats too — and fails these.
+        beats = sum(m.heartbeats_per_s for m in two.managers) / (two.agents / INTERVAL_S)
+        held = two.reregister_asked == 0 and two.false_losses == 0 and beats >= 0.9
         report.targets.append(
             Target(
                 "cpu_per_manager_two_vs_one",
-                ratio <= TARGET_CPU_SHARE,
+                ratio <= TARGET_CPU_SHARE and held,
                 f"with two managers the busier spends {ratio:.2f}x the CPU of one manager "
                 f"holding the same fleet of {one.agents:,} ({worst:.1%} vs {single:.1%} of a "
-                f"core; target ≤ {TARGET_CPU_SHARE:g}x)",
+                f"core; target ≤ {TARGET_CPU_SHARE:g}x), holding it between them: "
+                f"{beats:.0%} of the fleet's heartbeats handled (≥ 90 %), "
+                f"{two.reregister_asked} agents asked to register again and "
+                f"{two.false_losses} lost (target 0 each)",
                 value=worst,
                 baseline=single,
                 ratio=ratio,
@@ -934,15 +931,6 @@ def targets(one: ConfigFigures, two: ConfigFigures | None, report: Report) -> No
                     bound="== 0",
                 )
             )
-
-
-async def reachable(url: str) -> str | None:
-    try:
-        probe = await AmqpTransport.connect(url, name="bench-fleet-probe", connect_timeout_s=5)
-        await probe.close()
-    except BrokerUnavailable as exc:
-        return str(exc)
-    return None
 
 
 def main() -> int:
@@ -966,7 +954,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     started = time.perf_counter()
     report = Report("fleet")
-    why_not = asyncio.run(reachable(args.amqp_url))
+    why_not = asyncio.run(broker_unreachable(args.amqp_url, "bench-fleet-probe"))
     if why_not is not None:
         print(f"skipped: {why_not}.")
         report.skipped.append(f"fleet: {why_not}")

@@ -49,10 +49,9 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 import psycopg
 from admission import POLICY, closed_loop, descriptor, requirements
-from report import Report, Target, add_json_argument
+from report import Report, Target, add_json_argument, broker_unreachable, postgres_unreachable
 
 from mesh import constants as c
-from mesh.errors import BrokerUnavailable
 from mesh.producer import MeshClient
 from mesh.topology.specs import Topology
 from mesh.transport.amqp import AmqpTransport, redact
@@ -345,17 +344,7 @@ def summarise(results: list[ConfigRound], report: Report) -> None:
 
 async def reachable(url: str, dsn: str) -> str | None:
     """Why the bench cannot run here, or ``None``."""
-    try:
-        probe = await AmqpTransport.connect(url, name="bench-managers-probe", connect_timeout_s=5)
-        await probe.close()
-    except BrokerUnavailable as exc:
-        return str(exc)
-    try:
-        with psycopg.connect(dsn, connect_timeout=5):
-            pass
-    except psycopg.Error as exc:
-        return f"cannot reach {dsn}: {exc}".strip()
-    return None
+    return await broker_unreachable(url, "bench-managers-probe") or postgres_unreachable(dsn)
 
 
 def main() -> int:

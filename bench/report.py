@@ -72,3 +72,27 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="also write every figure and target (value, baseline, ratio, bound) to FILE",
     )
+
+
+async def broker_unreachable(url: str, name: str) -> str | None:
+    """Why RabbitMQ at ``url`` cannot be used (one sentence), or ``None``."""
+    from mesh.errors import BrokerUnavailable
+    from mesh.transport.amqp import AmqpTransport
+
+    try:
+        probe = await AmqpTransport.connect(url, name=name, connect_timeout_s=5)
+        await probe.close()
+    except BrokerUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def postgres_unreachable(dsn: str) -> str | None:
+    """Why PostgreSQL at ``dsn`` cannot be used (one sentence), or ``None``."""
+    import psycopg
+
+    try:
+        with psycopg.connect(dsn, connect_timeout=5):
+            return None
+    except psycopg.Error as exc:
+        return f"cannot reach {dsn}: {exc}".strip()
