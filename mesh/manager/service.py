@@ -87,7 +87,7 @@ from mesh.manager.settings import ManagerSettings
 from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import AmqpTransport
+from mesh.transport.amqp import AmqpTransport, with_heartbeat
 from mesh.transport.delivery import DEFAULT_EXCHANGE, Delivery
 from mesh.transport.ports import ManagerTransport, Subscription
 from mesh.wire.admission import (
@@ -275,7 +275,7 @@ class ManagerService:
         s = self.settings
         if self._transport is None:
             self._transport = await AmqpTransport.connect(
-                s.amqp_url,
+                _connection_url(s),
                 name=f"manager:{s.manager_id}",
                 publish_timeout_s=s.publish_timeout_s,
                 liveness_probe_s=s.liveness_probe_s,
@@ -1487,6 +1487,14 @@ class ManagerService:
             self.counters["reply_failed"] += 1
             return False
         return True
+
+
+def _connection_url(settings: ManagerSettings) -> str:
+    """With shards, an AMQP heartbeat of half the lease unless the URL names one
+    (``ManagerSettings.shard_lease_s``): a frozen owner's shard queues move with its lease."""
+    if settings.shard_count is None:
+        return settings.amqp_url
+    return with_heartbeat(settings.amqp_url, max(1, int(settings.shard_lease_s / 2)))
 
 
 def _first_rows(request: StatusRequest) -> StatusRequest:

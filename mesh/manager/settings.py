@@ -82,6 +82,10 @@ class ManagerSettings:
     # (one manager owns the whole registry, as with SQLite).
     shard_count: int | None = None
     shard_lease_s: float = 10.0
+    # With shards, a manager's broker connection asks for an AMQP heartbeat of half the lease
+    # (at least 1 s) unless its URL names one: the broker then closes a frozen or cut-off
+    # manager's connection within about a lease, and the shard queues' single-active-consumer
+    # hands their deliveries to the new owner as the lease table hands it the shard.
     # With shards, a lease-path request (find, acquire, release, drain) asks the other owners
     # too (mesh.manager.peers): how long to wait for each, and how many of the best
     # candidates an acquire tries by name before it gives up.

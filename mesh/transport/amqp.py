@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Protocol, cast, runtime_checkable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import aio_pika
 import aiormq
@@ -78,6 +78,17 @@ def _not_an_amqp_url(url: str) -> str | None:
         f"{redact(url)} is not an AMQP URL{hint}; the broker's is "
         "amqp://USER:PASSWORD@HOST:5672/VHOST (MESH_AMQP_URL or --amqp-url)"
     )
+
+
+def with_heartbeat(url: str, seconds: int) -> str:
+    """``url`` asking for an AMQP heartbeat of ``seconds`` unless it names one already (the
+    operator's choice wins). The broker closes a connection that stays silent for about two
+    heartbeat intervals — a frozen or cut-off process's included."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "heartbeat" for name, _ in query):
+        return url
+    return urlunsplit(parts._replace(query=urlencode([*query, ("heartbeat", str(seconds))])))
 
 
 def _why_not_connected(url: str, exc: BaseException) -> str:

@@ -40,6 +40,7 @@ from .test_shard_failover import fleet as fleet  # the fixture, used by name
 
 POOLS = ("lambda", "beta", "echo", "calc", "alpha", "gamma")  # shards 0..5 of 6
 HEARTBEAT_S = 5.0  # the agents' minimum
+AMQP_HEARTBEAT_S = max(1, int(LEASE_S / 2))  # what a sharded manager asks the broker for
 LOAD_S = 3.0  # of load before the kill
 AFTER_S = LEASE_S + HEARTBEAT_S + 4.0  # of load after it: takeover and re-registration
 
@@ -324,14 +325,15 @@ async def test_a_manager_killed_or_frozen_under_load_loses_no_request_no_grant_a
         return set(owners) <= survivors and sum(map(len, owners.values())) == SHARDS
 
     took = await until(taken_over, "the survivors hold every shard")
-    if fault == "freeze":
-        # Frozen past its lease and a heartbeat interval, then woken: the first thing it
-        # does with any message is to learn what it lost.
-        await asyncio.sleep(HEARTBEAT_S)
-        woke_at = time.time()
-        fleet.procs[victim].send_signal(signal.SIGCONT)
+    # Its agents are back with the new owners while it is still frozen: the broker closes
+    # the frozen connection after about two of its AMQP heartbeats (half a lease, at least
+    # 1 s), so its shard queues' single-active-consumer moves on as the leases did.
     await until(everyone_registered, "every agent registered again")
     back = time.monotonic() - faulted
+    if fault == "freeze":
+        # Woken: the first thing it does with any message is to learn what it lost.
+        woke_at = time.time()
+        fleet.procs[victim].send_signal(signal.SIGCONT)
     await asyncio.sleep(max(0.0, AFTER_S - back))
     await load.stop()
     done = load.done
@@ -344,6 +346,8 @@ async def test_a_manager_killed_or_frozen_under_load_loses_no_request_no_grant_a
         assert_it_acted_on_nothing_it_lost(fleet, victim, held[victim], woke_at)
 
     assert took <= LEASE_S + 2 * STEP_S + 0.5
-    if fault == "kill":
-        assert back <= LEASE_S + 2 * STEP_S + HEARTBEAT_S + 2.0
+    # The lease, a step to notice, an agent's heartbeat interval to be asked to register
+    # again; frozen, the broker's two missed AMQP heartbeats (1 s each here) may come later.
+    closed_s = 0.0 if fault == "kill" else 2 * AMQP_HEARTBEAT_S
+    assert back <= max(LEASE_S + 2 * STEP_S, closed_s) + HEARTBEAT_S + 2.0
     await assert_nothing_lost(load, before_kill, ledger, fleet)

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from mesh.core.shards import MAX_SHARDS, balanced_owners, moves_for, shard_of
 from mesh.errors import LocalProtocolError
+from mesh.manager.service import _connection_url
+from mesh.manager.settings import ManagerSettings
 
 managers_st = st.lists(st.sampled_from([f"m{i}" for i in range(8)]), min_size=1, unique=True)
 
@@ -92,3 +94,16 @@ def test_moves_take_free_shards_give_back_surplus_and_wait_for_held_ones() -> No
 def test_a_lone_manager_takes_every_free_shard() -> None:
     moves = moves_for("m1", 8, [], {3: None})
     assert moves.take == tuple(range(8)) and moves.give_back == () and moves.wait_for == ()
+
+
+def test_a_sharded_manager_asks_the_broker_for_a_heartbeat_of_half_its_lease() -> None:
+    # So the broker closes a frozen owner's connection within about a lease and the shard
+    # queues' single-active-consumer moves on (tests/faults/test_shard_failover_load.py).
+    url = "amqp://guest:guest@rabbit:5672/vh?reconnect_interval=1"
+    assert _connection_url(ManagerSettings(amqp_url=url)) == url  # one manager: as given
+    sharded = ManagerSettings(amqp_url=url, shard_count=8, shard_lease_s=10.0)
+    assert _connection_url(sharded) == f"{url}&heartbeat=5"
+    short = ManagerSettings(amqp_url="amqp://rabbit/", shard_count=8, shard_lease_s=1.5)
+    assert _connection_url(short) == "amqp://rabbit/?heartbeat=1"
+    chosen = ManagerSettings(amqp_url="amqp://rabbit/?heartbeat=30", shard_count=8)
+    assert _connection_url(chosen) == "amqp://rabbit/?heartbeat=30"  # the operator's wins
