@@ -1275,11 +1275,16 @@ class ManagerService:
         for (_, fits), event in zip(made, stored, strict=True):
             if not fits and event.seq is not None:
                 self._unfit_seqs.add(event.seq)  # journaled, kept off the feed
+        # The journal and the live feed are the record; a log line per event is for
+        # debugging (at INFO, a fleet registering wrote a line per agent, at thousands a
+        # second).
+        debugging = log.isEnabledFor(logging.DEBUG)
         for event in stored:
-            log.info(
-                "orchestration event",
-                extra={"kind": event.kind, "agent_id": event.agent_id, "seq": event.seq},
-            )
+            if debugging:
+                log.debug(
+                    "orchestration event",
+                    extra={"kind": event.kind, "agent_id": event.agent_id, "seq": event.seq},
+                )
             if self._on_log is not None:
                 self._on_log(event)
         return stored

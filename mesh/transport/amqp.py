@@ -38,8 +38,6 @@ from aio_pika.abc import (
     AbstractRobustQueue,
 )
 from aiormq.abc import ChannelFrame
-from pamqp.body import ContentBody
-from pamqp.header import ContentHeader
 
 from mesh import constants as c
 from mesh.errors import (
@@ -56,11 +54,13 @@ from mesh.transport import dead_letters
 from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
 from mesh.transport.delivery import Delivery as Delivery  # re-exported
 from mesh.transport.delivery import Handler, Settlement
+from mesh.transport.frames import publish_frames, typed_properties
 from mesh.wire.codec import encode
 from mesh.wire.models import Message
 
 log = logging.getLogger(__name__)
 _FAST_PROPERTIES = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
+_FAST_MARSHALLED = _FAST_PROPERTIES.marshal()
 _CONTROL_TIMEOUT_S = 5.0  # bound on channel operations that are not publishes
 
 
@@ -315,27 +315,6 @@ class RawConsumer:
                 await self._channel.close()
         except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
             log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
-
-
-def _message_frames(
-    channel: aiormq.Channel,
-    exchange: str,
-    routing_key: str,
-    body: bytes,
-    properties: aiormq.spec.Basic.Properties,
-    *,
-    mandatory: bool,
-) -> list[Any]:
-    """One message's frames as ``Channel.basic_publish`` builds them: the ``basic.publish``
-    method, the content header, the body in frames of at most the negotiated size."""
-    if len(routing_key) > 255:
-        raise ValueError(f"routing key longer than 255 bytes: {routing_key[:64]}…")
-    size = channel.max_content_size
-    return [
-        aiormq.spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory),
-        ContentHeader(properties=properties, body_size=len(body)),
-        *(ContentBody(body[i : i + size]) for i in range(0, len(body), size)),
-    ]
 
 
 def _forget_message_id(
@@ -754,7 +733,7 @@ class AmqpTransport:
     ) -> list[asyncio.Future[Any]]:
         """Under the channel's lock: a delivery tag and a confirm future per message, then
         every message's frames in one write (``Channel.basic_publish``'s bookkeeping)."""
-        frames: list[Any] = []
+        frames: list[bytes] = []
         confirms: list[asyncio.Future[Any]] = []
         async with channel.lock:
             first = channel.delivery_tag + 1
@@ -777,17 +756,11 @@ class AmqpTransport:
         channel: aiormq.Channel,
         exchange: str,
         messages: Sequence[tuple[str, Message]],
-        frames: list[Any],
+        frames: list[bytes],
         confirms: list[asyncio.Future[Any]],
     ) -> None:
         for routing_key, message in messages:
             message_id = uuid.uuid4().hex
-            properties = aiormq.spec.Basic.Properties(
-                content_type=c.CONTENT_TYPE,
-                message_type=message.type,
-                message_id=message_id,
-                delivery_mode=1,
-            )
             channel.delivery_tag += 1
             tag = channel.delivery_tag
             confirm = channel.create_future()
@@ -795,12 +768,18 @@ class AmqpTransport:
             channel.message_id_delivery_tag[message_id] = tag
             confirm.add_done_callback(partial(_forget_message_id, channel, message_id, tag))
             confirms.append(confirm)
-            frames += _message_frames(
-                channel, exchange, routing_key, encode(message), properties, mandatory=True
+            frames.append(
+                publish_frames(
+                    channel.number,
+                    exchange,
+                    routing_key,
+                    encode(message),
+                    typed_properties(message.type, message_id),
+                    mandatory=True,
+                    max_body=channel.max_content_size,
+                )
             )
-        await channel.write_queue.put(
-            ChannelFrame.marshall(channel_number=channel.number, frames=frames)
-        )
+        await channel.write_queue.put(ChannelFrame(b"".join(frames), should_close=False))
 
     async def _fast_underlay(self) -> aiormq.Channel:
         """The confirm-less channel's current underlying aiormq channel (opened on first use).
@@ -851,12 +830,22 @@ class AmqpTransport:
             channel = await self._fast_underlay()
             if channel.is_closed:  # frames on a closed channel would close the connection
                 raise RuntimeError("the channel is closed")
-            frames: list[Any] = []
-            for routing_key, body in messages:
-                frames += _message_frames(
-                    channel, exchange, routing_key, body, _FAST_PROPERTIES, mandatory=False
-                )
-            payload = ChannelFrame.marshall(channel_number=channel.number, frames=frames)
+            number, size = channel.number, channel.max_content_size
+            payload = ChannelFrame(
+                b"".join(
+                    publish_frames(
+                        number,
+                        exchange,
+                        key,
+                        body,
+                        _FAST_MARSHALLED,
+                        mandatory=False,
+                        max_body=size,
+                    )
+                    for key, body in messages
+                ),
+                should_close=False,
+            )
             async with channel.lock:  # after any publish already under way on the channel
                 await channel.write_queue.put(payload)
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError, ValueError) as exc:
