@@ -13,9 +13,9 @@ from mesh.transport.delivery import DEFAULT_EXCHANGE, Delivery, Handler
 from mesh.transport.ports import Subscription, Transport
 
 if TYPE_CHECKING:
-    from mesh.transport.amqp import AmqpTransport, Consumer, RawConsumer, redact
+    from mesh.transport.amqp import AmqpTransport, Consumer, redact
 
-_AMQP_NAMES = frozenset({"AmqpTransport", "Consumer", "RawConsumer", "redact"})
+_AMQP_NAMES = frozenset({"AmqpTransport", "Consumer", "redact"})
 
 __all__ = [
     "DEFAULT_EXCHANGE",
@@ -23,7 +23,6 @@ __all__ = [
     "Consumer",
     "Delivery",
     "Handler",
-    "RawConsumer",
     "Subscription",
     "Transport",
     "redact",

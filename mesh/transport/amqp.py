@@ -23,10 +23,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import aio_pika
@@ -55,6 +55,10 @@ from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-e
 from mesh.transport.delivery import Delivery as Delivery  # re-exported
 from mesh.transport.delivery import Handler, Settlement
 from mesh.transport.frames import publish_frames, typed_properties
+from mesh.transport.lean import LeanConnection, LeanConsumer
+from mesh.transport.lean import RawBatch as RawBatch  # re-exported
+from mesh.transport.lean import RawBatchCallback as RawBatchCallback  # re-exported
+from mesh.transport.lean import RawCallback as RawCallback  # re-exported
 from mesh.wire.codec import encode
 from mesh.wire.models import Message
 
@@ -124,24 +128,7 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-RawCallback = Callable[[bytes, str | None], None]
-"""A raw consumer's callback: the body, and the ``user_id`` RabbitMQ validated (if any)."""
-
-RawBatch = list[tuple[bytes, str | None]]
-"""Raw deliveries in arrival order: (body, validated ``user_id``) pairs."""
-
-
-@runtime_checkable
-class RawBatchCallback(Protocol):
-    """A raw callback that can also take a batch: :meth:`ingest_many` gets, in one call and
-    in order, every delivery that arrived within one turn of the event loop."""
-
-    def __call__(self, body: bytes, user_id: str | None, /) -> None: ...
-
-    def ingest_many(self, bodies: RawBatch, /) -> None: ...
-
-
-async def _resubscribe(consumer: Consumer | RawConsumer) -> None:
+async def _resubscribe(consumer: Consumer) -> None:
     """After its channel reopened (a reconnect, or the channel alone): consume again.
     aio-pika swallows exceptions from reopen callbacks: every failure is logged here."""
     if consumer.cancelled:
@@ -258,65 +245,6 @@ class Consumer:
             log.debug("consumer cancel incomplete", extra={"queue": self.queue_name, "err": exc})
 
 
-class RawConsumer:
-    """A no-ack consumer registered on aiormq's channel under a robust aio-pika channel.
-
-    With a :class:`RawBatchCallback`, deliveries are collected as they arrive (aiormq runs
-    each in a task of its own, which only appends the body) and handed over once per turn of
-    the event loop, so the callback's work runs in one tight loop per batch instead of being
-    interleaved with the client's frame handling; any other callback gets each delivery as
-    it comes."""
-
-    def __init__(self, channel: AbstractRobustChannel, queue: str, callback: RawCallback) -> None:
-        self.queue_name = queue
-        self.cancelled = False
-        self._channel = channel
-        self._callback = callback
-        self._tag: str | None = None
-        channel.reopen_callbacks.add(self._reopened)
-
-    async def _reopened(self, *_: Any) -> None:
-        await _resubscribe(self)
-
-    async def subscribe(self) -> None:
-        underlay = await self._channel.get_underlay_channel()
-        ok = await underlay.basic_consume(self.queue_name, self._on_message(), no_ack=True)
-        self._tag = ok.consumer_tag
-
-    def _on_message(self) -> Callable[[aiormq.abc.DeliveredMessage], Coroutine[Any, Any, None]]:
-        callback = self._callback
-        if not isinstance(callback, RawBatchCallback):
-
-            async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
-                callback(message.body, message.header.properties.user_id)
-
-            return on_message
-
-        ingest_many = callback.ingest_many
-        call_soon = asyncio.get_running_loop().call_soon
-        pending: RawBatch = []
-
-        def flush() -> None:
-            nonlocal pending
-            batch, pending = pending, []
-            ingest_many(batch)
-
-        async def collect(message: aiormq.abc.DeliveredMessage) -> None:
-            if not pending:  # the first of this turn: hand the batch over after the others
-                call_soon(flush)
-            pending.append((message.body, message.header.properties.user_id))
-
-        return collect
-
-    async def cancel(self) -> None:
-        self.cancelled = True
-        try:
-            async with asyncio.timeout(_CONTROL_TIMEOUT_S):
-                await self._channel.close()
-        except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
-            log.debug("cancel on a closed channel", extra={"queue": self.queue_name, "err": exc})
-
-
 def _forget_message_id(
     channel: aiormq.Channel, message_id: str, tag: int, _: asyncio.Future[Any]
 ) -> None:
@@ -335,8 +263,10 @@ class AmqpTransport:
         *,
         url: str,
         publish_timeout_s: float,
+        name: str = "mesh",
     ) -> None:
         self.url = url
+        self.name = name  # the connection's name in the management UI
         self.publish_timeout_s = publish_timeout_s
         self._connection = connection
         self._publish_channel = publish_channel
@@ -349,7 +279,9 @@ class AmqpTransport:
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self.probes_unanswered = 0
+        self._lean: LeanConnection | None = None  # heartbeats' consume-only connection
         connection.reconnect_callbacks.add(self._reconnected)
+        connection.close_callbacks.add(self._dropped)
 
     @classmethod
     async def connect(
@@ -378,7 +310,9 @@ class AmqpTransport:
         except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as exc:
             raise BrokerUnavailable(_why_not_connected(url, exc)) from None
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        transport = cls(connection, channel, url=url, publish_timeout_s=publish_timeout_s)
+        transport = cls(
+            connection, channel, url=url, publish_timeout_s=publish_timeout_s, name=name
+        )
         if liveness_probe_s is not None:
             transport.watch(liveness_probe_s)
         return transport
@@ -400,11 +334,20 @@ class AmqpTransport:
         """Run ``callback`` after every reconnection (consumers are restored before it)."""
         self._on_reconnect.append(callback)
 
+    def _dropped(self, *_: Any) -> None:
+        """The connection dropped (the broker, the network, the liveness probe): the
+        consume-only connection is dropped too, whether or not it has noticed yet, so the
+        two come back together (:meth:`_reconnected`)."""
+        if self._lean is not None and not self._closing:
+            self._lean.reset()
+
     async def _reconnected(self, *_: Any) -> None:
         # aio-pika swallows exceptions from reconnect callbacks: log every failure here.
         log.warning("reconnected to the broker", extra={"url": redact(self.url)})
         # aio-pika has restored what it knew; forget our cache so later declares are real.
         self._declared.clear()
+        if self._lean is not None and not await self._lean.restored(_CONTROL_TIMEOUT_S):
+            log.warning("the consume-only connection is not back yet; it keeps trying")
         for callback in self._on_reconnect:
             try:
                 await callback()
@@ -413,6 +356,8 @@ class AmqpTransport:
 
     async def close(self) -> None:
         self._closing = True
+        if self._lean is not None:
+            await self._lean.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -874,16 +819,16 @@ class AmqpTransport:
             raise
         return consumer
 
-    async def consume_raw(self, queue: str, callback: RawCallback) -> RawConsumer:
+    async def consume_raw(self, queue: str, callback: RawCallback) -> LeanConsumer:
         """The cheapest path, for superseded messages (heartbeats): no acks, and only the body
-        (and the validated ``user_id``) handed to a synchronous callback, or in batches to
-        its ``ingest_many`` if it is a :class:`RawBatchCallback`. Re-subscribed whenever its
-        channel reopens."""
-        channel = await self._connection.channel()
-        await self._queue_on(channel, queue)
-        consumer = RawConsumer(channel, queue, callback)
-        await consumer.subscribe()
-        return consumer
+        (and the validated ``user_id``) handed to a synchronous callback, or in batches (what
+        arrived in one read) to its ``ingest_many`` if it is a :class:`RawBatchCallback`.
+        On a consume-only connection of its own (:mod:`mesh.transport.lean`), opened on
+        first use; it reconnects and consumes again by itself, and is dropped and restored
+        with this transport's connection (before the ``on_reconnect`` callbacks run)."""
+        if self._lean is None:
+            self._lean = LeanConnection(self.url, name=f"{self.name}:consume")
+        return await self._lean.consume(queue, callback)
 
     async def dead_letter(
         self,

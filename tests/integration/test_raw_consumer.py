@@ -1,11 +1,15 @@
 """The raw (no-ack) consumer on the real broker: a callback with ``ingest_many`` gets what
-arrived within one turn of the event loop as one batch, in order; a plain callback gets each
+arrived in one read from the socket as one batch, in order; a plain callback gets each
 delivery as it comes."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import pytest
+
+from mesh.errors import TopologyMissing
 from mesh.topology import Declarations, QueueSpec
 from mesh.transport.amqp import AmqpTransport, RawBatch, RawBatchCallback
 
@@ -59,7 +63,7 @@ async def test_a_batch_callback_gets_a_backlog_in_batches_in_order(
 
     assert got.bodies == [b"%d" % n for n in range(BACKLOG)]
     assert got.single == []
-    assert len(got.batches) < BACKLOG  # deliveries of one turn of the loop go together
+    assert len(got.batches) < BACKLOG  # deliveries of one read go together
 
 
 async def test_a_plain_callback_gets_each_delivery_as_it_comes(
@@ -73,3 +77,79 @@ async def test_a_plain_callback_gets_each_delivery_as_it_comes(
     await consumer.cancel()
 
     assert got == [b"%d" % n for n in range(BACKLOG)]
+
+
+async def test_raw_consumers_share_a_consume_only_connection_that_comes_back_when_closed(
+    transport_factory: Any, namespace: str, management_api: Any
+) -> None:
+    transport: AmqpTransport = await transport_factory(suffix="lean")
+    queues = [f"{namespace}.raw-lean-{n}" for n in range(2)]
+    await transport.declare(Declarations(queues=tuple(QueueSpec(q, durable=False) for q in queues)))
+    got: dict[str, list[bytes]] = {q: [] for q in queues}
+    for queue in queues:
+        await transport.consume_raw(queue, lambda body, _, q=queue: got[q].append(body))
+    # One consume-only connection, named after the transport's, for both queues.
+    name = f"{transport.name}:consume"
+
+    async def listed() -> list[str]:
+        found = await asyncio.to_thread(management_api.connections, name)
+        return [c["client_properties"]["connection_name"] for c in found]
+
+    await eventually(listed, what="the connection in the management API")  # listed late
+    assert await listed() == [name]
+    for queue in queues:
+        await transport.publish_fast("", queue, b"before")
+    await eventually(lambda: all(got[q] == [b"before"] for q in queues), what="both queues")
+
+    assert await asyncio.to_thread(management_api.close_connections, name) == 1
+    await transport.publish_fast("", queues[0], b"lost?")  # may be delivered to nobody
+
+    async def consuming_again() -> bool:
+        for queue in queues:
+            await transport.publish_fast("", queue, b"after")
+        await asyncio.sleep(0.2)
+        return all(b"after" in got[q] for q in queues)
+
+    await eventually(consuming_again, timeout_s=20, what="both queues consumed again")
+
+
+async def test_a_raw_consumer_of_a_missing_queue_is_a_clear_error(
+    transport_factory: Any, namespace: str
+) -> None:
+    transport: AmqpTransport = await transport_factory(suffix="lean-missing")
+    with pytest.raises(TopologyMissing, match="no-such-queue"):
+        await transport.consume_raw(f"{namespace}.no-such-queue", lambda body, _: None)
+    # The connection is still good for the next consumer.
+    transport_queue = f"{namespace}.raw-after-missing"
+    await transport.declare(Declarations(queues=(QueueSpec(transport_queue, durable=False),)))
+    got: list[bytes] = []
+    await transport.consume_raw(transport_queue, lambda body, _: got.append(body))
+    await transport.publish_fast("", transport_queue, b"x")
+    await eventually(lambda: got == [b"x"], what="the delivery")
+
+
+async def test_a_raw_consumer_whose_queue_is_deleted_resumes_once_it_is_declared_again(
+    transport_factory: Any, namespace: str
+) -> None:
+    transport: AmqpTransport = await transport_factory(suffix="lean-deleted")
+    queue = f"{namespace}.raw-deleted"
+    spec = Declarations(queues=(QueueSpec(queue, durable=False),))
+    await transport.declare(spec)
+    got: list[bytes] = []
+    await transport.consume_raw(queue, lambda body, _: got.append(body))
+    other = f"{namespace}.raw-kept"
+    await transport.declare(Declarations(queues=(QueueSpec(other, durable=False),)))
+    kept: list[bytes] = []
+    await transport.consume_raw(other, lambda body, _: kept.append(body))
+
+    await transport.delete_queue(queue)
+    await transport.publish_fast("", other, b"still")  # the other consumer is untouched
+    await eventually(lambda: kept == [b"still"], what="the other queue's delivery")
+    await transport.declare(spec)
+
+    async def consumed_again() -> bool:
+        await transport.publish_fast("", queue, b"again")
+        await asyncio.sleep(0.3)
+        return b"again" in got
+
+    await eventually(consumed_again, timeout_s=20, what="the queue consumed again")
