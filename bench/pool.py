@@ -30,13 +30,17 @@ B) Heartbeat ingestion through the real broker. Heartbeats are the manager's bus
    question is how much the manager's path (``AmqpTransport.consume_raw`` into a
    ``HeartbeatSink``: decode, validate, feed the core) costs on top of the AMQP client itself.
    The baseline is the fastest consumer the client library offers: ``basic_consume`` with
-   ``no_ack=True`` on a plain aiormq channel whose callback only counts. aio-pika's
-   high-level consumer that only counts is an extra row, no target. One pass of publishes
+   ``no_ack=True`` on a plain aiormq channel whose callback only counts. Ours does not use
+   aiormq for this path: ``consume_raw`` consumes on a connection that parses frames in place
+   (``mesh.transport.lean``), so two extra rows, no target, say where the gain comes from:
+   that connection with a callback that only counts (the client ours is built on: ours less
+   this is the sink's decoding, validation and core), and aio-pika's high-level consumer that
+   only counts. One pass of publishes
    (1,000 registered agents, increasing ``seq`` per agent, so each heartbeat is a real update)
    fills one dedicated queue per round, all bound to the heartbeat exchange, so every round
    drains a byte-identical batch. The queues have no TTL and no length limit, so nothing is
    dropped while they wait. Rounds alternate ABBA between the raw consumer and ours (the
-   extra row takes either end), each path on its own connection, five rounds each (three with
+   extra rows take the ends), each path on its own connection, five rounds each (three with
    ``--quick``). A round's rate is N over the wall time from consume start to the N-th
    message; the medians are compared. Each "ours" round gets a freshly registered core, so no
    heartbeat is stale. The client's CPU time per message is printed too: on a shared machine
@@ -726,6 +730,18 @@ class Bench:
         await channel.close()
         return elapsed
 
+    async def consume_lean(self, queue_name: str, count: int) -> Round:
+        """An extra row, no target: the consume-only connection ours is built on
+        (:mod:`mesh.transport.lean`), whose batch callback only counts — what the sink's
+        decoding, validation and core cost on top of the client is ours less this."""
+        counted = CountOnly(count)
+        stopwatch = Stopwatch()
+        consumer = await self.ours.consume_raw(queue_name, counted)
+        await asyncio.wait_for(counted.done.wait(), timeout=120)
+        elapsed = stopwatch.stop()
+        await consumer.cancel()
+        return elapsed
+
     async def consume_ours(self, queue_name: str, count: int) -> Round:
         core = build_core(heartbeat_fleet())
         commands: list[Command] = []
@@ -741,6 +757,22 @@ class Bench:
             f"not every heartbeat was a real update: {sink.counters}, {core.counters}"
         )
         return elapsed
+
+
+class CountOnly:
+    """A raw batch callback that only counts."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.received = count, 0
+        self.done = asyncio.Event()
+
+    def __call__(self, body: bytes, user_id: str | None, /) -> None:
+        self.ingest_many([(body, user_id)])
+
+    def ingest_many(self, bodies: list[tuple[bytes, str | None]], /) -> None:
+        self.received += len(bodies)
+        if self.received >= self.count:
+            self.done.set()
 
 
 class CountingSink:
@@ -796,6 +828,7 @@ PATHS = {
     "raw": "raw aiormq, count only",
     "ours": "consume_raw + sink",
     "aio-pika": "aio-pika, count only",
+    "lean": "consume_raw, count only",
 }
 
 
@@ -812,14 +845,19 @@ async def ingest_rounds(bench: Bench, count: int, rounds: int) -> dict[str, list
         "raw": bench.consume_raw_aiormq,
         "ours": bench.consume_ours,
         "aio-pika": bench.consume_aio_pika,
+        "lean": bench.consume_lean,
     }
     queues = iter(bench.queues)
     try:
         await bench.declare()
         await bench.fill(heartbeat_bodies(count))
         for n in range(1, rounds + 1):
-            # raw and ours alternate ABBA against drift; the extra row takes either end
-            order = ("raw", "ours", "aio-pika") if n % 2 else ("aio-pika", "ours", "raw")
+            # raw and ours alternate ABBA against drift; the extra rows take either end
+            order = (
+                ("lean", "raw", "ours", "aio-pika")
+                if n % 2
+                else ("aio-pika", "ours", "raw", "lean")
+            )
             for path in order:
                 result = await consume[path](next(queues), count)
                 results[path].append(result)

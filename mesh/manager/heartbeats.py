@@ -6,9 +6,9 @@ core, done. A bad heartbeat is counted and dropped (dead-lettering every
 garbage heartbeat would let one broken agent flood the dead-letter queue).
 
 The transport hands the sink a batch at a time (``ingest_many``: every
-heartbeat that arrived within one turn of the event loop), so the sink reads
-the clock and updates its counters once per batch and runs its work in one
-tight loop rather than interleaved with the AMQP client's frame handling.
+heartbeat that arrived in one read from the socket, on the consume-only
+connection of :mod:`mesh.transport.lean`), so the sink reads the clock and
+updates its counters once per batch and runs its work in one tight loop.
 Sharding the queue by agent-ID hash across several consumers stays possible
 later without changing the core.
 """
