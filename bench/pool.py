@@ -820,7 +820,7 @@ async def run_part_b(url: str, count: int, rounds: int, report: Report) -> bool:
         connections.push_async_callback(pika.close)
         bench = Bench(admin, ours, raw, pika, queues=len(PATHS) * rounds)
         rounds_by_path = await ingest_rounds(bench, count, rounds)
-    report.targets.append(ingestion_target(rounds_by_path, count, report))
+    report.targets.extend(ingestion_targets(rounds_by_path, count, report))
     return True
 
 
@@ -871,7 +871,7 @@ async def ingest_rounds(bench: Bench, count: int, rounds: int) -> dict[str, list
     return results
 
 
-def ingestion_target(results: dict[str, list[Round]], count: int, report: Report) -> Target:
+def ingestion_targets(results: dict[str, list[Round]], count: int, report: Report) -> list[Target]:
     rate = {
         path: statistics.median(r.rate(count) for r in rounds) for path, rounds in results.items()
     }
@@ -900,16 +900,31 @@ def ingestion_target(results: dict[str, list[Round]], count: int, report: Report
             rounds=[r.rate(count) for r in results[path]],
         )
     ratio = rate["ours"] / rate["raw"]
-    return Target(
-        "heartbeat_ingestion_ratio",
-        ratio >= TARGET_INGEST_RATIO,
-        f"heartbeat ingestion runs at {ratio:.2f}x the raw aiormq count-only rate "
-        f"(target ≥ {TARGET_INGEST_RATIO:g}x)",
-        value=rate["ours"],
-        baseline=rate["raw"],
-        ratio=ratio,
-        bound=f">= {TARGET_INGEST_RATIO:g}",
-    )
+    own = rate["ours"] / rate["lean"]
+    return [
+        Target(
+            "heartbeat_ingestion_ratio",
+            ratio >= TARGET_INGEST_RATIO,
+            f"heartbeat ingestion runs at {ratio:.2f}x the raw aiormq count-only rate "
+            f"(target ≥ {TARGET_INGEST_RATIO:g}x)",
+            value=rate["ours"],
+            baseline=rate["raw"],
+            ratio=ratio,
+            bound=f">= {TARGET_INGEST_RATIO:g}",
+        ),
+        # Ours beats aiormq because it does not use it here: against the client it is
+        # built on, tuned alike, the same bound says what the manager's own work costs.
+        Target(
+            "heartbeat_ingestion_vs_own_client",
+            own >= TARGET_INGEST_RATIO,
+            f"heartbeat ingestion runs at {own:.2f}x the rate of its own consume-only "
+            f"connection counting only (target ≥ {TARGET_INGEST_RATIO:g}x)",
+            value=rate["ours"],
+            baseline=rate["lean"],
+            ratio=own,
+            bound=f">= {TARGET_INGEST_RATIO:g}",
+        ),
+    ]
 
 
 # ---- main -----------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ agents of the shards it owns, but any manager admits a task for any pool. So eac
 every ``interval_s``:
 
 1. **reads** every pool's row, and admits with one :class:`~mesh.core.capacity.LiveCapacity`
-   merged from its own registry (the pools it owns) and the rows (every other pool);
+   merged from its own registry (the pools it owns) and the rows (every other pool) — only
+   when a write was signalled since the last read (every write does ``pg_notify``; each
+   manager listens on a thread of its own), a shard was taken, or ``refresh_s`` passed;
 2. **writes** the live figures of the pools of every shard it holds, if they changed since it
    last wrote them: a row per pool in the shared ``live_offer`` table (versions, cost classes,
    live agents, free concurrency, the scale planner's retry hint) and the ledger's
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -76,6 +79,14 @@ class SharedLive:
         self._merged: tuple[LiveCapacity, int, frozenset[int], LiveCapacity] | None = None
         self._versions = 0
         self._task: asyncio.Task[None] | None = None
+        # Started (start()): the rows are read again only when a write was signalled
+        # (PostgreSQL's LISTEN/NOTIFY, on a thread of its own), a shard was taken since the
+        # last read, or ``refresh_s`` passed — an idle namespace costs no reads. Stepped by
+        # hand (tests), every step reads.
+        self.refresh_s = 10.0
+        self._changed = True  # set from the listening thread: a plain store, no wake-up
+        self._listening: threading.Thread | None = None
+        self._stop_listening = threading.Event()
 
     # ---- what admission decides with -------------------------------------------------------
     def view(self) -> LiveCapacity:
@@ -125,7 +136,8 @@ class SharedLive:
         (read first: a shard just taken is judged against its previous owner's rows). A
         database error is logged and counted; the next step tries again."""
         try:
-            await self._read()
+            if self._read_due():
+                await self._read()
             await self._write()
         except StoreError as exc:
             self.counters["live_share_errors"] += 1
@@ -168,9 +180,24 @@ class SharedLive:
         for shard in [s for s in self._written if s not in held]:
             del self._written[shard]
 
+    def _read_due(self) -> bool:
+        if self._listening is None or self._changed:
+            return True
+        taken = max(self.shards.taken_at.values(), default=float("-inf"))
+        return taken > self._read_since or time.monotonic() - self._read_since >= self.refresh_s
+
+    def _signalled(self) -> None:
+        self._changed = True
+
     async def _read(self) -> None:
         asked_at = time.monotonic()
-        rows = await self._run(self.shards.leases.read_live)
+        self._changed = False  # a write signalled from now on is read at the next step
+        try:
+            rows = await self._run(self.shards.leases.read_live)
+        except BaseException:
+            self._changed = True
+            raise
+        self.counters["live_reads"] += 1
         self._read_since = asked_at
         if rows != self.shared:
             self.shared = rows
@@ -179,6 +206,14 @@ class SharedLive:
     def start(self) -> None:
         """Step every ``interval_s`` in the background until :meth:`stop`."""
         if self._task is None:
+            self._stop_listening.clear()
+            self._listening = threading.Thread(
+                target=self.shards.leases.listen_live,
+                args=(self._stop_listening, self._signalled),
+                name="live-share-listen",
+                daemon=True,
+            )
+            self._listening.start()
             self._task = asyncio.create_task(self._forever(), name="live-share")
 
     async def _forever(self) -> None:
@@ -191,6 +226,10 @@ class SharedLive:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._listening is not None:
+            self._stop_listening.set()
+            await asyncio.to_thread(self._listening.join, 5.0)
+            self._listening = None
 
 
 def _agents_by_pool(live: LiveCapacity) -> Counter[str]:

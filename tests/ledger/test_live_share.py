@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import psycopg
 import pytest
+from integration.harness import eventually
 
 from mesh.core.capacity import LiveCapacity, LiveOffer
 from mesh.core.shards import shard_of
@@ -153,3 +154,27 @@ async def test_a_new_owner_takes_over_the_figures_after_the_handover_time(
     assert m2.free() == 0 and POOL not in m2.shards.leases.read_live()
     await m1.live.step()
     assert m1.free() == 0  # m1 reads what m2 wrote, since it lost the shard
+
+
+async def test_a_manager_reads_the_rows_again_only_when_a_write_was_signalled(
+    make_manager: Callable[..., Manager],
+) -> None:
+    m1 = make_manager("m1")
+    await m1.shards.step()  # alone: it takes both shards
+    m1.shards.start()  # and keeps them (m2 takes no part in ownership here)
+    m1.own = registry(3)
+    m2 = make_manager("m2")
+    for manager in (m1, m2):
+        manager.live.start()
+    try:
+        await eventually(lambda: m2.free() == 12, what="m1's figure at m2")
+        await asyncio.sleep(0.5)  # the last signalled write read
+        reads = m2.counters["live_reads"]
+        await asyncio.sleep(1.0)  # ten steps with nothing written
+        assert m2.counters["live_reads"] == reads
+        m1.own = registry(1)  # m1 writes, PostgreSQL signals, m2 reads
+        await eventually(lambda: m2.free() == 4, timeout_s=3.0, what="the new figure at m2")
+        assert m2.counters["live_reads"] > reads
+    finally:
+        for manager in (m1, m2):
+            await manager.live.stop()
