@@ -408,15 +408,18 @@ class Fleet:
 
     async def _beat_forever(self, step_s: float = 0.05) -> None:
         """Every agent beats once per interval, spread evenly: each step sends the share of
-        the fleet due since the last step, round robin, so an agent's beats are one interval
-        apart whatever the fleet's size. How late a step ran (the loop busy elsewhere) is
-        kept in ``beat_lag_s``: the fleet's own share of any lateness."""
+        the fleet due since the last step, walking the fleet in order with a cursor, so an
+        agent's beats are one interval apart whatever the fleet's size (agents accepted
+        meanwhile join the end of the walk; a position taken as a counter modulo the fleet's
+        size would jump as the fleet grows and skip agents — at 300 new agents a second over
+        40,000 it left the oldest silent past the loss window). How late a step ran (the loop
+        busy elsewhere) is kept in ``beat_lag_s``: the fleet's own share of any lateness."""
         assert self._fast is not None
         channel, exchange = self._fast, self.topology.heartbeat_exchange
         properties = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
         last = time.monotonic()
         credit = 0.0
-        turn = 0
+        cursor = 0
         while True:
             await asyncio.sleep(step_s)
             now = time.monotonic()
@@ -427,8 +430,10 @@ class Fleet:
             sent_at = time.time()
             while credit >= 1 and agents:
                 credit -= 1
-                agent = agents[turn % len(agents)]
-                turn += 1
+                if cursor >= len(agents):
+                    cursor = 0
+                agent = agents[cursor]
+                cursor += 1
                 agent.seq += 1
                 key = names.heartbeat_key(agent.agent_id, agent.shard if self.sharded else None)
                 await channel.basic_publish(
@@ -805,7 +810,8 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     quick = args.quick
     agents = args.agents or (5_000 if quick else 30_000)
     warm_s, window_s = (11.0, 12.0) if quick else (12.0, 30.0)
-    step = args.step or (5_000 if quick else 10_000)
+    step = args.step or (5_000 if quick else 20_000)
+    ramp_rate = args.ramp_rate or (300.0 if quick else 1_000.0)
     hold_s = 35.0  # past the loss window (3 x 10 s), with a margin
     budget_s = 100.0 if quick else 420.0
     why_not_pg = postgres_unreachable(args.postgres_dsn)
@@ -834,14 +840,14 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             print()
             print(
                 f"   the largest fleet one manager holds at a {INTERVAL_S:g} s heartbeat, "
-                f"+{step:,} agents a step registered at {args.ramp_rate:g}/s, each held "
+                f"+{step:,} agents a step registered at {ramp_rate:g}/s, each held "
                 f"{hold_s:g} s"
             )
             print(
                 f"   {'agents':>8}  {'reg/s':>10}  {'hb/s':>10}  {'CPU':>8}  {'lost':>6}  "
                 f"{'lag s':>7}  {'status s':>8}  {'bytes':>8}  {'page s':>8}  {'answer s':>8}"
             )
-            steps = await ramp(fleet, manager, step, args.ramp_rate, hold_s, budget_s)
+            steps = await ramp(fleet, manager, step, ramp_rate, hold_s, budget_s)
         finally:
             await fleet.close()
             await manager.stop()
@@ -941,9 +947,13 @@ def main() -> int:
         "--postgres-dsn", default=os.environ.get("MESH_TEST_POSTGRES_DSN", DEFAULT_PG_DSN)
     )
     parser.add_argument("--agents", type=int, help="the fleet of both configurations")
-    parser.add_argument("--step", type=int, help="agents added per step of the ramp")
     parser.add_argument(
-        "--ramp-rate", type=float, default=300.0, help="registrations/s during the ramp"
+        "--step", type=int, help="agents added per step of the ramp (default 20,000; 5,000 quick)"
+    )
+    parser.add_argument(
+        "--ramp-rate",
+        type=float,
+        help="registrations/s during the ramp (default 1,000; 300 with --quick)",
     )
     add_json_argument(parser)
     args = parser.parse_args()
