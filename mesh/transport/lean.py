@@ -410,13 +410,34 @@ class LeanConnection:
             self._wire.abort()
 
     async def restored(self, timeout_s: float) -> bool:
-        """Reconnect now if disconnected, and wait (at most ``timeout_s``) until consuming
-        again: whether it is."""
+        """Reconnect now if disconnected, wait (at most ``timeout_s``) until connected, and
+        consume at once every queue that could not be consumed yet (after a broker restart
+        this connection may be back before the other one declared the queues again):
+        whether it is connected."""
         self._wake.set()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._up.wait()
-        return self._up.is_set()
+        if not self._up.is_set():
+            return False
+        async with self._lock:
+            wire = self._wire
+            for consumer in [c for c, channel in self._consumers.items() if channel is None]:
+                if wire is not None:
+                    await self._try_subscribe(wire, consumer)
+        return True
+
+    async def _try_subscribe(self, wire: _Wire, consumer: LeanConsumer) -> None:
+        """Subscribe (under the lock); a queue that cannot be consumed now is tried again
+        every reconnect interval."""
+        try:
+            await self._subscribe(wire, consumer)
+        except (TransportError, *_CONNECTION_LOST) as exc:
+            log.warning(
+                "a queue cannot be consumed yet; trying again",
+                extra={"queue": consumer.queue_name, "error": str(exc)},
+            )
+            self._retry_soon(consumer)
 
     async def close(self) -> None:
         self._closing = True
@@ -477,9 +498,12 @@ class LeanConnection:
         for consumer, on in self._consumers.items():
             if on == channel:
                 self._consumers[consumer] = None
-                task = asyncio.create_task(self._retry(consumer))
-                self._retries.add(task)
-                task.add_done_callback(self._retries.discard)
+                self._retry_soon(consumer)
+
+    def _retry_soon(self, consumer: LeanConsumer) -> None:
+        task = asyncio.create_task(self._retry(consumer))
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
 
     async def _retry(self, consumer: LeanConsumer) -> None:
         while not self._closing and consumer in self._consumers:
@@ -526,11 +550,12 @@ class LeanConnection:
             for consumer in list(self._consumers):
                 try:
                     await self._subscribe(wire, consumer)
-                except TransportError as exc:  # this queue only (deleted?): retried alone
+                except TransportError as exc:  # this queue only (not declared again yet?)
                     log.warning(
-                        "a queue cannot be consumed yet",
+                        "a queue cannot be consumed yet; trying again",
                         extra={"queue": consumer.queue_name, "error": str(exc)},
                     )
+                    self._retry_soon(consumer)
                 except _CONNECTION_LOST:
                     wire.abort()
                     return False
