@@ -366,7 +366,6 @@ class LeanConnection:
         self._lock = asyncio.Lock()  # one channel opened or closed at a time
         self._up = asyncio.Event()  # connected, every queue consumed that can be
         self._wake = asyncio.Event()  # try to reconnect now, not at the next interval
-        self.connections = 0  # made so far (1 + reconnections)
 
     async def consume(self, queue: str, callback: RawCallback) -> LeanConsumer:
         """Consume ``queue`` (no ack). The first call connects (``TransportError`` if the
@@ -454,10 +453,6 @@ class LeanConnection:
                     await asyncio.shield(wire.lost)
             wire.abort()
 
-    @property
-    def callback_errors(self) -> int:
-        return 0 if self._wire is None else self._wire.callback_errors
-
     # ---- the connection's life --------------------------------------------------------------
     async def _open(self) -> _Wire:
         loop = asyncio.get_running_loop()
@@ -475,7 +470,6 @@ class LeanConnection:
             except BaseException:
                 wire.abort()
                 raise
-        self.connections += 1
         return wire
 
     async def _subscribe(self, wire: _Wire, consumer: LeanConsumer) -> None:
