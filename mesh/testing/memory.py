@@ -1072,6 +1072,17 @@ class InMemoryTransport:
         await asyncio.sleep(0)
         return InMemoryConsumer(broker, consumer)
 
+    async def consume_acked(
+        self, queue: str, on_deliveries: Callable[[list[Delivery]], None], *, prefetch: int
+    ) -> InMemoryConsumer:
+        """Each delivery handed to ``on_deliveries`` alone, to be settled later; at most
+        ``prefetch`` unsettled."""
+
+        async def hand_on(delivery: Delivery) -> None:
+            on_deliveries([delivery])
+
+        return await self.consume(queue, hand_on, prefetch=prefetch)
+
     def _redeclare_own(self, name: str) -> None:
         # AmqpTransport declares a queue it knows the spec of again before consuming it.
         spec = self._queue_specs.get(name)

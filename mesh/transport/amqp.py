@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -55,7 +56,7 @@ from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-e
 from mesh.transport.delivery import Delivery as Delivery  # re-exported
 from mesh.transport.delivery import Handler, Settlement
 from mesh.transport.frames import publish_frames, typed_properties
-from mesh.transport.lean import LeanConnection, LeanConsumer
+from mesh.transport.lean import DeliveriesCallback, LeanConnection, LeanConsumer
 from mesh.transport.lean import RawBatch as RawBatch  # re-exported
 from mesh.transport.lean import RawBatchCallback as RawBatchCallback  # re-exported
 from mesh.transport.lean import RawCallback as RawCallback  # re-exported
@@ -280,6 +281,10 @@ class AmqpTransport:
         self._watchdog: asyncio.Task[None] | None = None
         self.probes_unanswered = 0
         self._lean: LeanConnection | None = None  # heartbeats' consume-only connection
+        # Message IDs of batch publishes: unique (a random prefix per transport, a counter),
+        # without a uuid4 (an os.urandom call) per message.
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._ids = itertools.count(1)
         connection.reconnect_callbacks.add(self._reconnected)
         connection.close_callbacks.add(self._dropped)
 
@@ -672,9 +677,8 @@ class AmqpTransport:
                 outcomes[index] = TransportError(f"publish to {where} failed: {answer!r}")
         return outcomes
 
-    @staticmethod
     async def _put_confirmed(
-        channel: aiormq.Channel, exchange: str, messages: Sequence[tuple[str, Message]]
+        self, channel: aiormq.Channel, exchange: str, messages: Sequence[tuple[str, Message]]
     ) -> list[asyncio.Future[Any]]:
         """Under the channel's lock: a delivery tag and a confirm future per message, then
         every message's frames in one write (``Channel.basic_publish``'s bookkeeping)."""
@@ -683,7 +687,7 @@ class AmqpTransport:
         async with channel.lock:
             first = channel.delivery_tag + 1
             try:
-                await AmqpTransport._write_confirmed(channel, exchange, messages, frames, confirms)
+                await self._write_confirmed(channel, exchange, messages, frames, confirms)
             except BaseException:
                 # The broker has seen none of them: give their tags back, as aiormq does (the
                 # broker numbers what it receives; a tag skipped here would shift every later
@@ -696,8 +700,8 @@ class AmqpTransport:
                 raise
         return confirms
 
-    @staticmethod
     async def _write_confirmed(
+        self,
         channel: aiormq.Channel,
         exchange: str,
         messages: Sequence[tuple[str, Message]],
@@ -705,7 +709,7 @@ class AmqpTransport:
         confirms: list[asyncio.Future[Any]],
     ) -> None:
         for routing_key, message in messages:
-            message_id = uuid.uuid4().hex
+            message_id = f"{self._id_prefix}{next(self._ids):x}"
             channel.delivery_tag += 1
             tag = channel.delivery_tag
             confirm = channel.create_future()
@@ -826,9 +830,24 @@ class AmqpTransport:
         On a consume-only connection of its own (:mod:`mesh.transport.lean`), opened on
         first use; it reconnects and consumes again by itself, and is dropped and restored
         with this transport's connection (before the ``on_reconnect`` callbacks run)."""
+        return await self._consume_only().consume(queue, callback)
+
+    async def consume_acked(
+        self, queue: str, on_deliveries: DeliveriesCallback, *, prefetch: int
+    ) -> LeanConsumer:
+        """Consume ``queue`` with acks, at most ``prefetch`` deliveries unsettled, on the
+        consume-only connection (:mod:`mesh.transport.lean`): the deliveries of each read
+        from the socket go to ``on_deliveries`` (synchronous: it hands them on), each
+        settled later with ``ack``/``reject``. For a busy queue whose messages are handled in
+        batches (announcements while a fleet registers): without aiormq's task, lock and
+        frame objects per message, and with every ack of one loop turn in one write.
+        Cancelling stops deliveries at once; its channel closes once all are settled."""
+        return await self._consume_only().consume_acked(queue, on_deliveries, prefetch=prefetch)
+
+    def _consume_only(self) -> LeanConnection:
         if self._lean is None:
             self._lean = LeanConnection(self.url, name=f"{self.name}:consume")
-        return await self._lean.consume(queue, callback)
+        return self._lean
 
     async def dead_letter(
         self,

@@ -1,4 +1,4 @@
-"""A consume-only AMQP 0-9-1 connection for superseded messages (heartbeats).
+"""A consume-only AMQP 0-9-1 connection: heartbeats without acks, announcements acked.
 
 Why. aiormq handles every frame as an object: three ``readexactly`` calls and an
 ``asyncio.Lock`` per frame, a pamqp object for each of the three frames of a message, two
@@ -10,12 +10,25 @@ message that arrived in one read goes to the callback as one batch.
 
 What it does, and no more: connect (TCP or TLS, PLAIN login, the vhost of the URL), negotiate
 the AMQP heartbeat (the URL's ``heartbeat``, else 60 s, as aiormq), open one channel per
-consumer and ``basic.consume`` with ``no_ack``; reconnect and consume again after any loss.
-It never publishes and never acks. Control frames (the handshake, channel open and close,
-consume-ok, the broker's close) are marshalled and parsed by pamqp, as aiormq does; only the
-frames of a delivery (``basic.deliver``, the content header, the body) are read by hand, and
-of the header only the body size and the ``user_id`` property (which RabbitMQ validates:
-``tests/unit/test_lean.py`` checks the reading against pamqp's marshalling).
+consumer and ``basic.consume``; reconnect and consume again after any loss. It never
+publishes. Control frames (the handshake, channel open and close, qos, consume and cancel,
+the broker's close) are marshalled and parsed by pamqp, as aiormq does; only the frames of a
+delivery (``basic.deliver``, the content header, the body) are read by hand.
+
+Two ways to consume:
+
+* **No ack** (:meth:`LeanConnection.consume`, heartbeats): of the header only the body size
+  and the ``user_id`` property (which RabbitMQ validates) are read, and the callback gets
+  ``(body, user_id)`` pairs.
+* **Acked** (:meth:`LeanConnection.consume_acked`, announcements: thousands a second while a
+  fleet registers): with a prefetch, each delivery handed over as a :class:`Delivery` whose
+  ``ack``/``reject`` queue a frame; every settlement asked for in one turn of the event loop
+  goes out in one write. A settlement on a connection or channel gone since is dropped (the
+  broker requeued the message). Cancelling stops deliveries at once and closes the channel
+  once everything it delivered is settled.
+
+``tests/unit/test_lean.py`` checks the reading of deliveries and properties against pamqp's
+marshalling.
 
 TLS takes aiormq's URL options: ``cafile``, ``capath``, ``keyfile``, ``certfile``,
 ``no_verify_ssl=1``.
@@ -30,15 +43,17 @@ import ssl
 import struct
 import time
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pamqp.commands as spec
+import pamqp.decode
 import pamqp.frame
 from pamqp.base import Frame
 from pamqp.common import FieldTable
 
 from mesh.errors import TopologyMissing, TransportError
+from mesh.transport.delivery import Delivery
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +62,11 @@ RawCallback = Callable[[bytes, str | None], None]
 
 RawBatch = list[tuple[bytes, str | None]]
 """Raw deliveries in arrival order: (body, validated ``user_id``) pairs."""
+
+
+DeliveriesCallback = Callable[[list[Delivery]], None]
+"""An acked consumer's callback: the deliveries that arrived in one read, in order. It must
+not block: it hands them on (a queue, a task) and each is settled later."""
 
 
 @runtime_checkable
@@ -67,6 +87,9 @@ _FRAME_END = 0xCE
 _DELIVER = b"\x00\x3c\x00\x3c"  # basic (60) . deliver (60)
 _HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 _USER_ID = 0x0010
+_SHORT = struct.Struct(">B")
+_TAG = struct.Struct(">QB")  # delivery tag, redelivered
+_ACK = struct.Struct(">BHIHHQBB")  # a whole basic.ack frame: header, method, tag, bits, end
 _CONTROL_TIMEOUT_S = 10.0
 _NOT_FOUND = 404
 _CLOSE_CHANNEL = spec.Channel.Close(reply_code=200, reply_text="done", class_id=0, method_id=0)
@@ -97,19 +120,119 @@ def user_id_of(header: bytes | bytearray | memoryview, offset: int = 12) -> str 
     return bytes(header[at + 1 : at + 1 + size]).decode()
 
 
+class Properties:
+    """The properties of a delivery the manager reads (``headers``, ``correlation_id``,
+    ``reply_to``, ``message_id``, ``user_id``), from a content header payload."""
+
+    __slots__ = ("correlation_id", "headers", "message_id", "reply_to", "user_id")
+
+    def __init__(self, header: bytes | bytearray | memoryview, offset: int = 12) -> None:
+        flags = int.from_bytes(header[offset : offset + 2], "big")
+        at = offset + 2
+        self.headers: dict[str, Any] = {}
+        self.correlation_id = self.reply_to = self.message_id = self.user_id = None
+        for bit in (0x8000, 0x4000):  # content-type, content-encoding: shortstr
+            if flags & bit:
+                at += 1 + header[at]
+        if flags & 0x2000:  # headers: a table, its size first
+            size = 4 + int.from_bytes(header[at : at + 4], "big")
+            _, self.headers = pamqp.decode.field_table(bytes(header[at : at + size]))
+            at += size
+        at += bool(flags & 0x1000) + bool(flags & 0x0800)  # delivery-mode, priority: octets
+        self.correlation_id, at = _shortstr_if(header, at, flags & 0x0400)
+        self.reply_to, at = _shortstr_if(header, at, flags & 0x0200)
+        if flags & 0x0100:  # expiration
+            at += 1 + header[at]
+        self.message_id, at = _shortstr_if(header, at, flags & 0x0080)
+        if flags & 0x0040:  # timestamp
+            at += 8
+        if flags & 0x0020:  # type
+            at += 1 + header[at]
+        self.user_id, at = _shortstr_if(header, at, flags & _USER_ID)
+
+
+def _shortstr_if(data: bytes | bytearray | memoryview, at: int, present: int) -> tuple[Any, int]:
+    if not present:
+        return None, at
+    size = data[at]
+    return bytes(data[at + 1 : at + 1 + size]).decode(), at + 1 + size
+
+
+def deliver_fields(
+    method: bytes | bytearray | memoryview, offset: int = 4
+) -> tuple[int, bool, str, str]:
+    """``basic.deliver``'s delivery tag, redelivered flag, exchange and routing key, from its
+    method payload (``offset``: after class and method IDs)."""
+    at = offset + 1 + method[offset]  # the consumer tag
+    tag, redelivered = _TAG.unpack_from(method, at)
+    at += 9
+    exchange, at = _shortstr_if(method, at, 1)
+    routing_key, _ = _shortstr_if(method, at, 1)
+    return tag, bool(redelivered & 1), exchange, routing_key
+
+
 class _Consuming:
     """One consumer's channel and what is being assembled on it."""
 
-    __slots__ = ("batch", "body", "callback", "channel", "have", "size", "user_id")
+    __slots__ = (
+        "batch",
+        "body",
+        "callback",
+        "cancelled",
+        "channel",
+        "consumer_tag",
+        "deliver",
+        "deliveries",
+        "have",
+        "header",
+        "on_deliveries",
+        "size",
+        "unsettled",
+        "user_id",
+    )
 
-    def __init__(self, channel: int, callback: RawCallback) -> None:
+    def __init__(
+        self,
+        channel: int,
+        callback: RawCallback | None,
+        on_deliveries: DeliveriesCallback | None = None,
+    ) -> None:
         self.channel = channel
         self.callback = callback
+        self.on_deliveries = on_deliveries  # set: an acked consumer
         self.size = -1  # the body size of the delivery under way; -1: none
         self.have = 0
         self.body: list[bytes] = []
         self.user_id: str | None = None
         self.batch: RawBatch = []
+        self.deliver = b""  # acked: the delivery under way's method and header payloads
+        self.header = b""
+        self.deliveries: list[Delivery] = []
+        self.unsettled = 0  # acked: delivered, not settled yet
+        self.cancelled = False  # acked: cancelled, its channel closed once all are settled
+        self.consumer_tag = ""
+
+
+def _deliver(consuming: _Consuming | None, buffer: bytearray, at: int, end: int) -> None:
+    """A ``basic.deliver`` frame: an acked consumer keeps it for the delivery tag (without
+    acks, one queue per channel: nothing in it is needed)."""
+    if consuming is not None and consuming.on_deliveries is not None:
+        consuming.deliver = bytes(buffer[at + 7 : end])
+
+
+class _Settle:
+    """Ack or reject one delivery of an acked consumer (see :meth:`_Wire.settle`)."""
+
+    __slots__ = ("_consuming", "_tag", "_wire")
+
+    def __init__(self, wire: _Wire, consuming: _Consuming, tag: int) -> None:
+        self._wire, self._consuming, self._tag = wire, consuming, tag
+
+    async def ack(self) -> None:
+        self._wire.settle(self._consuming, self._tag, None)
+
+    async def reject(self, requeue: bool = False) -> None:
+        self._wire.settle(self._consuming, self._tag, requeue)
 
 
 class _Wire(asyncio.Protocol):
@@ -137,6 +260,8 @@ class _Wire(asyncio.Protocol):
         self.in_use: set[int] = set()  # channels open or closing
         self._waiting: dict[int, tuple[tuple[type[Frame], ...], asyncio.Future[Frame]]] = {}
         self.callback_errors = 0
+        self._settling: list[bytes] = []  # ack and reject frames to write this loop turn
+        self.on_drained: Callable[[_Consuming], None] | None = None
 
     # ---- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -174,13 +299,10 @@ class _Wire(asyncio.Protocol):
                     if self._body(consuming, bytes(buffer[at + 7 : end])):
                         touched.append(consuming)
                 elif kind == _HEADER and consuming is not None:
-                    consuming.size = _BODY_SIZE.unpack_from(buffer, at + 11)[0]
-                    consuming.have = 0
-                    consuming.user_id = user_id_of(buffer, at + 19)
-                    if consuming.size == 0 and self._body(consuming, b""):
+                    if self._header(consuming, buffer, at, end):
                         touched.append(consuming)
                 elif kind == _METHOD and buffer[at + 7 : at + 11] == _DELIVER:
-                    pass  # no ack and one queue per channel: nothing in it is needed
+                    _deliver(consuming, buffer, at, end)
                 elif kind == _METHOD:
                     self._method(channel, bytes(buffer[at : end + 1]))
                 at = end + 1
@@ -193,8 +315,18 @@ class _Wire(asyncio.Protocol):
                 self._hand_over(consuming)
 
     # ---- deliveries -------------------------------------------------------------------------
-    @staticmethod
-    def _body(consuming: _Consuming, chunk: bytes) -> bool:
+    def _header(self, consuming: _Consuming, buffer: bytearray, at: int, end: int) -> bool:
+        """A content header frame (at ``at``): the body size, and the user (no ack) or the
+        whole header for later (acked); True if the delivery is whole (an empty body)."""
+        consuming.size = _BODY_SIZE.unpack_from(buffer, at + 11)[0]
+        consuming.have = 0
+        if consuming.on_deliveries is None:
+            consuming.user_id = user_id_of(buffer, at + 19)
+        else:
+            consuming.header = bytes(buffer[at + 7 : end])
+        return consuming.size == 0 and self._body(consuming, b"")
+
+    def _body(self, consuming: _Consuming, chunk: bytes) -> bool:
         """Add a body frame; True once the delivery's body is whole (queued for the batch)."""
         consuming.have += len(chunk)
         if consuming.have < consuming.size:
@@ -204,13 +336,64 @@ class _Wire(asyncio.Protocol):
             consuming.body.append(chunk)
             chunk = b"".join(consuming.body)
             consuming.body = []
-        consuming.batch.append((chunk, consuming.user_id))
+        if consuming.on_deliveries is None:
+            consuming.batch.append((chunk, consuming.user_id))
+        else:
+            consuming.deliveries.append(self._delivery(consuming, chunk))
         consuming.size = -1
         return True
 
+    def _delivery(self, consuming: _Consuming, body: bytes) -> Delivery:
+        tag, redelivered, exchange, routing_key = deliver_fields(consuming.deliver)
+        props = Properties(consuming.header)
+        consuming.unsettled += 1
+        return Delivery(
+            body=body,
+            routing_key=routing_key,
+            exchange=exchange,
+            headers=props.headers,
+            reply_to=props.reply_to,
+            correlation_id=props.correlation_id,
+            message_id=props.message_id,
+            user_id=props.user_id,
+            redelivered=redelivered,
+            _raw=_Settle(self, consuming, tag),
+        )
+
+    def settle(self, consuming: _Consuming, tag: int, requeue: bool | None) -> None:
+        """Queue an ack (``requeue`` None) or a reject of ``tag``; what one loop turn queues
+        goes out in one write. Dropped when the channel or connection is gone: the broker
+        has requeued the message."""
+        if self.consumers.get(consuming.channel) is not consuming or self.lost.done():
+            return
+        if requeue is None:
+            frame = _ACK.pack(_METHOD, consuming.channel, 13, 60, 80, tag, 0, _FRAME_END)
+        else:
+            frame = pamqp.frame.marshal(spec.Basic.Reject(tag, requeue), consuming.channel)
+        if not self._settling:
+            asyncio.get_running_loop().call_soon(self._flush_settled)
+        self._settling.append(frame)
+        consuming.unsettled -= 1
+        if consuming.cancelled and consuming.unsettled <= 0 and self.on_drained is not None:
+            self.on_drained(consuming)
+
+    def _flush_settled(self) -> None:
+        frames, self._settling = self._settling, []
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(frames))
+
     def _hand_over(self, consuming: _Consuming) -> None:
+        if consuming.on_deliveries is not None:
+            deliveries, consuming.deliveries = consuming.deliveries, []
+            try:
+                consuming.on_deliveries(deliveries)
+            except Exception:  # not settled: redelivered after the channel closes
+                self.callback_errors += 1
+                log.exception("an acked consumer's callback failed")
+            return
         batch, consuming.batch = consuming.batch, []
         callback = consuming.callback
+        assert callback is not None
         try:
             if isinstance(callback, RawBatchCallback):
                 callback.ingest_many(batch)
@@ -323,11 +506,21 @@ def _channel_closed(frame: spec.Channel.Close) -> TransportError:
 
 
 class LeanConsumer:
-    """A queue consumed on a :class:`LeanConnection` until :meth:`cancel`."""
+    """A queue consumed on a :class:`LeanConnection` until :meth:`cancel`: without acks
+    (``callback``), or acked (``on_deliveries``, with a ``prefetch``)."""
 
-    def __init__(self, connection: LeanConnection, queue: str, callback: RawCallback) -> None:
+    def __init__(
+        self,
+        connection: LeanConnection,
+        queue: str,
+        callback: RawCallback | None,
+        on_deliveries: DeliveriesCallback | None = None,
+        prefetch: int = 0,
+    ) -> None:
         self.queue_name = queue
         self.callback = callback
+        self.on_deliveries = on_deliveries
+        self.prefetch = prefetch
         self.cancelled = False
         self._connection = connection
 
@@ -371,7 +564,20 @@ class LeanConnection:
         """Consume ``queue`` (no ack). The first call connects (``TransportError`` if the
         broker cannot be reached); later ones, while the connection is being restored, are
         consumed once it is. ``TopologyMissing`` if the queue does not exist."""
-        consumer = LeanConsumer(self, queue, callback)
+        return await self._consume(LeanConsumer(self, queue, callback))
+
+    async def consume_acked(
+        self, queue: str, on_deliveries: DeliveriesCallback, *, prefetch: int
+    ) -> LeanConsumer:
+        """Consume ``queue`` with acks and at most ``prefetch`` deliveries unsettled: each
+        read's deliveries go to ``on_deliveries`` (see the module doc); otherwise as
+        :meth:`consume`."""
+        if prefetch < 1:
+            raise ValueError(f"an acked consumer needs a prefetch of at least 1, not {prefetch}")
+        return await self._consume(LeanConsumer(self, queue, None, on_deliveries, prefetch))
+
+    async def _consume(self, consumer: LeanConsumer) -> LeanConsumer:
+        queue = consumer.queue_name
         async with self._lock:
             if self._keeper is None:
                 try:
@@ -397,7 +603,33 @@ class LeanConnection:
         wire = self._wire
         if channel is None or wire is None:
             return
+        consuming = wire.consumers.get(channel)
+        if consuming is not None and consuming.on_deliveries is not None:
+            # Acked: no more deliveries from now on; the channel stays open until what it
+            # delivered is settled (closing it would requeue those: handled twice).
+            consuming.cancelled = True
+            consuming.deliveries = []
+            async with self._lock:
+                with contextlib.suppress(TransportError, *_CONNECTION_LOST):
+                    cancel = spec.Basic.Cancel(consuming.consumer_tag)
+                    await wire.call(channel, cancel, spec.Basic.CancelOk)
+            if consuming.unsettled <= 0:
+                self._drained(consuming)
+            return
         wire.consumers.pop(channel, None)  # nothing more is handed to it
+        await self._close_channel(wire, channel)
+
+    def _drained(self, consuming: _Consuming) -> None:
+        """A cancelled acked consumer has settled all it was given: close its channel."""
+        wire = self._wire
+        if wire is None or wire.consumers.get(consuming.channel) is not consuming:
+            return
+        del wire.consumers[consuming.channel]
+        task = asyncio.create_task(self._close_channel(wire, consuming.channel))
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
+
+    async def _close_channel(self, wire: _Wire, channel: int) -> None:
         async with self._lock:
             with contextlib.suppress(TransportError, *_CONNECTION_LOST):
                 await wire.call(channel, _CLOSE_CHANNEL, spec.Channel.CloseOk)
@@ -465,6 +697,7 @@ class LeanConnection:
                 self._port,
                 ssl=context,
             )
+            wire.on_drained = self._drained
             try:
                 await wire.opened
             except BaseException:
@@ -477,10 +710,17 @@ class LeanConnection:
         channel = wire.free_channel()
         wire.in_use.add(channel)
         await wire.call(channel, spec.Channel.Open(), spec.Channel.OpenOk)
-        wire.consumers[channel] = _Consuming(channel, consumer.callback)
+        acked = consumer.on_deliveries is not None
+        wire.consumers[channel] = _Consuming(channel, consumer.callback, consumer.on_deliveries)
         try:
-            consume = spec.Basic.Consume(queue=consumer.queue_name, no_ack=True)
-            await wire.call(channel, consume, spec.Basic.ConsumeOk)
+            if acked:
+                await wire.call(
+                    channel, spec.Basic.Qos(prefetch_count=consumer.prefetch), spec.Basic.QosOk
+                )
+            consume = spec.Basic.Consume(queue=consumer.queue_name, no_ack=not acked)
+            ok = await wire.call(channel, consume, spec.Basic.ConsumeOk)
+            assert isinstance(ok, spec.Basic.ConsumeOk)
+            wire.consumers[channel].consumer_tag = ok.consumer_tag or ""
         except BaseException:
             wire.consumers.pop(channel, None)
             raise

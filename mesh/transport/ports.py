@@ -98,6 +98,13 @@ class ManagerTransport(Transport, Protocol):
         """``callback(body, user_id)``: ``user_id`` as the broker validated it (or None)."""
         ...
 
+    async def consume_acked(
+        self, queue: str, on_deliveries: Callable[[list[Delivery]], None], *, prefetch: int
+    ) -> Subscription:
+        """``on_deliveries(deliveries)``: those that arrived together, in order, to be settled
+        later (at most ``prefetch`` unsettled); it must not block."""
+        ...
+
     def on_disconnect(self, callback: Callable[[], None]) -> None: ...
 
     async def declare_reply_queue(self, name: str) -> str:

@@ -1,6 +1,7 @@
-"""The raw (no-ack) consumer on the real broker: a callback with ``ingest_many`` gets what
-arrived in one read from the socket as one batch, in order; a plain callback gets each
-delivery as it comes."""
+"""The consume-only connection on the real broker. Raw (no ack): a callback with
+``ingest_many`` gets what arrived in one read from the socket as one batch, in order; a plain
+callback gets each delivery as it comes. Acked: at most the prefetch unsettled, a rejected
+delivery comes again, a cancelled consumer's deliveries are still settled."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from mesh.errors import TopologyMissing
 from mesh.topology import Declarations, QueueSpec
 from mesh.transport.amqp import AmqpTransport, RawBatch, RawBatchCallback
+from mesh.transport.delivery import Delivery
 
 from .harness import eventually
 
@@ -153,3 +155,62 @@ async def test_a_raw_consumer_whose_queue_is_deleted_resumes_once_it_is_declared
         return b"again" in got
 
     await eventually(consumed_again, timeout_s=20, what="the queue consumed again")
+
+
+# ---- acked consumers (announcements) --------------------------------------------------------
+
+
+async def test_an_acked_consumer_holds_at_most_its_prefetch_and_gets_more_as_it_acks(
+    transport_factory: Any, namespace: str
+) -> None:
+    transport, queue = await backlog(transport_factory, namespace, "acked")
+    got: list[Delivery] = []
+    await transport.consume_acked(queue, got.extend, prefetch=50)
+    await eventually(lambda: len(got) == 50, what="a prefetch's worth")
+    await asyncio.sleep(0.3)
+    assert len(got) == 50  # nothing past the prefetch while none is settled
+    assert [d.body for d in got] == [b"%d" % n for n in range(50)]
+    assert not any(d.redelivered for d in got)
+    for delivery in got:
+        await delivery.ack()
+    await eventually(lambda: len(got) == 100, what="the next prefetch's worth")
+    while len(got) < BACKLOG:
+        for delivery in got[-50:]:
+            await delivery.ack()
+        wanted = min(len(got) + 50, BACKLOG)
+        await eventually(lambda: len(got) >= wanted, what="more")  # noqa: B023 - awaited here
+    for delivery in got[-50:]:
+        await delivery.ack()
+    assert [d.body for d in got] == [b"%d" % n for n in range(BACKLOG)]
+
+    async def acked() -> bool:
+        return await transport.queue_depth(queue) == 0
+
+    await eventually(acked, what="the queue empty once all are acked")
+
+
+async def test_an_acked_consumer_gets_a_rejected_delivery_again_and_a_cancelled_one_settles(
+    transport_factory: Any, namespace: str
+) -> None:
+    transport, queue = await backlog(transport_factory, namespace, "acked-reject")
+    got: list[Delivery] = []
+    consumer = await transport.consume_acked(queue, got.extend, prefetch=10)
+    await eventually(lambda: len(got) == 10, what="a prefetch's worth")
+    first = got[0]
+    await first.reject(requeue=True)
+    await eventually(lambda: any(d.redelivered for d in got), what="the rejected one again")
+    again = next(d for d in got if d.redelivered)
+    assert again.body == first.body and again.routing_key == queue and again.exchange == ""
+    # Cancelled with deliveries unsettled: nothing more comes, and those it holds are still
+    # settled on its channel (acked, not requeued to be handled twice).
+    await consumer.cancel()
+    held = [d for d in got if d is not first]
+    for delivery in held:
+        await delivery.ack()
+    await asyncio.sleep(0.5)
+    assert len(got) == 11
+
+    async def settled() -> bool:
+        return await transport.queue_depth(queue) == BACKLOG - len(held)
+
+    await eventually(settled, what="the cancelled consumer's acks kept")

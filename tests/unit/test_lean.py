@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
-from mesh.transport.lean import RawBatch, _Consuming, _Wire, user_id_of
+from mesh.transport.lean import (
+    Properties,
+    RawBatch,
+    _Consuming,
+    _Wire,
+    deliver_fields,
+    user_id_of,
+)
 
 shortstr = st.text(max_size=30).filter(lambda t: 0 < len(t.encode()) <= 255)
 
@@ -99,3 +106,36 @@ def test_deliveries_split_anywhere_come_back_whole_and_in_order(
     batches = asyncio.run(read())
     assert [m for batch in batches for m in batch] == messages
     assert all(batches)  # no empty batch is handed over
+
+
+@given(properties_st)
+def test_the_properties_an_acked_consumer_reads_are_pamqps(
+    properties: aiormq.spec.Basic.Properties,
+) -> None:
+    payload = ContentHeader(properties=properties, body_size=3).marshal()
+    got = Properties(payload)
+    assert got.headers == (properties.headers or {})
+    assert got.correlation_id == properties.correlation_id
+    assert got.reply_to == properties.reply_to
+    assert got.message_id == properties.message_id
+    assert got.user_id == properties.user_id
+
+
+@given(
+    st.text(max_size=40).filter(lambda t: len(t.encode()) <= 255),
+    st.integers(1, 2**63 - 1),  # what pamqp writes (the broker counts from 1 per channel)
+    st.booleans(),
+    st.from_regex(r"[a-zA-Z0-9_.:-]{0,40}", fullmatch=True),  # pamqp's rule for exchange names
+    st.text(max_size=60).filter(lambda t: len(t.encode()) <= 255),
+)
+def test_the_delivery_tag_and_route_are_read_from_basic_deliver(
+    consumer_tag: str, tag: int, redelivered: bool, exchange: str, routing_key: str
+) -> None:
+    method = aiormq.spec.Basic.Deliver(consumer_tag, tag, redelivered, exchange, routing_key)
+    payload = method.marshal()
+    assert deliver_fields(b"\x00\x3c\x00\x3c" + payload) == (
+        tag,
+        redelivered,
+        exchange,
+        routing_key,
+    )
