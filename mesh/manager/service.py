@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -77,7 +77,6 @@ from mesh.errors import (
 from mesh.ledger.store import LedgerStore
 from mesh.manager.admission import Admitter, ExternalGrantor
 from mesh.manager.admission_service import AdmissionService
-from mesh.manager.batching import GroupCommit
 from mesh.manager.clock import Clock, SystemClock
 from mesh.manager.heartbeats import HeartbeatSink
 from mesh.manager.journal import Journal, SqliteJournal
@@ -191,12 +190,12 @@ class ManagerService:
         self._consumers: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        # Announcements (registrations above all) that arrived together — in one loop turn,
-        # or while the batch before was being handled — handled as one batch: one journal
-        # commit, their answers and events published together.
-        self._announcements: GroupCommit[tuple[Delivery, str], None] = GroupCommit(
-            self._announce_batch, max_batch=settings.announce_batch
-        )
+        # Announcements (registrations above all) that arrived together — in one read from
+        # the socket, or while the batch before was being handled — handled as one batch (at
+        # most ``announce_batch``): one journal commit, their answers and events published
+        # together. Each is kept with the queue it came from.
+        self._announcements: deque[tuple[Delivery, str]] = deque()
+        self._announcing: asyncio.Task[None] | None = None
         self._started_at = self.clock.now().mono
         self.shards: ShardOwnership | None = None  # with settings.shard_count
         self.shared_live: SharedLive | None = None  # with shards and live admission capacity
@@ -305,8 +304,8 @@ class ManagerService:
         await self._feed(Tick())
         t = self.topology
         self._consumers = [
-            await self.transport.consume(
-                t.announce_queue, self._on_announce, prefetch=2 * s.announce_batch
+            await self.transport.consume_acked(
+                t.announce_queue, self._announced(t.announce_queue), prefetch=2 * s.announce_batch
             ),
             await self.transport.consume(t.rpc_queue, self._on_rpc, prefetch=s.prefetch),
             await self.transport.consume_raw(t.heartbeat_queue, self.heartbeats),
@@ -400,14 +399,13 @@ class ManagerService:
 
         rpc = t.shard_rpc_queue(shard)
 
-        async def on_announce(delivery: Delivery) -> None:
-            await self._announcements.submit((delivery, announce))
-
         async def on_rpc(delivery: Delivery) -> None:
             await self._guarded(delivery, rpc, self._handle_rpc)
 
         self._shard_consumers[shard] = [
-            await self.transport.consume(announce, on_announce, prefetch=2 * s.announce_batch),
+            await self.transport.consume_acked(
+                announce, self._announced(announce), prefetch=2 * s.announce_batch
+            ),
             await self.transport.consume_raw(
                 t.shard_heartbeat_queue(shard), _ShardHeartbeats(self)
             ),
@@ -463,7 +461,8 @@ class ManagerService:
         for consumer in self._consumers:
             await consumer.cancel()
         self._consumers = []
-        await self._announcements.close()  # what was taken is handled, kept and acked
+        if self._announcing is not None:  # what was taken is handled, kept and acked
+            await asyncio.gather(self._announcing, return_exceptions=True)
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -554,8 +553,25 @@ class ManagerService:
                 return
 
     # ---- inputs ---------------------------------------------------------------------------
-    async def _on_announce(self, delivery: Delivery) -> None:
-        await self._announcements.submit((delivery, self.topology.announce_queue))
+    def _announced(self, queue: str) -> Callable[[list[Delivery]], None]:
+        """What takes ``queue``'s deliveries (those of one read from the socket): queued to
+        be handled a batch at a time (at most ``announce_batch``), in order."""
+
+        def take(deliveries: list[Delivery]) -> None:
+            self._announcements.extend((delivery, queue) for delivery in deliveries)
+            if self._announcing is None or self._announcing.done():
+                self._announcing = asyncio.create_task(self._announce_all(), name="announce")
+
+        return take
+
+    async def _announce_all(self) -> None:
+        pending, size = self._announcements, self.settings.announce_batch
+        while pending:
+            batch = [pending.popleft() for _ in range(min(size, len(pending)))]
+            try:
+                await self._settle_announcements(batch)
+            except Exception:  # pragma: no cover - it settles everything itself
+                log.exception("bug while handling announcements")
 
     async def _on_rpc(self, delivery: Delivery) -> None:
         await self._guarded(delivery, self.topology.rpc_queue, self._handle_rpc)
@@ -574,7 +590,7 @@ class ManagerService:
             self.counters["shard_checks_before_acting"] += 1
             await self.shards.step()
 
-    async def _announce_batch(self, items: list[tuple[Delivery, str]]) -> list[None]:
+    async def _settle_announcements(self, items: list[tuple[Delivery, str]]) -> None:
         """Announcements that arrived together, each handled as it would be alone, in
         order: decoded, its sender checked, fed to the core (or answered, forwarded or
         dead-lettered on its own). What the core returns for all of them is carried out
@@ -583,10 +599,6 @@ class ManagerService:
         after what it changed is kept. A transport failure hands the batch's deliveries back
         to be redelivered (the core's handling is idempotent); a bug rejects them. Never
         raises: every delivery is settled here."""
-        await self._settle_announcements(items)
-        return [None] * len(items)
-
-    async def _settle_announcements(self, items: list[tuple[Delivery, str]]) -> None:
         self.counters["announce_batches"] += 1  # received.* over this: the mean batch
         await self._shards_checked()  # a paused manager learns what it lost first
         fed: list[tuple[Sequence[Command], Delivery]] = []
