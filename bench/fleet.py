@@ -64,12 +64,13 @@ import orjson
 from report import Report, Target, add_json_argument, broker_unreachable, postgres_unreachable
 
 from mesh import constants as c
-from mesh.errors import RequestTimeout
+from mesh.errors import RequestTimeout, TransportError
 from mesh.producer import MeshClient
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import AmqpTransport, redact
-from mesh.wire.codec import decode, decode_as
+from mesh.transport.amqp import AmqpTransport, RawBatch, redact
+from mesh.wire.codec import decode_as
+from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import AgentRegistration, Heartbeat, RegistrationAccepted, ReRegisterRequest
 
 DEFAULT_PG_DSN = "postgresql://postgres@127.0.0.1:5432/mesh_test"
@@ -243,7 +244,10 @@ class FleetCounts:
 
 
 class Fleet:
-    """Simulated agents on one raw aiormq connection."""
+    """Simulated agents: registrations on a raw aiormq connection (publisher confirms, as an
+    agent's); heartbeats and the answers to the agents on the project's transport, in
+    batches — a simulator of thousands of agents in one process on the manager's machine
+    must leave the CPU to the manager and the broker (an agent is one process elsewhere)."""
 
     def __init__(self, url: str, topology: Topology, sharded: bool) -> None:
         self.url = url
@@ -261,7 +265,8 @@ class Fleet:
         self._beating: asyncio.Task[None] | None = None
         self._connection: aiormq.abc.AbstractConnection | None = None
         self._confirming: aiormq.abc.AbstractChannel | None = None
-        self._fast: aiormq.abc.AbstractChannel | None = None
+        self._transport: AmqpTransport | None = None  # heartbeats out, answers in
+        self._inbox = f"bench-fleet-inbox-{uuid.uuid4().hex[:8]}"
         self._background: set[asyncio.Task[Any]] = set()
         self._tag = uuid.uuid4().hex[:6]
 
@@ -270,18 +275,22 @@ class Fleet:
             self.url, client_properties={"connection_name": "bench-fleet"}
         )
         self._confirming = await self._connection.channel(publisher_confirms=True)
-        self._fast = await self._connection.channel(publisher_confirms=False)
         inbox = await self._connection.channel()
         t = self.topology
-        ok = await inbox.queue_declare(exclusive=True, auto_delete=True)
-        assert ok.queue is not None
-        await inbox.queue_bind(ok.queue, t.agents_exchange, routing_key="#")
-        await inbox.queue_bind(ok.queue, t.events_exchange, routing_key=f"{c.RK_LOG}.*.lost")
-        await inbox.basic_consume(ok.queue, self._on_inbox, no_ack=True)
+        await inbox.queue_declare(self._inbox, auto_delete=True)
+        await inbox.queue_bind(self._inbox, t.agents_exchange, routing_key="#")
+        await inbox.queue_bind(self._inbox, t.events_exchange, routing_key=f"{c.RK_LOG}.*.lost")
+        self._transport = await AmqpTransport.connect(self.url, name="bench-fleet-beats")
+        await self._transport.consume_raw(self._inbox, _Inbox(self))
 
     async def close(self) -> None:
         await self.stop_heartbeats()
+        if self._transport is not None:
+            await self._transport.close()
         if self._connection is not None:
+            with contextlib.suppress(aiormq.exceptions.AMQPError):
+                channel = await self._connection.channel()
+                await channel.queue_delete(self._inbox)
             await self._connection.close()
 
     def grow(self, count: int) -> list[SimAgent]:
@@ -357,17 +366,16 @@ class Fleet:
                 await asyncio.wait_for(self.accepted_event.wait(), min(remaining, 1.0))
         return True
 
-    async def _on_inbox(self, message: aiormq.abc.DeliveredMessage) -> None:
-        routing_key = message.routing_key or ""
-        if routing_key.startswith(f"{c.RK_LOG}."):
-            self.counts.lost.add(routing_key.split(".")[1])
-            return
-        answer = decode(message.body)
-        if isinstance(answer, RegistrationAccepted):
-            agent = self.by_id.get(answer.agent_id)
-            if agent is None or agent.incarnation != answer.incarnation:
+    def on_answer(self, answer: dict[str, Any]) -> None:
+        """An answer to an agent, or a ``lost`` orchestration event (JSON, as sent)."""
+        kind = answer.get("type")
+        if kind == OrchestrationEvent.TYPE:
+            self.counts.lost.add(answer.get("agent_id") or "-")
+        elif kind == RegistrationAccepted.TYPE:
+            agent = self.by_id.get(answer["agent_id"])
+            if agent is None or agent.incarnation != answer["incarnation"]:
                 return
-            agent.shard = answer.shard
+            agent.shard = answer.get("shard")
             if not agent.accepted:
                 agent.accepted = True
                 self.live.append(agent)
@@ -377,14 +385,14 @@ class Fleet:
                     self.first_accepted_at = self.last_accepted_at
                 if self.counts.accepted >= self.wanted:
                     self.accepted_event.set()
-        elif isinstance(answer, ReRegisterRequest):
-            agent = self.by_id.get(answer.agent_id)
+        elif kind == ReRegisterRequest.TYPE:
+            agent = self.by_id.get(answer["agent_id"])
             self.counts.reregister_asked += 1
             if agent is not None:
                 task = asyncio.create_task(self._register_again(agent))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
-        elif answer.type == "mesh.registration-refused.v1":
+        elif kind == "mesh.registration-refused.v1":
             self.counts.refused += 1
         else:
             self.counts.other += 1
@@ -414,9 +422,8 @@ class Fleet:
         size would jump as the fleet grows and skip agents — at 300 new agents a second over
         40,000 it left the oldest silent past the loss window). How late a step ran (the loop
         busy elsewhere) is kept in ``beat_lag_s``: the fleet's own share of any lateness."""
-        assert self._fast is not None
-        channel, exchange = self._fast, self.topology.heartbeat_exchange
-        properties = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
+        assert self._transport is not None
+        transport, exchange = self._transport, self.topology.heartbeat_exchange
         last = time.monotonic()
         credit = 0.0
         cursor = 0
@@ -428,6 +435,7 @@ class Fleet:
             credit += (now - last) * len(agents) / INTERVAL_S
             last = now
             sent_at = time.time()
+            beats = []
             while credit >= 1 and agents:
                 credit -= 1
                 if cursor >= len(agents):
@@ -436,13 +444,24 @@ class Fleet:
                 cursor += 1
                 agent.seq += 1
                 key = names.heartbeat_key(agent.agent_id, agent.shard if self.sharded else None)
-                await channel.basic_publish(
-                    heartbeat_body(agent, sent_at),
-                    exchange=exchange,
-                    routing_key=key,
-                    properties=properties,
-                    wait=False,  # handed to the writer: one loop turn per beat would lag
-                )
+                beats.append((key, heartbeat_body(agent, sent_at)))
+            with contextlib.suppress(TransportError):  # the manager notices the silence
+                await transport.publish_fast_many(exchange, beats)  # one write for the step
+
+
+class _Inbox:
+    """The fleet's answers, as the consume-only connection hands them over (a read's worth
+    at a time)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+
+    def __call__(self, body: bytes, user_id: str | None, /) -> None:
+        self._fleet.on_answer(orjson.loads(body))
+
+    def ingest_many(self, bodies: RawBatch, /) -> None:
+        for body, _ in bodies:
+            self._fleet.on_answer(orjson.loads(body))
 
 
 # ---- one configuration ---------------------------------------------------------------------------
