@@ -40,7 +40,9 @@ closed) acks nothing, and the broker redelivers the task.
 No credentials, no work. A task runs only if it carries an admission ``grant`` (checked
 below) or, on the agent's own queue, a ``lease_id`` the manager told this agent of
 (``LeaseNotice``, sent before the producer gets the lease; a task that races ahead of its
-notice waits up to ``lease_notice_wait_s`` for it). Anything else — no credentials, a lease
+notice waits up to ``lease_notice_wait_s`` for it, asking the manager — ``LeaseStateRequest``
+— when it is late: a notice published while the control queue was being declared again after
+a broker restart is lost). Anything else — no credentials, a lease
 issued to another agent or already ended, a task on the pool queue without a grant — is
 answered ``NOT_AUTHORIZED`` (so its producer does not wait), dead-lettered with that reason,
 counted (``tasks_without_credentials``) and never run. ``open_tasks`` lifts this for a mesh
@@ -149,6 +151,7 @@ from mesh.wire.models import (
     DrainRequest,
     ErrorInfo,
     LeaseNotice,
+    LeaseStateRequest,
     Message,
     Refusal,
     RegistrationAccepted,
@@ -191,6 +194,12 @@ _SETTLED = (
     "answered, or its producer gave up on it"
 )
 _WORK_REPORT_DELAY_S = 0.02  # pool-work changes within this are one report
+# A task under a lease we were not told of: the notice is usually a moment behind the task;
+# after this long the manager is asked (LeaseStateRequest), and again as often until the wait
+# ends (the question or its answer may be lost too, e.g. just after a broker restart).
+_LEASE_ASK_AFTER_S = 0.25
+_LEASE_ASK_EVERY_S = 0.5
+_ENDED_LEASES_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +252,10 @@ class AgentSettings:
     a mesh without admission and leases (development). Off: such tasks are refused
     ``NOT_AUTHORIZED`` and dead-lettered (see the module doc; docs/security.md)."""
     lease_notice_wait_s: float = 2.0
-    """How long a lease-path task waits for the manager's notice of its lease (it is sent
-    before the producer gets the lease, so only a reordering makes one wait)."""
+    """How long a lease-path task waits for the manager's word on its lease: the notice (sent
+    before the producer gets the lease, so only a reordering makes one wait) or, from 0.25 s
+    on, its answer to a ``LeaseStateRequest`` (a notice lost, e.g. just after a broker
+    restart)."""
 
 
 def backoff_delay(
@@ -329,6 +340,9 @@ class AgentRuntime:
         self._starting: asyncio.Task[Any] | None = None
         self._http: AgentHttpServer | None = None
         self._issued: dict[str, float] = {}  # lease ID -> loop time it ends (LeaseNotice)
+        # lease IDs the manager said ended (the most recent _ENDED_LEASES_KEPT): a task of one
+        # is refused at once, not after waiting for a notice that will not come
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._lease_noticed = asyncio.Event()  # pulsed on every lease notice
         # admission ID -> the asyncio task running its handler (to stop it if evicted)
         self._running: dict[str, asyncio.Task[Any]] = {}
@@ -865,6 +879,9 @@ class AgentRuntime:
         now = asyncio.get_running_loop().time()
         if notice.ended:
             self._issued.pop(notice.lease_id, None)
+            self._ended[notice.lease_id] = None
+            if len(self._ended) > _ENDED_LEASES_KEPT:
+                self._ended.popitem(last=False)
         else:
             self._issued[notice.lease_id] = now + notice.expires_in_s
         for lease_id in [k for k, until in self._issued.items() if until <= now]:
@@ -881,23 +898,55 @@ class AgentRuntime:
             return "a task of the pool queue without a grant"
         if task.lease_id is None:
             return "the task carries neither a grant nor a lease"
-        if await self._lease_known(task.lease_id):
+        if await self._lease_known(task.lease_id, task.capability):
             return None
         return f"lease {task.lease_id!r} was not issued to {self.agent_id}, or has ended"
 
-    async def _lease_known(self, lease_id: str) -> bool:
+    async def _lease_known(self, lease_id: str, capability: str) -> bool:
+        """Whether the manager issued ``lease_id`` to this agent and it has not ended, by its
+        notice — or, when the notice is late or lost (sent while our control queue was being
+        declared again after a broker restart), by the manager's answer to a
+        ``LeaseStateRequest`` (the notice again, or that the lease ended). Waits at most
+        ``lease_notice_wait_s``; no word by then: not known."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.lease_notice_wait_s
+        started = loop.time()
+        deadline = started + self.settings.lease_notice_wait_s
+        ask_at = started + _LEASE_ASK_AFTER_S
         while True:
+            now = loop.time()
             until = self._issued.get(lease_id)
-            if until is not None and until > loop.time():
+            if until is not None and until > now:
                 return True
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+            if lease_id in self._ended or now >= deadline:
                 return False
+            if now >= ask_at:
+                ask_at = now + _LEASE_ASK_EVERY_S
+                self._spawn(self._ask_lease_state(lease_id, capability), "lease-state")
+                continue
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(min(deadline, ask_at) - now):
                     await self._lease_noticed.wait()
+
+    async def _ask_lease_state(self, lease_id: str, capability: str) -> None:
+        """Ask the manager about a lease we were not told of (answered with a LeaseNotice on
+        our control queue); a question that cannot be published is asked again later."""
+        self.counters["lease_state_asked"] += 1
+        request = LeaseStateRequest(
+            agent_id=self.agent_id,
+            incarnation=self._incarnation,
+            lease_id=lease_id,
+            capability=capability,
+        )
+        try:
+            await self.transport.publish(
+                self.topology.announce_exchange,
+                names.agent_announce_key(self.agent_id, "standing", self._shard),
+                request,
+                timeout_s=self.settings.publish_timeout_s,
+                user_id=self._user_id,
+            )
+        except TransportError as exc:
+            log.info("could not ask about a lease", extra=self._extra(error=str(exc)))
 
     async def _refuse_without_credentials(
         self, delivery: Delivery, task: Task, problem: str, from_pool: bool, extra: dict[str, Any]

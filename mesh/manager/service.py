@@ -113,6 +113,8 @@ from mesh.wire.models import (
     FindReply,
     FindRequest,
     LeaseGranted,
+    LeaseNotice,
+    LeaseStateRequest,
     Message,
     PoolStates,
     Refusal,
@@ -142,6 +144,7 @@ _ANNOUNCE_TYPES = (
     DrainRequest,
     StandingRequest,
     AdmissionStateRequest,
+    LeaseStateRequest,
 )
 _RPC_TYPES = (
     FindRequest,
@@ -664,7 +667,7 @@ class ManagerService:
             event, claimed = DeregistrationReceived(message), message.agent_id
         elif isinstance(message, DrainRequest):
             event, claimed = DrainRequested(message.agent_id, message.reason), message.agent_id
-        elif isinstance(message, StandingRequest | AdmissionStateRequest):
+        elif isinstance(message, StandingRequest | AdmissionStateRequest | LeaseStateRequest):
             claimed = message.agent_id
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
@@ -686,6 +689,9 @@ class ManagerService:
             return None
         if isinstance(message, AdmissionStateRequest):
             await self._send_to_agent(message.agent_id, await self._admission_state(message))
+            return None
+        if isinstance(message, LeaseStateRequest):
+            await self._send_to_agent(message.agent_id, self._lease_state(message))
             return None
         if isinstance(message, AgentRegistration) and not self.admission.understands_epochs(
             message
@@ -782,6 +788,35 @@ class ManagerService:
             registered=True,
             state=agent.state.value,
             registered_for_s=max(0.0, self.clock.now().mono - agent.registered_at),
+        )
+
+    def _lease_state(self, request: LeaseStateRequest) -> LeaseNotice:
+        """The notice of ``request.lease_id`` again, if it is a live lease on the asking
+        incarnation; otherwise that it ended (nothing is told of other agents' leases)."""
+        agent = self.core.agents.get(request.agent_id)
+        lease = self.core.leases.get(request.lease_id)
+        remaining = 0.0 if lease is None else lease.expires_at - self.clock.now().mono
+        live = (
+            agent is not None
+            and agent.incarnation == request.incarnation
+            and lease is not None
+            and lease.agent_id == request.agent_id
+            and remaining > 0
+        )
+        self.counters[f"lease_state.{'live' if live else 'ended'}"] += 1
+        if not live or lease is None:
+            return LeaseNotice(
+                agent_id=request.agent_id,
+                lease_id=request.lease_id,
+                capability=request.capability,
+                expires_in_s=0.0,
+                ended=True,
+            )
+        return LeaseNotice(
+            agent_id=request.agent_id,
+            lease_id=request.lease_id,
+            capability=lease.capability,
+            expires_in_s=remaining,
         )
 
     async def _admission_state(self, request: AdmissionStateRequest) -> AdmissionState:

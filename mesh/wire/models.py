@@ -325,6 +325,26 @@ class AdmissionState(Message):
     fence: int | None = Field(default=None, ge=0)
 
 
+class LeaseStateRequest(Message):
+    """Agent -> manager (``agent.<id>.standing`` on the announce exchange: a question about
+    the agent's own standing, like :class:`StandingRequest`; answered on its control queue): a
+    task came on the agent's own queue under a lease it was not told of. Its notice may be late
+    or lost (sent while the control queue was being declared again after a broker restart):
+    was ``lease_id`` issued to this incarnation, and has it not ended? The answer is a
+    :class:`LeaseNotice` for that lease — ``ended`` when it is unknown, another agent's, or
+    the asking incarnation is not registered."""
+
+    TYPE = "mesh.lease-state-request.v1"
+    type: Literal["mesh.lease-state-request.v1"] = "mesh.lease-state-request.v1"
+    agent_id: AgentId
+    incarnation: Identifier
+    lease_id: Identifier
+    capability: CapabilityName = Field(
+        description="The capability the task asks for: named in the answer when the lease "
+        "is unknown to the manager."
+    )
+
+
 class ReRegisterRequest(Message):
     """Manager -> agent: I do not know you (I restarted, or you were declared lost)."""
 
@@ -741,6 +761,7 @@ CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (
     Standing,
     AdmissionStateRequest,
     AdmissionState,
+    LeaseStateRequest,
     DrainNotice,
     DrainComplete,
     LeaseNotice,

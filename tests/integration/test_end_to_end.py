@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from mesh.errors import TaskInputInvalid
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
+from mesh.wire import Lease, LeaseNotice
 
 from .harness import eventually, manager_settings, start_manager
 
@@ -65,6 +67,50 @@ async def test_a_payload_that_violates_the_input_schema_is_a_typed_error_for_the
     assert "expression" in caught.value.message
     # The slot was released: the next good task runs.
     assert (await client.run_task("math.evaluate", {"expression": "1+1"})).output["value"] == 2
+
+
+async def test_a_task_whose_lease_notice_was_lost_asks_the_manager_and_runs(
+    manager: ManagerService, client: MeshClient, start_agent: RuntimeFactory
+) -> None:
+    """A lease notice lost on its way (published while the agent's control queue was being
+    declared again after a broker restart, as CI saw): the task, on the agent's own queue
+    under a lease it was not told of, asks the manager, which tells it again — and it runs
+    (it used to be refused NOT_AUTHORIZED after the wait)."""
+    runtime = await start_agent("calc", "calc-deaf", open_tasks=False)
+    told = runtime._on_lease_notice
+    lost: list[LeaseNotice] = []
+
+    def losing_notices_until_it_asks(notice: LeaseNotice) -> None:
+        if runtime.counters["lease_state_asked"] == 0:
+            lost.append(notice)  # as if never delivered
+        else:
+            told(notice)
+
+    runtime._on_lease_notice = losing_notices_until_it_asks  # type: ignore[method-assign]
+
+    outcome = await client.run_task("math.evaluate", {"expression": "6 * 7"})
+
+    assert outcome.output["value"] == 42
+    assert [n.lease_id for n in lost] == [outcome.lease.lease_id]
+    assert runtime.counters["tasks_without_credentials"] == 0
+    assert manager.counters["lease_state.live"] >= 1
+
+
+async def test_a_task_under_a_lease_that_ended_is_refused_when_the_manager_says_so(
+    manager: ManagerService, client: MeshClient, start_agent: RuntimeFactory
+) -> None:
+    runtime = await start_agent("calc", "calc-strict-lease", open_tasks=False)
+    lease = await client.acquire("math.evaluate")
+    assert isinstance(lease, Lease)
+    await client.release(lease.lease_id)
+    await eventually(lambda: lease.lease_id in runtime._ended, what="the end notice")
+    runtime._ended.clear()  # the end notice forgotten: only the manager's answer is left
+
+    asked = runtime.counters["lease_state_asked"]
+    result = await client._send_and_wait(lease, {"expression": "1+1"}, time.time() + 10)
+    assert result.error is not None and result.error.code == "NOT_AUTHORIZED"
+    assert runtime.counters["lease_state_asked"] > asked
+    assert manager.counters["lease_state.ended"] >= 1
 
 
 async def test_draining_an_agent_with_tasks_in_flight_loses_none_of_them(

@@ -39,6 +39,7 @@ from mesh.wire import (
     DrainRequest,
     Heartbeat,
     LeaseNotice,
+    LeaseStateRequest,
     Message,
     Reason,
     RegistrationAccepted,
@@ -1310,6 +1311,59 @@ async def test_a_lease_never_noticed_is_refused_after_the_wait() -> None:
     await runtime.start()
     try:
         refused = await answer_to(transport, "t.agent.toy-1.tasks", make_task(lease_id="made-up"))
+        assert refused.error is not None and refused.error.code is Reason.NOT_AUTHORIZED
+        assert runtime.counters["tasks_ok"] == 0
+    finally:
+        await runtime.stop()
+
+
+def telling_of_leases(live: set[str]) -> Callable[[Message], list[Message]]:
+    """A manager that accepts registrations and answers lease questions: ``live`` leases are
+    on the asking agent, any other ended."""
+
+    def manager(message: Message) -> list[Message]:
+        if isinstance(message, LeaseStateRequest):
+            ended = message.lease_id not in live
+            return [
+                LeaseNotice(
+                    agent_id=message.agent_id,
+                    lease_id=message.lease_id,
+                    capability=message.capability,
+                    expires_in_s=0.0 if ended else 30.0,
+                    ended=ended,
+                )
+            ]
+        return accepting(message)
+
+    return manager
+
+
+async def test_a_lease_whose_notice_was_lost_is_asked_for_and_runs() -> None:
+    # After a broker restart the notice can be published before the agent declared its
+    # control queue again, and is lost; the task then came to be refused after the wait
+    # (seen in CI: test_run_task_waits_out_a_broker_outage_instead_of_failing_at_once).
+    transport = FakeTransport(manager=telling_of_leases({"lease-3"}))
+    runtime = runtime_with(transport, open_tasks=False, lease_notice_wait_s=2.0)
+    await runtime.start()
+    try:
+        result = await answer_to(transport, "t.agent.toy-1.tasks", make_task(lease_id="lease-3"))
+        assert (result.status, result.output) == ("ok", {"n": 4})
+        questions = transport.of_type(LeaseStateRequest)
+        assert len(questions) == 1 and questions[0].routing_key == "agent.toy-1.standing"
+        assert runtime.counters["lease_state_asked"] == 1
+    finally:
+        await runtime.stop()
+
+
+async def test_a_lease_the_manager_says_ended_is_refused_without_waiting_out_the_wait() -> None:
+    transport = FakeTransport(manager=telling_of_leases(set()))
+    runtime = runtime_with(transport, open_tasks=False, lease_notice_wait_s=30.0)
+    await runtime.start()
+    try:
+        async with asyncio.timeout(5):  # the answer ends the 30 s wait
+            refused = await answer_to(
+                transport, "t.agent.toy-1.tasks", make_task(lease_id="made-up")
+            )
         assert refused.error is not None and refused.error.code is Reason.NOT_AUTHORIZED
         assert runtime.counters["tasks_ok"] == 0
     finally:
