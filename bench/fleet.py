@@ -15,8 +15,12 @@ route their heartbeats to their shard's queue. This process is the fleet and not
 an agent in another language would — an ``AgentRegistration`` published on the announce
 exchange with confirms, heartbeats on the heartbeat exchange without, JSON built from the
 schemas, the acceptance read from the agents exchange (one queue bound to ``#`` stands for
-every agent's control queue), a ``ReRegisterRequest`` answered by registering again — on
-one raw aiormq connection, so the fleet costs the machine as little as it can. Each agent
+every agent's control queue), a ``ReRegisterRequest`` answered by registering again.
+Registrations go out on a raw aiormq channel with confirms; heartbeats go out a step's worth
+in one write (``AmqpTransport.publish_fast_many``) and the answers are read on the project's
+consume-only connection (``consume_raw``, decoded with orjson), so the fleet — thousands of
+agents in one process on the managers' own two cores — costs the machine as little as it
+can (~0.07 of a core at 30,000 agents, from 0.4 to 0.5 with a pydantic model per answer). Each agent
 beats every 10 s from its acceptance on. Two managers run first, then one manager, whose
 fleet keeps beating through the ramp.
 
