@@ -711,7 +711,7 @@ async def part_a_rounds(
 
 # Where a profiled round's time goes: (label, file, function); indentation shows nesting.
 LOOP_STAGES = (
-    ("manager: one rpc delivery, decode to ack", "mesh/manager/service.py", "_on_rpc"),
+    ("manager: one rpc delivery, decode to ack", "mesh/manager/service.py", "_guarded"),
     ("  decode the request (decode_as)", "mesh/wire/codec.py", "decode_as"),
     (
         "  group commit: wait for the batch (GroupCommit.submit)",
@@ -731,10 +731,11 @@ LOOP_STAGES = (
     ("    journal the decisions (SQLite, on the loop)", "mesh/manager/service.py", "append"),
     ("    publish them on the events feed", "mesh/manager/service.py", "publish_event"),
     ("  reply, confirmed (_reply)", "mesh/manager/service.py", "_reply"),
-    ("  ack the request", "mesh/transport/amqp.py", "ack"),
+    ("  ack the request", "mesh/transport/delivery.py", "ack"),
     ("client: MeshClient.request", "mesh/producer/client.py", "request"),
     ("client: match and decode the reply", "mesh/producer/client.py", "_on_reply"),
     ("aiormq: read and parse frames", "aiormq/connection.py", "__reader"),
+    ("consume-only connection: read and parse", "mesh/transport/lean.py", "data_received"),
     ("aiormq: write frames", "aiormq/connection.py", "__writer"),
 )
 LEDGER_STAGES = (

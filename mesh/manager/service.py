@@ -310,7 +310,9 @@ class ManagerService:
             await self.transport.consume_acked(
                 t.announce_queue, self._announced(t.announce_queue), prefetch=2 * s.announce_batch
             ),
-            await self.transport.consume(t.rpc_queue, self._on_rpc, prefetch=s.prefetch),
+            await self.transport.consume_acked(
+                t.rpc_queue, self._requested(t.rpc_queue), prefetch=s.prefetch
+            ),
             await self.transport.consume_raw(t.heartbeat_queue, self.heartbeats),
         ]
         self.transport.on_disconnect(self._lost_broker)
@@ -401,10 +403,6 @@ class ManagerService:
         announce = t.shard_announce_queue(shard)
 
         rpc = t.shard_rpc_queue(shard)
-
-        async def on_rpc(delivery: Delivery) -> None:
-            await self._guarded(delivery, rpc, self._handle_rpc)
-
         self._shard_consumers[shard] = [
             await self.transport.consume_acked(
                 announce, self._announced(announce), prefetch=2 * s.announce_batch
@@ -412,7 +410,7 @@ class ManagerService:
             await self.transport.consume_raw(
                 t.shard_heartbeat_queue(shard), _ShardHeartbeats(self)
             ),
-            await self.transport.consume(rpc, on_rpc, prefetch=s.prefetch),
+            await self.transport.consume_acked(rpc, self._requested(rpc), prefetch=s.prefetch),
         ]
         log.info("consuming shard", extra={"shard": shard})
 
@@ -576,8 +574,18 @@ class ManagerService:
             except Exception:  # pragma: no cover - it settles everything itself
                 log.exception("bug while handling announcements")
 
-    async def _on_rpc(self, delivery: Delivery) -> None:
-        await self._guarded(delivery, self.topology.rpc_queue, self._handle_rpc)
+    def _requested(self, queue: str) -> Callable[[list[Delivery]], None]:
+        """What takes ``queue``'s requests (those of one read from the socket): each handled
+        on a task of its own — requests wait on the ledger's group commit, side by side — and
+        tracked, so that :meth:`stop` lets the ones taken finish (answered and acked)."""
+
+        def take(deliveries: list[Delivery]) -> None:
+            for delivery in deliveries:
+                task = asyncio.create_task(self._guarded(delivery, queue, self._handle_rpc))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+        return take
 
     def _step_shards_soon(self) -> None:
         """A shard step in the background (from a synchronous path), one at a time."""
