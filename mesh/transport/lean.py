@@ -185,6 +185,7 @@ class _Consuming:
         "deliveries",
         "have",
         "header",
+        "ingest_many",
         "on_deliveries",
         "size",
         "unsettled",
@@ -199,6 +200,11 @@ class _Consuming:
     ) -> None:
         self.channel = channel
         self.callback = callback
+        # A batch-taking raw callback's ``ingest_many``, looked up once: an isinstance check
+        # against a runtime-checkable Protocol inspects the class's members, too slow per read.
+        self.ingest_many: Callable[[RawBatch], None] | None = (
+            callback.ingest_many if isinstance(callback, RawBatchCallback) else None
+        )
         self.on_deliveries = on_deliveries  # set: an acked consumer
         self.size = -1  # the body size of the delivery under way; -1: none
         self.have = 0
@@ -395,8 +401,8 @@ class _Wire(asyncio.Protocol):
         callback = consuming.callback
         assert callback is not None
         try:
-            if isinstance(callback, RawBatchCallback):
-                callback.ingest_many(batch)
+            if consuming.ingest_many is not None:
+                consuming.ingest_many(batch)
             else:
                 for body, user_id in batch:
                     callback(body, user_id)
