@@ -214,11 +214,12 @@ class MeshClient:
         topology = Topology(namespace=namespace)
         await transport.declare(topology.shared())
         queue = names.reply_queue(namespace, name.replace(":", "-"), uuid.uuid4().hex[:8])
-        await transport.declare_reply_queue(queue)
         client = cls(transport, topology, queue)
         client._owns_transport = owns
         client.user_id = urlsplit(url).username if owns else user_id
-        client._consumer = await transport.consume(queue, client._on_reply, no_ack=True)
+        # Declared where it is read (over AMQP: the consume-only connection, which hands a
+        # read's replies over at once instead of a task and pamqp objects for each).
+        client._consumer = await transport.consume_replies(queue, client._on_replies)
         return client
 
     async def close(self) -> None:
@@ -238,11 +239,19 @@ class MeshClient:
         await self.close()
 
     # ---- request/reply --------------------------------------------------------------------
-    async def _on_reply(self, delivery: Delivery) -> None:
+    def _on_replies(self, deliveries: list[Delivery]) -> None:
+        """Replies that arrived together; one that cannot be handled loses only itself."""
+        for delivery in deliveries:
+            try:
+                self._on_reply(delivery)
+            except Exception:  # pragma: no cover - _on_reply catches what it expects
+                log.exception("a reply could not be handled")
+
+    def _on_reply(self, delivery: Delivery) -> None:
         fut = self._pending.pop(delivery.correlation_id or "", None)
         if fut is None or fut.done():
             self.counters["late_replies"] += 1
-            await self._release_late_grant(delivery)
+            self._release_late_grant(delivery)
             return
         try:
             # Replies come from the manager and agents, not strangers: a status of thousands
@@ -260,7 +269,7 @@ class MeshClient:
         if len(self._answered) > _ANSWERED_KEPT:
             self._answered.popitem(last=False)
 
-    async def _release_late_grant(self, delivery: Delivery) -> None:
+    def _release_late_grant(self, delivery: Delivery) -> None:
         """A grant that arrives after its caller gave up would pin a slot until its TTL; a
         second answer to a request already answered is counted and changes nothing."""
         try:

@@ -1083,6 +1083,18 @@ class InMemoryTransport:
 
         return await self.consume(queue, hand_on, prefetch=prefetch)
 
+    async def consume_replies(
+        self, name: str, on_deliveries: Callable[[list[Delivery]], None]
+    ) -> InMemoryConsumer:
+        """Declare the exclusive reply queue ``name`` and consume it without acks, each
+        delivery handed to ``on_deliveries`` alone."""
+        await self.declare_reply_queue(name)
+
+        async def hand_on(delivery: Delivery) -> None:
+            on_deliveries([delivery])
+
+        return await self.consume(name, hand_on, no_ack=True)
+
     def _redeclare_own(self, name: str) -> None:
         # AmqpTransport declares a queue it knows the spec of again before consuming it.
         spec = self._queue_specs.get(name)

@@ -32,6 +32,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import aio_pika
 import aiormq
+import pamqp.commands
 from aio_pika.abc import (
     AbstractExchange,
     AbstractRobustChannel,
@@ -868,6 +869,24 @@ class AmqpTransport:
             reason=reason,
             detail=detail,
         )
+
+    async def consume_replies(self, name: str, on_deliveries: DeliveriesCallback) -> LeanConsumer:
+        """A client's reply queue ``name`` (:func:`~mesh.topology.specs.reply_queue`:
+        exclusive, auto-deleted), declared on the consume-only connection — an exclusive
+        queue is consumed only by the connection that declared it — and consumed there
+        without acks: each read's replies to ``on_deliveries`` as :class:`Delivery` objects
+        (nothing to settle). Declared and consumed again after a reconnect, before the
+        ``on_reconnect`` callbacks run. Requests still go out on this transport's connection,
+        with ``reply_to=name``."""
+        spec = reply_queue(name)
+        declare = pamqp.commands.Queue.Declare(
+            queue=spec.name,
+            durable=spec.durable,
+            exclusive=spec.exclusive,
+            auto_delete=spec.auto_delete,
+            arguments=spec.arguments.to_amqp(),
+        )
+        return await self._consume_only().consume_replies(declare, on_deliveries)
 
     async def get_one(self, queue: str, *, timeout_s: float = 5.0) -> Delivery | None:
         """Fetch one message with basic.get (for tools and tests); ``None`` if empty."""

@@ -26,6 +26,10 @@ Two ways to consume:
   goes out in one write. A settlement on a connection or channel gone since is dropped (the
   broker requeued the message). Cancelling stops deliveries at once and closes the channel
   once everything it delivered is settled.
+* **Replies** (:meth:`LeanConnection.consume_replies`, a client's answers): the exclusive
+  reply queue is declared on this connection (an exclusive queue can be consumed only by the
+  connection that declared it; declared again after every reconnect) and consumed without
+  acks, each delivery handed over as a :class:`Delivery` whose ``ack``/``reject`` do nothing.
 
 ``tests/unit/test_lean.py`` checks the reading of deliveries and properties against pamqp's
 marshalling.
@@ -175,6 +179,7 @@ class _Consuming:
     """One consumer's channel and what is being assembled on it."""
 
     __slots__ = (
+        "acked",
         "batch",
         "body",
         "callback",
@@ -197,6 +202,7 @@ class _Consuming:
         channel: int,
         callback: RawCallback | None,
         on_deliveries: DeliveriesCallback | None = None,
+        acked: bool = True,
     ) -> None:
         self.channel = channel
         self.callback = callback
@@ -205,7 +211,8 @@ class _Consuming:
         self.ingest_many: Callable[[RawBatch], None] | None = (
             callback.ingest_many if isinstance(callback, RawBatchCallback) else None
         )
-        self.on_deliveries = on_deliveries  # set: an acked consumer
+        self.on_deliveries = on_deliveries  # set: deliveries handed over as Delivery objects
+        self.acked = acked and on_deliveries is not None  # else nothing to settle (replies)
         self.size = -1  # the body size of the delivery under way; -1: none
         self.have = 0
         self.body: list[bytes] = []
@@ -220,10 +227,25 @@ class _Consuming:
 
 
 def _deliver(consuming: _Consuming | None, buffer: bytearray, at: int, end: int) -> None:
-    """A ``basic.deliver`` frame: an acked consumer keeps it for the delivery tag (without
-    acks, one queue per channel: nothing in it is needed)."""
+    """A ``basic.deliver`` frame: a consumer of :class:`Delivery` objects keeps it (its tag,
+    exchange and routing key); a raw consumer needs nothing in it (one queue per channel)."""
     if consuming is not None and consuming.on_deliveries is not None:
         consuming.deliver = bytes(buffer[at + 7 : end])
+
+
+class _NoSettle:
+    """A delivery consumed without acks (replies): nothing to settle."""
+
+    __slots__ = ()
+
+    async def ack(self) -> None:
+        return None
+
+    async def reject(self, requeue: bool = False) -> None:
+        return None
+
+
+_NO_SETTLE = _NoSettle()
 
 
 class _Settle:
@@ -352,7 +374,10 @@ class _Wire(asyncio.Protocol):
     def _delivery(self, consuming: _Consuming, body: bytes) -> Delivery:
         tag, redelivered, exchange, routing_key = deliver_fields(consuming.deliver)
         props = Properties(consuming.header)
-        consuming.unsettled += 1
+        settle: _Settle | _NoSettle = _NO_SETTLE
+        if consuming.acked:
+            consuming.unsettled += 1
+            settle = _Settle(self, consuming, tag)
         return Delivery(
             body=body,
             routing_key=routing_key,
@@ -363,7 +388,7 @@ class _Wire(asyncio.Protocol):
             message_id=props.message_id,
             user_id=props.user_id,
             redelivered=redelivered,
-            _raw=_Settle(self, consuming, tag),
+            _raw=settle,
         )
 
     def settle(self, consuming: _Consuming, tag: int, requeue: bool | None) -> None:
@@ -513,7 +538,9 @@ def _channel_closed(frame: spec.Channel.Close) -> TransportError:
 
 class LeanConsumer:
     """A queue consumed on a :class:`LeanConnection` until :meth:`cancel`: without acks
-    (``callback``), or acked (``on_deliveries``, with a ``prefetch``)."""
+    (``callback``), acked (``on_deliveries``, with a ``prefetch``), or without acks as
+    deliveries (``on_deliveries``, no prefetch: replies). With ``declare`` the queue is
+    declared on the consumer's channel first, on every (re)connection."""
 
     def __init__(
         self,
@@ -522,11 +549,14 @@ class LeanConsumer:
         callback: RawCallback | None,
         on_deliveries: DeliveriesCallback | None = None,
         prefetch: int = 0,
+        declare: spec.Queue.Declare | None = None,
     ) -> None:
         self.queue_name = queue
         self.callback = callback
         self.on_deliveries = on_deliveries
         self.prefetch = prefetch
+        self.acked = on_deliveries is not None and prefetch > 0
+        self.declare = declare
         self.cancelled = False
         self._connection = connection
 
@@ -582,6 +612,16 @@ class LeanConnection:
             raise ValueError(f"an acked consumer needs a prefetch of at least 1, not {prefetch}")
         return await self._consume(LeanConsumer(self, queue, None, on_deliveries, prefetch))
 
+    async def consume_replies(
+        self, declare: spec.Queue.Declare, on_deliveries: DeliveriesCallback
+    ) -> LeanConsumer:
+        """Declare ``declare``'s queue (exclusive: it is this connection's) and consume it
+        without acks, each read's deliveries to ``on_deliveries``; declared and consumed
+        again after a reconnect. Otherwise as :meth:`consume`."""
+        return await self._consume(
+            LeanConsumer(self, declare.queue, None, on_deliveries, declare=declare)
+        )
+
     async def _consume(self, consumer: LeanConsumer) -> LeanConsumer:
         queue = consumer.queue_name
         async with self._lock:
@@ -610,7 +650,7 @@ class LeanConnection:
         if channel is None or wire is None:
             return
         consuming = wire.consumers.get(channel)
-        if consuming is not None and consuming.on_deliveries is not None:
+        if consuming is not None and consuming.acked:
             # Acked: no more deliveries from now on; the channel stays open until what it
             # delivered is settled (closing it would requeue those: handled twice).
             consuming.cancelled = True
@@ -716,9 +756,13 @@ class LeanConnection:
         channel = wire.free_channel()
         wire.in_use.add(channel)
         await wire.call(channel, spec.Channel.Open(), spec.Channel.OpenOk)
-        acked = consumer.on_deliveries is not None
-        wire.consumers[channel] = _Consuming(channel, consumer.callback, consumer.on_deliveries)
+        acked = consumer.acked
+        wire.consumers[channel] = _Consuming(
+            channel, consumer.callback, consumer.on_deliveries, acked
+        )
         try:
+            if consumer.declare is not None:
+                await wire.call(channel, consumer.declare, spec.Queue.DeclareOk)
             if acked:
                 await wire.call(
                     channel, spec.Basic.Qos(prefetch_count=consumer.prefetch), spec.Basic.QosOk

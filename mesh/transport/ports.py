@@ -127,3 +127,11 @@ class ClientTransport(Transport, Protocol):
     """What :class:`~mesh.producer.MeshClient` needs: an exclusive queue for its replies."""
 
     async def declare_reply_queue(self, name: str) -> str: ...
+
+    async def consume_replies(
+        self, name: str, on_deliveries: Callable[[list[Delivery]], None]
+    ) -> Subscription:
+        """Declare the exclusive reply queue ``name`` where it is consumed, and consume it
+        without acks: ``on_deliveries(deliveries)`` gets those that arrived together, in
+        order; it must not block."""
+        ...

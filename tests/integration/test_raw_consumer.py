@@ -6,11 +6,13 @@ delivery comes again, a cancelled consumer's deliveries are still settled."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
+import aiormq
 import pytest
 
-from mesh.errors import TopologyMissing
+from mesh.errors import TopologyMissing, TransportError
 from mesh.topology import Declarations, QueueSpec
 from mesh.transport.amqp import AmqpTransport, RawBatch, RawBatchCallback
 from mesh.transport.delivery import Delivery
@@ -214,3 +216,43 @@ async def test_an_acked_consumer_gets_a_rejected_delivery_again_and_a_cancelled_
         return await transport.queue_depth(queue) == BACKLOG - len(held)
 
     await eventually(settled, what="the cancelled consumer's acks kept")
+
+
+# ---- replies (a client's exclusive reply queue) -----------------------------------------------
+
+
+async def test_replies_come_on_the_consume_only_connection_from_an_exclusive_queue_declared_again(
+    transport_factory: Any, namespace: str, management_api: Any
+) -> None:
+    """A client's reply queue is declared where it is read: replies arrive with their
+    correlation IDs, nobody else may consume the queue, and after the consume-only
+    connection is closed by the broker (which deletes the exclusive queue) the queue is
+    declared again and replies flow."""
+    client: AmqpTransport = await transport_factory(suffix="replies")
+    other: AmqpTransport = await transport_factory(suffix="replies-other")
+    queue = f"{namespace}.reply.replies.0000"
+    got: list[Delivery] = []
+    await client.consume_replies(queue, got.extend)
+    await other.publish("", queue, b"one", correlation_id="c-1")
+    await eventually(lambda: len(got) == 1, what="the reply")
+    assert (got[0].body, got[0].correlation_id, got[0].routing_key) == (b"one", "c-1", queue)
+    await got[0].ack()  # nothing to settle: no error
+
+    with pytest.raises(aiormq.exceptions.ChannelLockedResource, match="exclusive"):
+        await other.consume(queue, lambda _: asyncio.sleep(0), no_ack=True)
+
+    name = f"{client.name}:consume"
+
+    async def listed() -> bool:
+        return bool(await asyncio.to_thread(management_api.connections, name))
+
+    await eventually(listed, what="the consume-only connection in the management API")
+    assert await asyncio.to_thread(management_api.close_connections, name) == 1
+
+    async def replies_again() -> bool:
+        with contextlib.suppress(TransportError):  # unroutable until it is declared again
+            await other.publish("", queue, b"two", correlation_id="c-2")
+        await asyncio.sleep(0.2)
+        return any(d.correlation_id == "c-2" for d in got)
+
+    await eventually(replies_again, timeout_s=20, what="the reply queue declared again")
