@@ -54,8 +54,8 @@ from mesh.errors import (
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec, reply_queue
 from mesh.transport import dead_letters
 from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
+from mesh.transport.delivery import NO_SETTLE, Handler, Settlement
 from mesh.transport.delivery import Delivery as Delivery  # re-exported
-from mesh.transport.delivery import Handler, Settlement
 from mesh.transport.frames import publish_frames, typed_properties
 from mesh.transport.lean import DeliveriesCallback, LeanConnection, LeanConsumer
 from mesh.transport.lean import RawBatch as RawBatch  # re-exported
@@ -180,19 +180,6 @@ def _raw_delivery(message: aiormq.abc.DeliveredMessage, settle: Settlement) -> D
     )
 
 
-class _NoSettle:
-    """A no-ack delivery: there is nothing to settle."""
-
-    async def ack(self) -> None:
-        return None
-
-    async def reject(self, requeue: bool = False) -> None:
-        return None
-
-
-_NO_SETTLE = _NoSettle()
-
-
 class Consumer:
     """A running consumer, registered on aiormq's channel under a robust aio-pika channel;
     ``cancel()`` stops new deliveries (in-flight ones stay unacked, and can still be acked:
@@ -227,7 +214,7 @@ class Consumer:
 
         async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
             tag = message.delivery_tag
-            settle = _NO_SETTLE if no_ack or tag is None else _Settle(underlay, tag)
+            settle = NO_SETTLE if no_ack or tag is None else _Settle(underlay, tag)
             await handler(_raw_delivery(message, settle))
 
         await underlay.basic_qos(prefetch_count=0 if no_ack else self._prefetch)
@@ -897,7 +884,7 @@ class AmqpTransport:
                 msg = await underlay.basic_get(queue, no_ack=True, timeout=timeout_s)
                 if isinstance(msg.delivery, aiormq.spec.Basic.GetEmpty):
                     return None
-                return _raw_delivery(msg, _NO_SETTLE)
+                return _raw_delivery(msg, NO_SETTLE)
             finally:
                 await channel.close()
 

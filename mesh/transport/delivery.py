@@ -22,6 +22,21 @@ class Settlement(Protocol):
     async def reject(self, requeue: bool = False) -> None: ...
 
 
+class NoSettle:
+    """A delivery consumed without acks: there is nothing to settle."""
+
+    __slots__ = ()
+
+    async def ack(self) -> None:
+        return None
+
+    async def reject(self, requeue: bool = False) -> None:
+        return None
+
+
+NO_SETTLE = NoSettle()
+
+
 @dataclass(slots=True)
 class Delivery:
     """One received message, independent of the AMQP client library."""

@@ -57,7 +57,7 @@ from pamqp.base import Frame
 from pamqp.common import FieldTable
 
 from mesh.errors import TopologyMissing, TransportError
-from mesh.transport.delivery import Delivery
+from mesh.transport.delivery import NO_SETTLE, Delivery, NoSettle
 
 log = logging.getLogger(__name__)
 
@@ -233,21 +233,6 @@ def _deliver(consuming: _Consuming | None, buffer: bytearray, at: int, end: int)
         consuming.deliver = bytes(buffer[at + 7 : end])
 
 
-class _NoSettle:
-    """A delivery consumed without acks (replies): nothing to settle."""
-
-    __slots__ = ()
-
-    async def ack(self) -> None:
-        return None
-
-    async def reject(self, requeue: bool = False) -> None:
-        return None
-
-
-_NO_SETTLE = _NoSettle()
-
-
 class _Settle:
     """Ack or reject one delivery of an acked consumer (see :meth:`_Wire.settle`)."""
 
@@ -374,7 +359,7 @@ class _Wire(asyncio.Protocol):
     def _delivery(self, consuming: _Consuming, body: bytes) -> Delivery:
         tag, redelivered, exchange, routing_key = deliver_fields(consuming.deliver)
         props = Properties(consuming.header)
-        settle: _Settle | _NoSettle = _NO_SETTLE
+        settle: _Settle | NoSettle = NO_SETTLE
         if consuming.acked:
             consuming.unsettled += 1
             settle = _Settle(self, consuming, tag)
