@@ -26,9 +26,13 @@ the hot paths are one statement each: the admitter's batch reads its view with o
 and sends all its writes as one call of the server-side function ``ledger_apply`` (which
 takes the counters in the global order, raises a StaleView SQLSTATE if one moved, and
 commits with the statement, so the batch needs no BEGIN or COMMIT: two round trips in all,
-where it used to take about 24); a release is one call of ``ledger_release`` and an expiry
-sweep one of ``ledger_expire``, each its own transaction. See ``PostgresLedger.batch`` for
-why reading the view outside the transaction changes nothing under READ COMMITTED. The
+where it used to take about 24); a release is one call of ``ledger_release``, the releases
+settled together one of ``ledger_release_many`` (set-based: one UPDATE for the rows, one
+give-back per counter for all of them) and an expiry sweep one of ``ledger_expire``, each its
+own transaction. Two ``ledger_release_many`` naming the same reservations lock those rows in
+no agreed order, so they can deadlock; PostgreSQL aborts one, which is retried (below).
+See ``PostgresLedger.batch`` for why reading the view outside the transaction changes
+nothing under READ COMMITTED. The
 functions are created with CREATE OR REPLACE each time the store opens, so a schema made by
 an earlier version gains them on its first open; tables and rows stay as they are.
 
@@ -247,6 +251,31 @@ def _functions(s: str) -> list[str]:
               VALUES (p_at, p_id, '{released}', '{TRANSITIONS[released].target}', p_fence);
               RETURN v_row::text;
             END $$""",
+        # SqlLedger._release_many as one call: the rows it released (a JSON array), each
+        # matched on (admission ID, fence) while holding; their counters given back together
+        # (one update per counter, in the global order), their log in one insert. Which of
+        # the asked releases were refused, and why, the caller works out from what came back.
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release_many(p_ids text[], p_fences bigint[],
+                p_at float8) RETURNS text
+            LANGUAGE plpgsql AS $$
+            DECLARE v_rows jsonb;
+            BEGIN
+              WITH released AS (
+                UPDATE "{s}".ledger_reservation AS r SET state = 'RELEASED', updated_at = p_at
+                  FROM (SELECT DISTINCT t.id, t.fence
+                          FROM unnest(p_ids, p_fences) AS t(id, fence)) AS v
+                 WHERE r.admission_id = v.id AND r.fence = v.fence AND r.state IN {_HOLDING}
+                RETURNING {_row_json(s, "r")} AS j)
+              SELECT coalesce(jsonb_agg(j ORDER BY (j->>4)::bigint), '[]') INTO v_rows
+                FROM released;
+              PERFORM "{s}".ledger_give_back(coalesce(
+                (SELECT jsonb_agg(i) FROM jsonb_array_elements(v_rows) AS e(j),
+                        jsonb_array_elements((j->>8)::jsonb) AS x(i)), '[]'));
+              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
+              SELECT p_at, j->>0, '{released}', '{TRANSITIONS[released].target}', (j->>4)::bigint
+                FROM jsonb_array_elements(v_rows) WITH ORDINALITY AS e(j, n) ORDER BY n;
+              RETURN v_rows::text;
+            END $$""",
         # SqlLedger._expire_due as one call: the expired rows (a JSON array), each under a
         # new fence; due rows another transaction holds are skipped (it deals with them).
         f"""CREATE OR REPLACE FUNCTION "{s}".ledger_expire(p_at float8) RETURNS text
@@ -337,10 +366,7 @@ class PostgresLedger(SqlLedger):
         q = f'"{schema}"'
         self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
         self._release_sql = f"SELECT {q}.ledger_release(?, ?, ?)"
-        self._release_many_sql = (  # each release's row (JSON text) or NULL, in order
-            f"SELECT json_agg({q}.ledger_release(t.id, t.fence, ?) ORDER BY t.n) "
-            "FROM unnest(?::text[], ?::bigint[]) WITH ORDINALITY AS t(id, fence, n)"
-        )
+        self._release_many_sql = f"SELECT {q}.ledger_release_many(?::text[], ?::bigint[], ?)"
         self._expire_sql = f"SELECT {q}.ledger_expire(?)"
         self._view_sql = (  # LedgerView as one JSON array: [counters, reservations, ...]
             "SELECT jsonb_build_array("
@@ -538,21 +564,23 @@ class PostgresLedger(SqlLedger):
     def release_many(
         self, releases: Sequence[tuple[str, int]], now: float
     ) -> list[Reservation | Refused]:
-        """One statement for all of them (a transaction of its own: one round trip, one
-        commit); the reason a release was refused is read afterwards, for those alone."""
+        """One statement for all of them (``ledger_release_many``: a transaction of its own,
+        one round trip, one commit); the reason a release was refused is read afterwards, for
+        those alone, and each answers as ``release`` would have in the given order (the first
+        of two equal releases releases, the second is told it is already released)."""
         if len(releases) <= 1 or self._in_a_batch():
             return super().release_many(releases, now)  # one: release()'s own single statement
         ids, fences = [a for a, _ in releases], [f for _, f in releases]
         with self._lock:
-            # json_agg: psycopg hands the array over parsed, its items the rows' JSON text
-            rows = self._one_statement(self._release_many_sql, (now, ids, fences))
-            out: list[Reservation | Refused] = []
-            for (admission_id, fence), row in zip(releases, rows, strict=True):
-                if row is None:
-                    out.append(self._refusal_of_release(admission_id, fence, now))
-                else:
-                    out += self._with_items(None, [orjson.loads(row)])
-        return out
+            rows = self._one_statement(self._release_many_sql, (ids, fences, now))
+            released = {
+                (r.admission_id, r.fence): r for r in self._with_items(None, orjson.loads(rows))
+            }
+            answers = [released.pop(pair, None) for pair in releases]
+            return [
+                self._refusal_of_release(a, f, now) if answer is None else answer
+                for (a, f), answer in zip(releases, answers, strict=True)
+            ]
 
     def _refusal_of_release(self, admission_id: str, fence: int, now: float) -> Refused:
         return self._transaction(

@@ -484,9 +484,9 @@ class SqlLedger(abc.ABC):
     def release_many(
         self, releases: Sequence[tuple[str, int]], now: float
     ) -> list[Reservation | Refused]:
-        if len(releases) == 1:  # a transaction of its own anyway
-            return [self.release(*releases[0], now)]
-        return self.batch(lambda: [self.release(a, f, now) for a, f in releases])
+        if len(releases) <= 1:  # a transaction of its own anyway
+            return [self.release(a, f, now) for a, f in releases]
+        return self._write(lambda db: self._release_many(db, releases, now))
 
     def expire_due(self, now: float) -> list[Reservation]:
         return self._write(lambda db: self._expire_due(db, now))
@@ -927,6 +927,36 @@ class SqlLedger(abc.ABC):
         self._append_log(db, now, admission_id, fence, LedgerEvent.RELEASED)
         return released
 
+    def _release_many(
+        self, db: Db, releases: Sequence[tuple[str, int]], now: float
+    ) -> list[Reservation | Refused]:
+        """Every release at once: one ``UPDATE … FROM (VALUES …)`` per 200 of them (the same
+        compare-and-set on state and fence as ``_release``), one give-back per counter for all
+        of them together, one insert for their log. Each answers as ``release`` would have in
+        the given order: the first of two equal releases releases, the second (and any that
+        matched nothing) is told why not, read after the update."""
+        pairs = list(dict.fromkeys(releases))
+        rows: list[tuple[Any, ...]] = []
+        for chunk in _chunks(pairs, 200):
+            rows += db.execute(
+                f"UPDATE {self._t.reservation} SET state = 'RELEASED', updated_at = ?"
+                f" FROM (VALUES {', '.join(['(?, ?)'] * len(chunk))}) AS v"
+                f" WHERE admission_id = v.column1 AND fence = v.column2 AND state IN {_HOLDING}"
+                f" RETURNING {_RES_COLUMNS}",
+                [now, *(value for pair in chunk for value in pair)],
+            )
+        released = {(r.admission_id, r.fence): r for r in self._with_items(db, rows)}
+        self._give_back(db, released.values())
+        answers: list[Reservation | None] = [released.pop(pair, None) for pair in releases]
+        self._append_logs(
+            db, now, [(r.admission_id, r.fence) for r in answers if r is not None],
+            LedgerEvent.RELEASED,
+        )  # fmt: skip
+        return [
+            self._why_not(db, admission_id, fence, now, "release") if answer is None else answer
+            for (admission_id, fence), answer in zip(releases, answers, strict=True)
+        ]
+
     def _expire_due(self, db: Db, now: float) -> list[Reservation]:
         due = db.execute(
             f"SELECT admission_id FROM {self._t.reservation}"
@@ -934,20 +964,24 @@ class SqlLedger(abc.ABC):
             f" ORDER BY admission_id{self._due_lock_clause}",
             (now,),
         )
+        # Each due row under a fence of its own, ascending in admission-ID order; rows a
+        # concurrent release ended meanwhile are left out by the UPDATE's own condition.
+        fences = self._next_fences(db, len(due)) if due else []
+        renamed = [(str(a), fence) for (a,), fence in zip(due, fences, strict=True)]
         rows: list[tuple[Any, ...]] = []
-        for (admission_id,) in due:
+        for chunk in _chunks(renamed, 200):
             rows += db.execute(
-                f"UPDATE {self._t.reservation} SET state = 'EXPIRED', fence = ?, updated_at = ?"
-                f" WHERE admission_id = ? AND state IN {_HOLDING} AND expires_at <= ?"
+                f"UPDATE {self._t.reservation} SET state = 'EXPIRED', fence = v.column2,"
+                f" updated_at = ? FROM (VALUES {', '.join(['(?, ?)'] * len(chunk))}) AS v"
+                f" WHERE admission_id = v.column1 AND state IN {_HOLDING} AND expires_at <= ?"
                 f" RETURNING {_RES_COLUMNS}",
-                (self._next_fence(db), now, admission_id, now),
+                [now, *(value for pair in chunk for value in pair), now],
             )
         expired = self._with_items(db, rows)
         self._give_back(db, expired)
-        for reservation in expired:
-            self._append_log(
-                db, now, reservation.admission_id, reservation.fence, LedgerEvent.EXPIRED
-            )
+        self._append_logs(
+            db, now, [(r.admission_id, r.fence) for r in expired], LedgerEvent.EXPIRED
+        )
         if expired:
             log.info("expired %d reservations", len(expired), extra={"now": now})
         return expired
@@ -1022,6 +1056,18 @@ class SqlLedger(abc.ABC):
             ),
             key=lambda r: r.fence,
         )
+
+    def _append_logs(
+        self, db: Db, now: float, entries: Sequence[tuple[str, int]], event: LedgerEvent
+    ) -> None:
+        """One ``event`` for each ``(admission_id, fence)`` of ``entries``, in that order."""
+        target = TRANSITIONS[event].target.value
+        for chunk in _chunks(entries, 100):
+            db.execute(
+                f"INSERT INTO {self._t.log} (at, admission_id, event, state, fence) VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk)),
+                [v for a, f in chunk for v in (now, a, event.value, target, f)],
+            )
 
     def _append_log(
         self, db: Db, now: float, admission_id: str, fence: int, *events: LedgerEvent

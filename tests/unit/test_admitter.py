@@ -217,13 +217,13 @@ def test_releases_that_arrive_together_are_settled_in_one_transaction_as_one_by_
     grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(3)]
     assert all(g is not None for g in grants)
     fences = [g.fence for g in grants if g is not None]
-    real_batch, batches = store.batch, []
+    real_transaction, transactions = store._transaction, []
 
-    def counted(work, plan=()):  # type: ignore[no-untyped-def]
-        batches.append(plan)
-        return real_batch(work, plan=plan)
+    def counted(work, *, write, retry=True):  # type: ignore[no-untyped-def]
+        transactions.append(write)
+        return real_transaction(work, write=write, retry=retry)
 
-    store.batch = counted  # type: ignore[method-assign]
+    store._transaction = counted  # type: ignore[method-assign]
     try:
         settled = a.settle_many(
             [
@@ -235,8 +235,8 @@ def test_releases_that_arrive_together_are_settled_in_one_transaction_as_one_by_
             T0 + 1,
         )
     finally:
-        store.batch = real_batch  # type: ignore[method-assign]
-    assert len(batches) == 1
+        store._transaction = real_transaction  # type: ignore[method-assign]
+    assert transactions.count(True) == 1  # one write transaction for all four (then reads)
     assert [(r.released, now, pool) for r, now, pool in settled] == [
         (True, True, DESCRIPTOR.pool_id),
         (False, False, None),
