@@ -66,7 +66,7 @@ TARGET_CPU_GROWTH = 1.1  # CPU per admission with two managers / with one, at mo
 
 async def serve_manager(url: str, namespace: str, dsn: str, journal: Path, manager_id: str) -> None:
     """One manager on the shared ledger; answers ``stats`` lines on stdin with its CPU seconds
-    and admitted count (one JSON line on stdout), stops at end of input."""
+    admitted count and ledger batches (one JSON line on stdout), stops at end of input."""
     from mesh.gc_tuning import tune_gc
     from mesh.manager.service import ManagerService
     from mesh.manager.settings import ManagerSettings
@@ -91,7 +91,11 @@ async def serve_manager(url: str, namespace: str, dsn: str, journal: Path, manag
     print(orjson.dumps({"started": manager_id}).decode(), flush=True)
     try:
         while await reader.readline():
-            stats = {"cpu": time.process_time(), "admitted": service.counters["admission.admitted"]}
+            stats = {
+                "cpu": time.process_time(),
+                "admitted": service.counters["admission.admitted"],
+                "batches": service.counters["admission_batches"],
+            }
             print(orjson.dumps(stats).decode(), flush=True)
     finally:
         await service.stop()
@@ -134,13 +138,13 @@ class ManagerProcess:
             raise RuntimeError(f"manager {self.manager_id} exited ({await self.proc.wait()})")
         return dict(orjson.loads(raw))
 
-    async def stats(self) -> tuple[float, int]:
-        """(CPU seconds, admitted decisions) so far."""
+    async def stats(self) -> tuple[float, int, int]:
+        """(CPU seconds, admitted decisions, ledger batches) so far."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(b"stats\n")
         await self.proc.stdin.drain()
         line = await self._line()
-        return float(line["cpu"]), int(line["admitted"])  # type: ignore[arg-type]
+        return float(line["cpu"]), int(line["admitted"]), int(line["batches"])  # type: ignore[arg-type]
 
     async def stop(self) -> None:
         if self.proc.returncode is not None:
@@ -162,6 +166,7 @@ class ManagerFigures:
     manager_id: str
     decisions: int
     cpu_seconds: float
+    batches: int  # ledger transactions the decisions took (the group commits)
 
     @property
     def cpu_us(self) -> float:
@@ -224,7 +229,7 @@ async def run_config(
         seconds = await admit_all(client, count * managers, per_manager * managers)
         after = [await p.stats() for p in procs]
         figures = [
-            ManagerFigures(p.manager_id, a[1] - b[1], a[0] - b[0])
+            ManagerFigures(p.manager_id, a[1] - b[1], a[0] - b[0], a[2] - b[2])
             for p, b, a in zip(procs, before, after, strict=True)
         ]
         return ConfigRound(managers, seconds, count * managers, figures)
@@ -286,7 +291,7 @@ async def run(url: str, dsn: str, count: int, rounds: int, per_manager: int) -> 
     with tempfile.TemporaryDirectory(prefix="bench-managers-") as tmp:
         print(
             f"   {'round':>5}  {'managers':>8}  {'manager':>7}  {'decisions':>9}  "
-            f"{'CPU µs/admission':>16}  {'total adm/s':>11}"
+            f"{'CPU µs/admission':>16}  {'per batch':>9}  {'total adm/s':>11}"
         )
         for n in range(1, rounds + 1):
             for managers in (1, 2) if n % 2 else (2, 1):
@@ -295,7 +300,8 @@ async def run(url: str, dsn: str, count: int, rounds: int, per_manager: int) -> 
                 for m in result.per_manager:
                     print(
                         f"   {n:>5}  {managers:>8}  {m.manager_id:>7}  {m.decisions:>9,}  "
-                        f"{m.cpu_us:>16,.0f}  {result.rate:>11,.0f}",
+                        f"{m.cpu_us:>16,.0f}  {m.decisions / max(m.batches, 1):>9.1f}  "
+                        f"{result.rate:>11,.0f}",
                         flush=True,
                     )
     return results
