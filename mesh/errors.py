@@ -108,7 +108,15 @@ class TaskInputInvalid(TaskFailed):
 
 
 class TaskRefused(TaskFailed):
-    """The manager would not hand out an agent for the task (see ``code``)."""
+    """The manager would not hand out an agent for the task (see ``code``).
+    ``retry_after_ms``: when the manager said asking again could help, how long to wait
+    first (for ``NO_AGENT_AVAILABLE``, when it expects a slot to free up); else None."""
+
+    def __init__(
+        self, code: str, message: str, *, task_id: str = "", retry_after_ms: int | None = None
+    ) -> None:
+        super().__init__(code, message, task_id=task_id)
+        self.retry_after_ms = retry_after_ms
 
 
 class TaskTimeout(TaskFailed):
@@ -122,7 +130,9 @@ class AdmissionRefused(TaskRefused):
 
     def __init__(self, decision: Any, message: str = "") -> None:
         reason = decision.reason.value if decision.reason else "REFUSED"
-        super().__init__(reason, message or decision.detail or reason)
+        super().__init__(
+            reason, message or decision.detail or reason, retry_after_ms=decision.retry_after_ms
+        )
         self.decision = decision
         self.admission_id: str = decision.admission_id
 

@@ -658,7 +658,8 @@ class MeshClient:
         timeout_s: float = 30.0,
     ) -> TaskOutcome:
         """Acquire, send, await, release. Raises TaskRefused/TaskInputInvalid/TaskFailed/
-        TaskTimeout with the machine-readable code.
+        TaskTimeout with the machine-readable code; a refused lease's ``retry_after_ms``
+        (the manager's hint of when a slot should be free) is on the ``TaskRefused``.
 
         Gives up at ``timeout_s`` from now. A lease request that gets no answer in time, or
         cannot be sent (the manager or the broker away), is asked again until then — a lease
@@ -670,7 +671,7 @@ class MeshClient:
         deadline = time.time() + timeout_s
         lease = await self._acquire_until(capability, version_spec, deadline)
         if isinstance(lease, Refusal):
-            raise TaskRefused(lease.reason.value, lease.detail)
+            raise TaskRefused(lease.reason.value, lease.detail, retry_after_ms=lease.retry_after_ms)
         try:
             result = await self._send_and_wait(lease, payload, deadline)
         finally:

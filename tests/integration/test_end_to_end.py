@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from mesh.agent import Agent, AgentRuntime, AgentSettings
-from mesh.errors import TaskInputInvalid
+from mesh.errors import TaskInputInvalid, TaskRefused
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
@@ -129,6 +129,12 @@ async def test_draining_an_agent_with_tasks_in_flight_loses_none_of_them(
     assert getattr(accepted, "in_flight", None) == 6
     refused = await client.acquire("test.echo")
     assert getattr(refused, "reason", None) == "NO_AGENT_AVAILABLE"
+    # run_task refuses the same way, and passes on the manager's hint of when to ask again.
+    with pytest.raises(TaskRefused) as refused_task:
+        await client.run_task("test.echo", {"message": "one more"}, timeout_s=5)
+    assert refused_task.value.code == "NO_AGENT_AVAILABLE"
+    hint = getattr(refused, "retry_after_ms", None)
+    assert hint is not None and refused_task.value.retry_after_ms == hint
 
     results = await asyncio.gather(*tasks)
     assert sorted(r.output["message"] for r in results) == sorted(f"task {i}" for i in range(6))
