@@ -321,6 +321,7 @@ class AgentRuntime:
         self._control_consumer: Subscription | None = None
         self._task_consumer: Subscription | None = None
         self._pool_consumer: Subscription | None = None  # our pool's shared task queue
+        self._pool_epoch: int | None = None  # the newest descriptor epoch known when it began
         self._pool_lock = asyncio.Lock()
         self._registration: asyncio.Future[RegistrationReply] | None = None
         self._reregistration: asyncio.Task[None] | None = None
@@ -431,14 +432,24 @@ class AgentRuntime:
             self._ready.set()
         log.info("agent ready", extra=self._extra(capabilities=sorted(self._capabilities)))
 
-    async def _consume_pool(self) -> None:
+    async def _consume_pool(self, epoch: int | None = None) -> None:
         """Take admitted tasks from our pool's queue (``<ns>.pool.<deployment>.tasks``),
         alongside the other agents of the pool. The manager declares it when the pool's
         descriptor is published; until then there is nothing to take, and each announcement
-        of a newer epoch (:meth:`_on_event`) tries again — subscribing afresh, which also
-        recovers from an operator deleting and the manager declaring the queue again."""
+        of a newer epoch (:meth:`_on_event`, ``epoch``) tries again — subscribing afresh,
+        which also recovers from an operator deleting and the manager declaring the queue
+        again. Not when the consumer there began at that epoch or later, or before any
+        epoch was known (the start's subscription and the first announcement race): a
+        subscription replaced hands its prefetched tasks back to the queue, where they
+        come again marked redelivered."""
         async with self._pool_lock:
             if self._draining or self.core.phase not in ("starting", "running"):
+                return
+            if self._pool_consumer is not None and (
+                epoch is None or self._pool_epoch is None or epoch <= self._pool_epoch
+            ):
+                if self._pool_epoch is None:
+                    self._pool_epoch = epoch  # the first epoch learned: the queue consumed
                 return
             old, self._pool_consumer = self._pool_consumer, None
             await _cancel_quietly(old)
@@ -453,6 +464,7 @@ class AgentRuntime:
             if self._draining:  # began draining meanwhile
                 await self._stop_pool_consumer()
                 return
+            self._pool_epoch = self.core.active_epoch
         self.counters["pool_subscriptions"] += 1
         log.info("taking tasks from the pool queue", extra=self._extra(queue=queue))
 
@@ -1009,7 +1021,7 @@ class AgentRuntime:
             if seen.newer:
                 log.info("descriptor epoch", extra=self._extra(descriptor_epoch=seen.epoch))
             if seen.resubscribe:  # a new epoch may come with a new queue
-                self._spawn(self._consume_pool(), "pool consumer")
+                self._spawn(self._consume_pool(seen.epoch), "pool consumer")
             return
         self.counters["grants_revoked_seen"] += 1
         log.info(

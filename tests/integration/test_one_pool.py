@@ -431,3 +431,30 @@ async def test_an_agent_may_be_told_to_run_open_tasks(
             assert isinstance(answer, TaskResult) and answer.status == "ok", answer
         finally:
             await agent.stop()
+
+
+async def test_an_agent_subscribes_to_its_pool_queue_once_and_again_for_a_newer_epoch(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """The start's subscription and the first epoch announcement race: one subscription, so
+    no task prefetched by a replaced consumer comes again marked redelivered. A newer epoch
+    (the descriptor published again) subscribes afresh, as it may come with a new queue."""
+    async with echo_manager(amqp_url, namespace, tmp_path) as (_, client):
+        agent = echo_runtime(amqp_url, namespace, "echo-once")
+        await agent.start()
+        try:
+            await eventually(lambda: agent.core.active_epoch is not None, what="the epoch")
+            first = agent.core.active_epoch
+            await asyncio.sleep(0.5)  # a second subscription spawned by the event would be done
+            assert agent.counters["pool_subscriptions"] == 1, agent.counters
+            newer = echo_descriptor(16)
+            newer = newer.model_copy(update={"descriptor_epoch": newer.descriptor_epoch + 1})
+            accepted = await client.publish_descriptor(newer)
+            assert accepted.type.endswith("accepted.v1"), accepted
+            await eventually(
+                lambda: agent.counters["pool_subscriptions"] == 2, what="a fresh subscription"
+            )
+            assert agent.core.active_epoch is not None and first is not None
+            assert agent.core.active_epoch > first
+        finally:
+            await agent.stop()
