@@ -935,16 +935,13 @@ class SqlLedger(abc.ABC):
         of them together, one insert for their log. Each answers as ``release`` would have in
         the given order: the first of two equal releases releases, the second (and any that
         matched nothing) is told why not, read after the update."""
-        pairs = list(dict.fromkeys(releases))
-        rows: list[tuple[Any, ...]] = []
-        for chunk in _chunks(pairs, 200):
-            rows += db.execute(
-                f"UPDATE {self._t.reservation} SET state = 'RELEASED', updated_at = ?"
-                f" FROM (VALUES {', '.join(['(?, ?)'] * len(chunk))}) AS v"
-                f" WHERE admission_id = v.column1 AND fence = v.column2 AND state IN {_HOLDING}"
-                f" RETURNING {_RES_COLUMNS}",
-                [now, *(value for pair in chunk for value in pair)],
-            )
+        rows = self._update_by_pairs(
+            db,
+            "state = 'RELEASED', updated_at = ?",
+            list(dict.fromkeys(releases)),
+            f"fence = v.column2 AND state IN {_HOLDING}",
+            (now,),
+        )
         released = {(r.admission_id, r.fence): r for r in self._with_items(db, rows)}
         self._give_back(db, released.values())
         answers: list[Reservation | None] = [released.pop(pair, None) for pair in releases]
@@ -967,16 +964,14 @@ class SqlLedger(abc.ABC):
         # Each due row under a fence of its own, ascending in admission-ID order; rows a
         # concurrent release ended meanwhile are left out by the UPDATE's own condition.
         fences = self._next_fences(db, len(due)) if due else []
-        renamed = [(str(a), fence) for (a,), fence in zip(due, fences, strict=True)]
-        rows: list[tuple[Any, ...]] = []
-        for chunk in _chunks(renamed, 200):
-            rows += db.execute(
-                f"UPDATE {self._t.reservation} SET state = 'EXPIRED', fence = v.column2,"
-                f" updated_at = ? FROM (VALUES {', '.join(['(?, ?)'] * len(chunk))}) AS v"
-                f" WHERE admission_id = v.column1 AND state IN {_HOLDING} AND expires_at <= ?"
-                f" RETURNING {_RES_COLUMNS}",
-                [now, *(value for pair in chunk for value in pair), now],
-            )
+        rows = self._update_by_pairs(
+            db,
+            "state = 'EXPIRED', fence = v.column2, updated_at = ?",
+            [(str(a), fence) for (a,), fence in zip(due, fences, strict=True)],
+            f"state IN {_HOLDING} AND expires_at <= ?",
+            (now,),
+            (now,),
+        )
         expired = self._with_items(db, rows)
         self._give_back(db, expired)
         self._append_logs(
@@ -985,6 +980,28 @@ class SqlLedger(abc.ABC):
         if expired:
             log.info("expired %d reservations", len(expired), extra={"now": now})
         return expired
+
+    def _update_by_pairs(
+        self,
+        db: Db,
+        assignments: str,
+        pairs: Sequence[tuple[str, int]],
+        condition: str,
+        set_params: Sequence[Any],
+        condition_params: Sequence[Any] = (),
+    ) -> list[tuple[Any, ...]]:
+        """``UPDATE reservation SET <assignments> FROM (VALUES (id, fence), …) AS v WHERE
+        admission_id = v.column1 AND <condition>``, 200 pairs a statement (``v.column2`` is
+        each row's fence): the updated rows' columns."""
+        rows: list[tuple[Any, ...]] = []
+        for chunk in _chunks(pairs, 200):
+            rows += db.execute(
+                f"UPDATE {self._t.reservation} SET {assignments}"
+                f" FROM (VALUES {', '.join(['(?, ?)'] * len(chunk))}) AS v"
+                f" WHERE admission_id = v.column1 AND {condition} RETURNING {_RES_COLUMNS}",
+                [*set_params, *(value for pair in chunk for value in pair), *condition_params],
+            )
+        return rows
 
     def _why_not(self, db: Db, admission_id: str, fence: int, now: float, verb: str) -> Refused:
         current = self._select(db, admission_id)
