@@ -185,6 +185,20 @@ def _functions(s: str) -> list[str]:
                 END IF;
               END LOOP;
             END $$""",
+        # Reservations just ended, as one tail of every set-based release and sweep: their
+        # counters given back together, and one log row each, in the order of ``p_rows``
+        # (the rows as JSON, their log event and the state it leads to).
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_settle(p_rows jsonb[], p_at float8,
+                p_event text, p_state text) RETURNS void
+            LANGUAGE plpgsql AS $$
+            BEGIN
+              PERFORM "{s}".ledger_give_back(coalesce(
+                (SELECT jsonb_agg(i) FROM unnest(p_rows) AS t(e),
+                   jsonb_array_elements((e->>8)::jsonb) AS x(i)), '[]'));
+              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
+              SELECT p_at, e->>0, p_event, p_state, (e->>4)::bigint
+                FROM unnest(p_rows) WITH ORDINALITY AS t(e, n) ORDER BY n;
+            END $$""",
         # A decided batch's fresh rows (SqlLedger._flush_plan, as one call): capacities set,
         # counters taken by conditional increments in the given (global) order, reservations,
         # log, snapshots, decisions. A counter that moved, or a decision recorded meanwhile
@@ -259,29 +273,24 @@ def _functions(s: str) -> list[str]:
         f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release_many(p_ids text[], p_fences bigint[],
                 p_at float8) RETURNS text
             LANGUAGE plpgsql AS $$
-            DECLARE g record; v_row jsonb; v_rows jsonb[] := '{{}}'; v_items jsonb := '[]';
+            DECLARE g record; v_row jsonb; v_rows jsonb[] := '{{}}';
             BEGIN
               FOR g IN SELECT DISTINCT t.id COLLATE "C" AS id, t.fence
                          FROM unnest(p_ids, p_fences) AS t(id, fence) ORDER BY 1, 2 LOOP
                 UPDATE "{s}".ledger_reservation AS r SET state = 'RELEASED', updated_at = p_at
                  WHERE r.admission_id = g.id AND r.fence = g.fence AND r.state IN {_HOLDING}
                 RETURNING {_row_json(s, "r")} INTO v_row;
-                IF FOUND THEN
-                  v_rows := array_append(v_rows, v_row);
-                  v_items := v_items || (v_row->>8)::jsonb;
-                END IF;
+                IF FOUND THEN v_rows := array_append(v_rows, v_row); END IF;
               END LOOP;
-              PERFORM "{s}".ledger_give_back(v_items);
-              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
-              SELECT p_at, e->>0, '{released}', '{TRANSITIONS[released].target}', (e->>4)::bigint
-                FROM unnest(v_rows) WITH ORDINALITY AS t(e, n) ORDER BY n;
+              PERFORM "{s}".ledger_settle(v_rows, p_at, '{released}',
+                                          '{TRANSITIONS[released].target}');
               RETURN to_jsonb(v_rows)::text;
             END $$""",
         # SqlLedger._expire_due as one call: the expired rows (a JSON array), each under a
         # new fence; due rows another transaction holds are skipped (it deals with them).
         f"""CREATE OR REPLACE FUNCTION "{s}".ledger_expire(p_at float8) RETURNS text
             LANGUAGE plpgsql AS $$
-            DECLARE v_id text; v_row jsonb; v_rows jsonb[] := '{{}}'; v_items jsonb := '[]';
+            DECLARE v_id text; v_row jsonb; v_rows jsonb[] := '{{}}';
             BEGIN
               FOR v_id IN SELECT admission_id FROM "{s}".ledger_reservation
                            WHERE state IN {_HOLDING} AND expires_at <= p_at
@@ -291,15 +300,11 @@ def _functions(s: str) -> list[str]:
                        updated_at = p_at
                  WHERE r.admission_id = v_id AND r.state IN {_HOLDING} AND r.expires_at <= p_at
                 RETURNING {_row_json(s, "r")} INTO v_row;
-                IF FOUND THEN
-                  v_rows := array_append(v_rows, v_row);
-                  v_items := v_items || (v_row->>8)::jsonb;
-                END IF;
+                IF FOUND THEN v_rows := array_append(v_rows, v_row); END IF;
               END LOOP;
-              PERFORM "{s}".ledger_give_back(v_items);
-              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
-              SELECT p_at, e->>0, '{expired}', '{TRANSITIONS[expired].target}', (e->>4)::bigint
-                FROM unnest(v_rows) AS t(e) ORDER BY (e->>4)::bigint;
+              -- Fences were drawn in loop order: the rows' order is the fences' order.
+              PERFORM "{s}".ledger_settle(v_rows, p_at, '{expired}',
+                                          '{TRANSITIONS[expired].target}');
               RETURN to_jsonb(v_rows)::text;
             END $$""",
     ]
