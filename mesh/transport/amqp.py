@@ -795,6 +795,8 @@ class AmqpTransport:
         self, queue: str, handler: Handler, *, prefetch: int = 1, no_ack: bool = False
     ) -> Consumer:
         """Consume ``queue`` on its own channel. With ``no_ack`` nothing needs acking.
+        ``TopologyMissing`` if the queue does not exist; ``TransportError`` if it is another
+        connection's exclusive queue.
 
         Each delivery goes from aiormq straight into a :class:`Delivery` (no aio-pika
         ``IncomingMessage``, one task per message instead of two); the consumer subscribes
@@ -805,9 +807,18 @@ class AmqpTransport:
             await self._queue_on(channel, queue)  # it exists (and aio-pika restores it)
             consumer = Consumer(channel, queue, handler, prefetch=prefetch, no_ack=no_ack)
             await consumer.subscribe()
-        except BaseException:
+        except BaseException as exc:
             if not channel.is_closed:
                 await channel.close()
+            if isinstance(exc, aio_pika.exceptions.ChannelNotFoundEntity):
+                raise TopologyMissing(
+                    f"queue {queue!r} does not exist: declare the topology first ({exc})"
+                ) from None
+            if isinstance(exc, aiormq.exceptions.ChannelLockedResource):
+                raise TransportError(
+                    f"queue {queue!r} is exclusive to another connection: only the "
+                    f"connection that declared it may consume it ({exc})"
+                ) from None
             raise
         return consumer
 

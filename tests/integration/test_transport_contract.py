@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import pytest
 
 from mesh import constants as c
-from mesh.errors import PublishNacked, PublishUnroutable, TopologyMismatch
+from mesh.errors import PublishNacked, PublishUnroutable, TopologyMismatch, TransportError
 from mesh.testing import InMemoryBroker, InMemoryTransport
 from mesh.topology import BindingSpec, Declarations, ExchangeSpec, QueueArguments, QueueSpec
 from mesh.transport import Delivery
@@ -395,6 +395,27 @@ async def test_reject_with_requeue_redelivers_the_message_marked_redelivered(
 
     assert (second.body, second.redelivered) == (b"try again", True)
     await second.ack()
+
+
+async def test_consuming_a_missing_or_anothers_exclusive_queue_is_a_transport_error(
+    backend: Backend,
+) -> None:
+    """Typed errors, naming the queue, and the transport still good for the next consumer."""
+    t = await backend.transport()
+    missing = backend.name("missing")
+    with pytest.raises(TransportError, match="missing"):
+        await t.consume(missing, Inbox())
+    owner = await backend.transport("owner")
+    mine = backend.name("exclusive")
+    await owner.declare(Declarations(queues=(QueueSpec(mine, durable=False, exclusive=True),)))
+    with pytest.raises(TransportError, match="exclusive"):
+        await t.consume(mine, Inbox())
+    q = backend.name("after")
+    await t.declare(Declarations(queues=(QueueSpec(q, durable=False),)))
+    inbox = Inbox()
+    await t.consume(q, inbox, no_ack=True)
+    await t.publish_fast("", q, b"x")
+    assert [d.body for d in await inbox.wait_for(1)] == [b"x"]
 
 
 async def test_an_auto_delete_queue_goes_when_its_last_consumer_is_cancelled(
