@@ -102,6 +102,7 @@ _SHORT = struct.Struct(">B")
 _TAG = struct.Struct(">QB")  # delivery tag, redelivered
 _ACK = struct.Struct(">BHIHHQBB")  # a whole basic.ack frame: header, method, tag, bits, end
 _CONTROL_TIMEOUT_S = 10.0
+_CLOSE_WAIT_S = 1.0  # for the broker's close-ok
 _NOT_FOUND = 404
 _CLOSE_CHANNEL = spec.Channel.Close(reply_code=200, reply_text="done", class_id=0, method_id=0)
 
@@ -472,6 +473,8 @@ class _Wire(asyncio.Protocol):
         elif isinstance(frame, spec.Connection.OpenOk):
             if not self.opened.done():
                 self.opened.set_result(None)
+        elif isinstance(frame, spec.Connection.CloseOk):  # our close, confirmed: the
+            self.abort()  # socket is ours to close (the broker waits for us to)
         elif isinstance(frame, spec.Connection.Close):
             self.send(0, spec.Connection.CloseOk())
             if not self.opened.done():
@@ -761,6 +764,9 @@ class LeanConnection:
             self._retry_soon(consumer)
 
     async def close(self) -> None:
+        """Close the connection as AMQP says: ``connection.close``, and the socket once the
+        broker's ``close-ok`` came (it waits for us to close it); dropped after
+        ``_CLOSE_WAIT_S`` without one (logged)."""
         self._closing = True
         for task in [self._keeper, *self._retries]:
             if task is not None:
@@ -771,8 +777,13 @@ class LeanConnection:
         if wire is not None:
             wire.send(0, spec.Connection.Close(200, "closing", 0, 0))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
+                async with asyncio.timeout(_CLOSE_WAIT_S):
                     await asyncio.shield(wire.lost)
+            if not wire.lost.done():
+                log.warning(
+                    "the broker did not confirm the close in time; dropping the connection",
+                    extra={"connection": self._name, "waited_s": _CLOSE_WAIT_S},
+                )
             wire.abort()
 
     # ---- the connection's life --------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import pytest
@@ -308,3 +309,15 @@ async def test_replies_come_on_the_consume_only_connection_from_an_exclusive_que
         return any(d.correlation_id == "c-2" for d in got)
 
     await eventually(replies_again, timeout_s=20, what="the reply queue declared again")
+
+
+async def test_closing_the_consume_only_connection_closes_its_socket_on_the_brokers_close_ok(
+    transport_factory: Any, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker answers connection.close with close-ok and waits for the client to close
+    the socket: closing it then, not after waiting out a timeout (which cost every `mesh`
+    command and every client's close a second)."""
+    transport, _, _, _ = await raw_queues(transport_factory, namespace, "raw-close", 1)
+    with caplog.at_level(logging.WARNING, logger="mesh.transport.lean"):
+        await transport.close()
+    assert "did not confirm the close" not in caplog.text
