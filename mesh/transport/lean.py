@@ -9,8 +9,8 @@ a manager's time at 50,000 agents. This connection parses the byte stream in pla
 message that arrived in one read goes to the callback as one batch.
 
 What it does, and no more: connect (TCP or TLS, PLAIN login, the vhost of the URL), negotiate
-the AMQP heartbeat (the URL's ``heartbeat``, else 60 s, as aiormq), open a channel and
-``basic.consume``; reconnect and consume again after any loss. It never
+the AMQP heartbeat (the URL's ``heartbeat``, else 60 s, as aiormq), open one channel per
+consumer and ``basic.consume``; reconnect and consume again after any loss. It never
 publishes. Control frames (the handshake, channel open and close, qos, consume and cancel,
 the broker's close) are marshalled and parsed by pamqp, as aiormq does; only the frames of a
 delivery (``basic.deliver``, the content header, the body) are read by hand.
@@ -19,14 +19,7 @@ Two ways to consume:
 
 * **No ack** (:meth:`LeanConnection.consume`, heartbeats): of the header only the body size
   and the ``user_id`` property (which RabbitMQ validates) are read, and the callback gets
-  ``(body, user_id)`` pairs. Every no-ack queue of the connection is consumed on **one
-  channel**, each delivery routed to its consumer by the consumer tag of its
-  ``basic.deliver``: RabbitMQ writes each channel's frames to the socket on its own, so a
-  manager consuming the heartbeat queues of eight shards on eight channels got eight
-  smaller writes where one channel gives one, and woke up that many more times. Before a
-  queue joins the shared channel it is looked up with a passive declare on a channel of its
-  own, so that a missing queue closes that one and not the channel every other no-ack
-  queue is consumed on.
+  ``(body, user_id)`` pairs.
 * **Acked** (:meth:`LeanConnection.consume_acked`, announcements: thousands a second while a
   fleet registers): with a prefetch, each delivery handed over as a :class:`Delivery` whose
   ``ack``/``reject`` queue a frame; every settlement asked for in one turn of the event loop
@@ -234,10 +227,11 @@ class _Consuming:
         self.consumer_tag = ""
 
 
-def _consumer_tag(buffer: bytearray, at: int) -> bytes:
-    """The consumer tag of the ``basic.deliver`` frame at ``at``."""
-    size = buffer[at + 11]
-    return bytes(buffer[at + 12 : at + 12 + size])
+def _deliver(consuming: _Consuming | None, buffer: bytearray, at: int, end: int) -> None:
+    """A ``basic.deliver`` frame: a consumer of :class:`Delivery` objects keeps it (its tag,
+    exchange and routing key); a raw consumer needs nothing in it (one queue per channel)."""
+    if consuming is not None and consuming.on_deliveries is not None:
+        consuming.deliver = bytes(buffer[at + 7 : end])
 
 
 class _Settle:
@@ -264,7 +258,7 @@ class _Wire(asyncio.Protocol):
         vhost: str,
         heartbeat: int,
         name: str,
-        on_lost_consumer: Callable[[_Consuming], None],
+        on_lost_consumer: Callable[[int], None],
     ) -> None:
         loop = asyncio.get_running_loop()
         self._login, self._vhost, self._heartbeat, self._name = login, vhost, heartbeat, name
@@ -277,10 +271,6 @@ class _Wire(asyncio.Protocol):
         self.frame_max = 131_072
         self.channel_max = 2047
         self.consumers: dict[int, _Consuming] = {}  # channel -> what is delivered on it
-        # The shared no-ack channel's consumers by consumer tag: its ``basic.deliver`` names
-        # the one the content frames after it go to (``consumers[shared]`` then).
-        self.shared: int | None = None
-        self.routes: dict[bytes, _Consuming] = {}
         self.in_use: set[int] = set()  # channels open or closing
         self._waiting: dict[int, tuple[tuple[type[Frame], ...], asyncio.Future[Frame]]] = {}
         self.callback_errors = 0
@@ -326,7 +316,7 @@ class _Wire(asyncio.Protocol):
                     if self._header(consuming, buffer, at, end):
                         touched.append(consuming)
                 elif kind == _METHOD and buffer[at + 7 : at + 11] == _DELIVER:
-                    self._deliver(channel, consuming, buffer, at, end)
+                    _deliver(consuming, buffer, at, end)
                 elif kind == _METHOD:
                     self._method(channel, bytes(buffer[at : end + 1]))
                 at = end + 1
@@ -339,22 +329,6 @@ class _Wire(asyncio.Protocol):
                 self._hand_over(consuming)
 
     # ---- deliveries -------------------------------------------------------------------------
-    def _deliver(
-        self, channel: int, consuming: _Consuming | None, buffer: bytearray, at: int, end: int
-    ) -> None:
-        """A ``basic.deliver`` frame (at ``at``). On the shared channel, the content after it
-        goes to the consumer its tag names (to nobody if that one was cancelled meanwhile).
-        A consumer of :class:`Delivery` objects keeps it (its tag, exchange and routing
-        key); a raw consumer needs nothing else in it."""
-        if channel == self.shared:
-            routed = self.routes.get(_consumer_tag(buffer, at))
-            if routed is None:
-                self.consumers.pop(channel, None)
-            else:
-                self.consumers[channel] = routed
-        elif consuming is not None and consuming.on_deliveries is not None:
-            consuming.deliver = bytes(buffer[at + 7 : end])
-
     def _header(self, consuming: _Consuming, buffer: bytearray, at: int, end: int) -> bool:
         """A content header frame (at ``at``): the body size, and the user (no ack) or the
         whole header for later (acked); True if the delivery is whole (an empty body)."""
@@ -487,39 +461,19 @@ class _Wire(asyncio.Protocol):
             self._lose(channel, f"{frame.reply_code} {frame.reply_text}")
             self._answer(channel, frame)
         elif isinstance(frame, spec.Basic.Cancel):  # its queue was deleted
-            self._cancelled(channel, frame.consumer_tag or "")
+            self.send(channel, _CLOSE_CHANNEL)  # CloseOk frees the number
+            self._lose(channel, "the broker cancelled the consumer (its queue deleted?)")
         elif isinstance(frame, spec.Channel.CloseOk):
             self.in_use.discard(channel)
             self._answer(channel, frame)
         else:
             self._answer(channel, frame)
 
-    def _cancelled(self, channel: int, tag: str) -> None:
-        """The broker cancelled a consumer (its queue was deleted): its owner tries again. A
-        channel of its own is closed (``CloseOk`` frees the number); the shared one stays."""
-        why = "the broker cancelled the consumer (its queue deleted?)"
-        if channel != self.shared:
-            self.send(channel, _CLOSE_CHANNEL)
-            self._lose(channel, why)
-            return
-        consuming = self.routes.pop(tag.encode(), None)
-        if consuming is None:
-            return
-        if self.consumers.get(channel) is consuming:
-            del self.consumers[channel]
-        log.warning("a consumer of the shared channel ended", extra={"tag": tag, "why": why})
-        self._on_lost_consumer(consuming)
-
     def _lose(self, channel: int, why: str) -> None:
-        """A channel ended without our asking: the owners of its consumers try again."""
-        consuming = self.consumers.pop(channel, None)
-        lost = [] if consuming is None else [consuming]
-        if channel == self.shared:
-            lost, self.routes, self.shared = list(self.routes.values()), {}, None
-        if lost:
+        """A consumer's channel ended without our asking: its owner tries it again."""
+        if self.consumers.pop(channel, None) is not None:
             log.warning("a consume-only channel ended", extra={"channel": channel, "why": why})
-        for consuming in lost:
-            self._on_lost_consumer(consuming)
+            self._on_lost_consumer(channel)
 
     def _answer(self, channel: int, frame: Frame) -> None:
         waiting = self._waiting.pop(channel, None)
@@ -620,9 +574,8 @@ class LeanConnection:
         self._query = query
         self._name = name
         self.reconnect_interval_s = float(query.get("reconnect_interval", reconnect_interval_s))
-        # every consumer -> how it is consumed on the current connection (None: not now)
-        self._consumers: dict[LeanConsumer, _Consuming | None] = {}
-        self._tags = 0  # consumer tags given on the shared no-ack channel
+        # every consumer -> its channel on the current connection (None: not consuming now)
+        self._consumers: dict[LeanConsumer, int | None] = {}
         self._wire: _Wire | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._retries: set[asyncio.Task[None]] = set()
@@ -680,24 +633,12 @@ class LeanConnection:
         return consumer
 
     async def forget(self, consumer: LeanConsumer) -> None:
-        consuming = self._consumers.pop(consumer, None)
+        channel = self._consumers.pop(consumer, None)
         wire = self._wire
-        if consuming is None or wire is None:
+        if channel is None or wire is None:
             return
-        channel = consuming.channel
-        if channel == wire.shared:
-            # One consumer of the shared channel: nothing more is handed to it from now on
-            # (deliveries already sent for it are dropped), and the broker stops sending.
-            if wire.routes.pop(consuming.consumer_tag.encode(), None) is None:
-                return  # the broker cancelled it, or the channel ended
-            if wire.consumers.get(channel) is consuming:
-                del wire.consumers[channel]
-            async with self._lock:
-                with contextlib.suppress(TransportError, *_CONNECTION_LOST):
-                    cancel = spec.Basic.Cancel(consuming.consumer_tag)
-                    await wire.call(channel, cancel, spec.Basic.CancelOk)
-            return
-        if consuming.acked:
+        consuming = wire.consumers.get(channel)
+        if consuming is not None and consuming.acked:
             # Acked: no more deliveries from now on; the channel stays open until what it
             # delivered is settled (closing it would requeue those: handled twice).
             consuming.cancelled = True
@@ -746,7 +687,7 @@ class LeanConnection:
             return False
         async with self._lock:
             wire = self._wire
-            for consumer in [c for c, on in self._consumers.items() if on is None]:
+            for consumer in [c for c, channel in self._consumers.items() if channel is None]:
                 if wire is not None:
                     await self._try_subscribe(wire, consumer)
         return True
@@ -807,11 +748,7 @@ class LeanConnection:
         return wire
 
     async def _subscribe(self, wire: _Wire, consumer: LeanConsumer) -> None:
-        """Consume ``consumer``'s queue (under the lock): without acks on the shared
-        channel, otherwise on a channel of its own."""
-        if consumer.callback is not None and not consumer.acked and consumer.declare is None:
-            await self._subscribe_shared(wire, consumer)
-            return
+        """Open a channel and consume ``consumer``'s queue on it (under the lock)."""
         channel = wire.free_channel()
         wire.in_use.add(channel)
         await wire.call(channel, spec.Channel.Open(), spec.Channel.OpenOk)
@@ -829,56 +766,17 @@ class LeanConnection:
             consume = spec.Basic.Consume(queue=consumer.queue_name, no_ack=not acked)
             ok = await wire.call(channel, consume, spec.Basic.ConsumeOk)
             assert isinstance(ok, spec.Basic.ConsumeOk)
-            consuming = wire.consumers[channel]
-            consuming.consumer_tag = ok.consumer_tag or ""
+            wire.consumers[channel].consumer_tag = ok.consumer_tag or ""
         except BaseException:
             wire.consumers.pop(channel, None)
             raise
-        self._consumers[consumer] = consuming
+        self._consumers[consumer] = channel
 
-    async def _subscribe_shared(self, wire: _Wire, consumer: LeanConsumer) -> None:
-        """Consume a no-ack queue on the shared channel (opened on first use), under a
-        consumer tag of ours: its route is in place before the broker can deliver."""
-        queue = consumer.queue_name
-        if wire.shared is None:
-            channel = wire.free_channel()
-            wire.in_use.add(channel)
-            await wire.call(channel, spec.Channel.Open(), spec.Channel.OpenOk)
-            wire.shared = channel
-        elif wire.routes:  # a missing queue must not close the channel the others are on
-            await self._look_up(wire, queue)
-        channel = wire.shared
-        self._tags += 1
-        consuming = _Consuming(channel, consumer.callback, acked=False)
-        consuming.consumer_tag = f"{self._name}/{self._tags}"[-255:]
-        tag = consuming.consumer_tag.encode()
-        wire.routes[tag] = consuming
-        try:
-            consume = spec.Basic.Consume(
-                queue=queue, consumer_tag=consuming.consumer_tag, no_ack=True
-            )
-            await wire.call(channel, consume, spec.Basic.ConsumeOk)
-        except BaseException:
-            wire.routes.pop(tag, None)
-            raise
-        self._consumers[consumer] = consuming
-
-    async def _look_up(self, wire: _Wire, queue: str) -> None:
-        """A passive declare of ``queue`` on a channel of its own (closed after):
-        ``TopologyMissing`` if there is no such queue."""
-        channel = wire.free_channel()
-        wire.in_use.add(channel)
-        await wire.call(channel, spec.Channel.Open(), spec.Channel.OpenOk)
-        declare = spec.Queue.Declare(queue=queue, passive=True)
-        await wire.call(channel, declare, spec.Queue.DeclareOk)  # the broker closes it if not
-        await wire.call(channel, _CLOSE_CHANNEL, spec.Channel.CloseOk)
-
-    def _lost_consumer(self, consuming: _Consuming) -> None:
-        """A consumer ended without our asking (its queue deleted, a channel error): tried
-        again every reconnect interval while the connection lasts (and with it after a
-        reconnect)."""
+    def _lost_consumer(self, channel: int) -> None:
+        """A consumer's channel ended (its queue deleted, a channel error): tried again
+        every reconnect interval while the connection lasts (and with it after a reconnect)."""
         for consumer, on in self._consumers.items():
-            if on is consuming:
+            if on == channel:
                 self._consumers[consumer] = None
                 self._retry_soon(consumer)
 
@@ -892,11 +790,7 @@ class LeanConnection:
             await asyncio.sleep(self.reconnect_interval_s)
             async with self._lock:
                 wire = self._wire
-                if (
-                    wire is None
-                    or consumer not in self._consumers
-                    or self._consumers[consumer] is not None
-                ):
+                if wire is None or consumer not in self._consumers or self._consumers[consumer]:
                     return  # gone, or the reconnect consumes it
                 try:
                     await self._subscribe(wire, consumer)

@@ -128,48 +128,6 @@ async def test_raw_consumers_share_a_consume_only_connection_that_comes_back_whe
     await eventually(consuming_again, timeout_s=20, what="both queues consumed again")
 
 
-async def test_raw_consumers_share_one_channel_and_one_leaving_or_missing_spares_the_others(
-    transport_factory: Any, namespace: str, management_api: Any
-) -> None:
-    transport, queues, got, consumers = await raw_queues(
-        transport_factory, namespace, "raw-shared", 3
-    )
-
-    async def channels() -> set[tuple[str, int]]:
-        found = set()
-        for queue in queues:
-            details = (await asyncio.to_thread(management_api.get_queue, queue)).get(
-                "consumer_details"
-            ) or [{}]
-            channel = details[0].get("channel_details") or {}
-            found.add((channel.get("connection_name", ""), channel.get("number", 0)))
-        return found
-
-    async def one_channel() -> bool:
-        found = await channels()
-        return len(found) == 1 and next(iter(found))[1] > 0
-
-    await eventually(one_channel, timeout_s=20, what="every queue's consumer on one channel")
-    for queue in queues:
-        await transport.publish_fast("", queue, b"one")
-    await eventually(lambda: all(got[q] == [b"one"] for q in queues), what="each its own")
-
-    # A queue that does not exist: a clear error, and the shared channel is untouched.
-    with pytest.raises(TopologyMissing, match="raw-shared-missing"):
-        await transport.consume_raw(f"{namespace}.raw-shared-missing", lambda body, _: None)
-    # One consumer leaves: its queue keeps what comes, the others still get theirs.
-    await consumers[0].cancel()
-    for queue in queues:
-        await transport.publish_fast("", queue, b"two")
-    # Within 2 s: had the missing queue closed the shared channel, the others would be
-    # consumed again only after the 5 s reconnect interval.
-    await eventually(
-        lambda: all(got[q] == [b"one", b"two"] for q in queues[1:]), timeout_s=2, what="others"
-    )
-    await eventually(lambda: transport.queue_depth(queues[0]), what="the left queue's message")
-    assert await transport.queue_depth(queues[0]) == 1 and got[queues[0]] == [b"one"]
-
-
 async def test_a_raw_consumer_of_a_missing_queue_is_a_clear_error(
     transport_factory: Any, namespace: str
 ) -> None:

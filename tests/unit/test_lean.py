@@ -55,12 +55,10 @@ def test_the_user_id_is_read_past_every_property_before_it(
     assert user_id_of(payload) == properties.user_id
 
 
-def delivery_frames(
-    channel: int, body: bytes, user_id: str | None, frame_max: int, consumer_tag: str = "ctag"
-) -> bytes:
+def delivery_frames(channel: int, body: bytes, user_id: str | None, frame_max: int) -> bytes:
     """A delivery as the broker sends it: deliver, content header, body frames."""
     deliver = aiormq.spec.Basic.Deliver(
-        consumer_tag=consumer_tag, delivery_tag=1, exchange="mesh.hb", routing_key="hb.a"
+        consumer_tag="ctag", delivery_tag=1, exchange="mesh.hb", routing_key="hb.a"
     )
     header = ContentHeader(
         properties=aiormq.spec.Basic.Properties(content_type="application/json", user_id=user_id),
@@ -141,37 +139,3 @@ def test_the_delivery_tag_and_route_are_read_from_basic_deliver(
         exchange,
         routing_key,
     )
-
-
-@settings(deadline=None)
-@given(
-    messages=st.lists(
-        st.tuples(st.sampled_from(["m/1", "m/2", "gone"]), st.binary(max_size=200)),
-        min_size=1,
-        max_size=30,
-    ),
-    cuts=st.data(),
-)
-def test_deliveries_on_the_shared_channel_go_to_the_consumer_their_tag_names(
-    messages: list[tuple[str, bytes]], cuts: st.DataObject
-) -> None:
-    """Several no-ack queues on one channel: each delivery's content goes to the consumer its
-    ``basic.deliver`` names, in order; one for a consumer cancelled meanwhile ("gone") goes
-    to nobody, and does not end up with the consumer before or after it."""
-    stream = b"".join(
-        delivery_frames(5, body, None, 64, consumer_tag=tag) for tag, body in messages
-    )
-    points = sorted(cuts.draw(st.sets(st.integers(1, len(stream) - 1), max_size=10)))
-
-    async def read() -> dict[str, list[bytes]]:
-        wire = _Wire(("guest", "guest"), "/", 0, "test", lambda _: None)
-        wire.shared = 5
-        got = {tag: Batches() for tag in ("m/1", "m/2")}
-        wire.routes = {tag.encode(): _Consuming(5, got[tag], acked=False) for tag in got}
-        for start, end in zip([0, *points], [*points, len(stream)], strict=True):
-            wire.data_received(stream[start:end])
-        return {tag: [b for batch in g.batches for b, _ in batch] for tag, g in got.items()}
-
-    got = asyncio.run(read())
-    for tag in ("m/1", "m/2"):
-        assert got[tag] == [body for t, body in messages if t == tag]
