@@ -810,7 +810,7 @@ class AmqpTransport:
         except BaseException as exc:
             if not channel.is_closed:
                 await channel.close()
-            if isinstance(exc, aio_pika.exceptions.ChannelNotFoundEntity):
+            if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
                 raise TopologyMissing(
                     f"queue {queue!r} does not exist: declare the topology first ({exc})"
                 ) from None

@@ -85,24 +85,22 @@ async def test_a_plain_callback_gets_each_delivery_as_it_comes(
 
 async def raw_queues(
     transport_factory: Any, namespace: str, name: str, count: int
-) -> tuple[AmqpTransport, list[str], dict[str, list[bytes]], list[Any]]:
-    """``count`` queues consumed raw on one transport: it, the queues, each queue's bodies
-    as they came, and the consumers."""
+) -> tuple[AmqpTransport, list[str], dict[str, list[bytes]]]:
+    """``count`` queues consumed raw on one transport: it, the queues, and each queue's
+    bodies as they came."""
     transport: AmqpTransport = await transport_factory(suffix=name)
     queues = [f"{namespace}.{name}-{n}" for n in range(count)]
     await transport.declare(Declarations(queues=tuple(QueueSpec(q, durable=False) for q in queues)))
     got: dict[str, list[bytes]] = {q: [] for q in queues}
-    consumers = [
+    for queue in queues:
         await transport.consume_raw(queue, lambda body, _, q=queue: got[q].append(body))
-        for queue in queues
-    ]
-    return transport, queues, got, consumers
+    return transport, queues, got
 
 
 async def test_raw_consumers_share_a_consume_only_connection_that_comes_back_when_closed(
     transport_factory: Any, namespace: str, management_api: Any
 ) -> None:
-    transport, queues, got, _ = await raw_queues(transport_factory, namespace, "raw-lean", 2)
+    transport, queues, got = await raw_queues(transport_factory, namespace, "raw-lean", 2)
     # One consume-only connection, named after the transport's, for both queues.
     name = f"{transport.name}:consume"
 
@@ -275,7 +273,7 @@ async def test_closing_the_consume_only_connection_closes_its_socket_on_the_brok
     """The broker answers connection.close with close-ok and waits for the client to close
     the socket: closing it then, not after waiting out a timeout (which cost every `mesh`
     command and every client's close a second)."""
-    transport, _, _, _ = await raw_queues(transport_factory, namespace, "raw-close", 1)
+    transport, _, _ = await raw_queues(transport_factory, namespace, "raw-close", 1)
     with caplog.at_level(logging.WARNING, logger="mesh.transport.lean"):
         await transport.close()
     assert "did not confirm the close" not in caplog.text
