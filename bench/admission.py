@@ -977,11 +977,11 @@ REPEATS = {"SQLite": 9, "PostgreSQL": 5}
 
 class MixedRun:
     """The mixed workload on one admitter: per batch, the clock moves on by the batch's
-    requests, the batch is decided (``admit_many``: one ledger transaction), every other
+    requests, the batch is decided (``admit_batch``: one ledger transaction), every other
     admitted grant is released by its holder ``MIXED_RELEASE_AFTER_S`` later (the releases
-    due together settled ``batch`` per ledger transaction, as the manager's group commit
-    settles releases that arrive together), and every ``MIXED_SWEEP_EVERY_S`` the expiry
-    sweep runs."""
+    due by a batch's time settled in that batch's transaction, as the manager's group commit
+    settles the releases that queued up with a batch), and every ``MIXED_SWEEP_EVERY_S`` the
+    expiry sweep runs."""
 
     def __init__(self, ledger: LedgerStore, now: float) -> None:
         self.admitter = Admitter(ledger, MIXED_POLICY)
@@ -999,20 +999,22 @@ class MixedRun:
         for at in range(0, len(requests), batch):
             chunk = requests[at : at + batch]
             self.now += MIXED_STEP_S * len(chunk)
-            decided = self.admitter.admit_many(chunk, self.now, MIXED_LIVE)
-            outcomes.update(d.outcome for d in decided)
-            for grant in (d.grant for d in decided if d.grant is not None):
-                self.granted += 1
-                if self.granted % 2:  # every other grant, counted across batches
-                    due = self.now + MIXED_RELEASE_AFTER_S
-                    self.holders.append((due, grant.admission_id, grant.fence))
             due = []
             while self.holders and self.holders[0][0] <= self.now:
                 _, admission_id, fence = self.holders.pop(0)
                 due.append((admission_id, fence))
-            for first in range(0, len(due), batch):  # as the manager's group commit does
-                settled = self.admitter.settle_many(due[first : first + batch], self.now)
-                released += sum(reply.released for reply, _, _ in settled)
+            # The releases due settle in the batch's transaction, as the manager's group
+            # commit settles the releases that queued up with a batch of admissions.
+            admitted = self.admitter.admit_batch(chunk, self.now, MIXED_LIVE, releases=due)
+            assert not isinstance(admitted.settled, Exception), admitted.settled
+            released += sum(reply.released for reply, _, _ in admitted.settled)
+            decided = admitted.decisions
+            outcomes.update(d.outcome for d in decided)
+            for grant in (d.grant for d in decided if d.grant is not None):
+                self.granted += 1
+                if self.granted % 2:  # every other grant, counted across batches
+                    due_at = self.now + MIXED_RELEASE_AFTER_S
+                    self.holders.append((due_at, grant.admission_id, grant.fence))
             if self.now >= self.next_sweep:
                 self.next_sweep += MIXED_SWEEP_EVERY_S
                 expired += len(self.admitter.expire(self.now))

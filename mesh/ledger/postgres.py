@@ -26,10 +26,11 @@ the hot paths are one statement each: the admitter's batch reads its view with o
 and sends all its writes as one call of the server-side function ``ledger_apply`` (which
 takes the counters in the global order, raises a StaleView SQLSTATE if one moved, and
 commits with the statement, so the batch needs no BEGIN or COMMIT: two round trips in all,
-where it used to take about 24); a release is one call of ``ledger_release``, the releases
-settled together one of ``ledger_release_many`` (set-based: one UPDATE for the rows, one
-give-back per counter for all of them) and an expiry sweep one of ``ledger_expire``, each its
-own transaction.
+where it used to take about 24); the releases that come with a batch go in its write
+statement instead (``ledger_release_apply``: one commit for both, where they used to cost a
+statement and a commit of their own); a release is one call of ``ledger_release``, the
+releases settled together without a batch one of ``ledger_release_many`` and an expiry sweep
+one of ``ledger_expire``, each its own transaction.
 See ``PostgresLedger.batch`` for why reading the view outside the transaction changes
 nothing under READ COMMITTED. The
 functions are created with CREATE OR REPLACE each time the store opens, so a schema made by
@@ -167,6 +168,44 @@ def _functions(s: str) -> list[str]:
     time a manager of this version opens it; nothing else in the schema changes."""
     stale, short = _STALE_SQLSTATE, _SHORT_SQLSTATE
     released, expired = LedgerEvent.RELEASED, LedgerEvent.EXPIRED
+    # Two parts of a decided batch's writes, shared by ledger_apply and ledger_release_apply:
+    # the capacities it sets, then (after its counters) its fresh rows — reservations, log,
+    # snapshots, decisions; a decision recorded meanwhile for another digest raises {stale}.
+    caps_sql = f"""\
+              FOR x IN SELECT e FROM jsonb_array_elements(p->'caps') WITH ORDINALITY AS t(e, n)
+                        ORDER BY n LOOP
+                INSERT INTO "{s}".ledger_capacity (pool_id, resource, capacity, used)
+                VALUES (x->>0, x->>1, (x->>2)::bigint, 0)
+                ON CONFLICT (pool_id, resource) DO UPDATE SET capacity = excluded.capacity;
+              END LOOP;
+"""
+    rows_sql = f"""\
+              INSERT INTO "{s}".ledger_reservation (admission_id, digest, pool_id, state, fence,
+                  expires_at, created_at, updated_at, items, epoch)
+              SELECT e->>0, e->>1, e->>2, e->>3, (e->>4)::bigint, (e->>5)::float8,
+                     (e->>6)::float8, (e->>7)::float8, e->>8, (e->>9)::bigint
+                FROM jsonb_array_elements(p->'res') WITH ORDINALITY AS t(e, n) ORDER BY n;
+              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
+              SELECT (e->>0)::float8, e->>1, e->>2, e->>3, (e->>4)::bigint
+                FROM jsonb_array_elements(p->'log') WITH ORDINALITY AS t(e, n) ORDER BY n;
+              INSERT INTO "{s}".ledger_eligibility (ref, body)
+              SELECT e->>0, e->>1
+                FROM jsonb_array_elements(p->'snaps') WITH ORDINALITY AS t(e, n) ORDER BY n
+              ON CONFLICT (ref) DO NOTHING;
+              INSERT INTO "{s}".ledger_decision AS d
+                  (admission_id, digest, outcome, decided_at, record)
+              SELECT e->>0, e->>1, e->>2, (e->>3)::float8, e->>4
+                FROM jsonb_array_elements(p->'decs') WITH ORDINALITY AS t(e, n) ORDER BY n
+              ON CONFLICT (admission_id) DO UPDATE SET outcome = excluded.outcome,
+                  decided_at = excluded.decided_at, record = excluded.record
+               WHERE d.digest = excluded.digest;
+              GET DIAGNOSTICS kept = ROW_COUNT;
+              IF kept <> jsonb_array_length(p->'decs') THEN
+                RAISE EXCEPTION USING ERRCODE = '{stale}', MESSAGE = 'a decision of this batch'
+                  ' was recorded meanwhile for another digest (another manager); decide its'
+                  ' calls again one by one';
+              END IF;
+"""
     return [
         # Give back items ([[pool, resource, amount], ...]) in the one global order: the
         # (pool_id, resource) order of Python's sorted(), which is byte order, COLLATE "C".
@@ -207,12 +246,7 @@ def _functions(s: str) -> list[str]:
             LANGUAGE plpgsql AS $$
             DECLARE x jsonb; kept bigint;
             BEGIN
-              FOR x IN SELECT e FROM jsonb_array_elements(p->'caps') WITH ORDINALITY AS t(e, n)
-                        ORDER BY n LOOP
-                INSERT INTO "{s}".ledger_capacity (pool_id, resource, capacity, used)
-                VALUES (x->>0, x->>1, (x->>2)::bigint, 0)
-                ON CONFLICT (pool_id, resource) DO UPDATE SET capacity = excluded.capacity;
-              END LOOP;
+{caps_sql}
               FOR x IN SELECT e FROM jsonb_array_elements(p->'takes') WITH ORDINALITY AS t(e, n)
                         ORDER BY n LOOP
                 UPDATE "{s}".ledger_capacity SET used = used + (x->>2)::bigint
@@ -223,31 +257,7 @@ def _functions(s: str) -> list[str]:
                     ' under a batch (another writer); decide its calls again one by one';
                 END IF;
               END LOOP;
-              INSERT INTO "{s}".ledger_reservation (admission_id, digest, pool_id, state, fence,
-                  expires_at, created_at, updated_at, items, epoch)
-              SELECT e->>0, e->>1, e->>2, e->>3, (e->>4)::bigint, (e->>5)::float8,
-                     (e->>6)::float8, (e->>7)::float8, e->>8, (e->>9)::bigint
-                FROM jsonb_array_elements(p->'res') WITH ORDINALITY AS t(e, n) ORDER BY n;
-              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
-              SELECT (e->>0)::float8, e->>1, e->>2, e->>3, (e->>4)::bigint
-                FROM jsonb_array_elements(p->'log') WITH ORDINALITY AS t(e, n) ORDER BY n;
-              INSERT INTO "{s}".ledger_eligibility (ref, body)
-              SELECT e->>0, e->>1
-                FROM jsonb_array_elements(p->'snaps') WITH ORDINALITY AS t(e, n) ORDER BY n
-              ON CONFLICT (ref) DO NOTHING;
-              INSERT INTO "{s}".ledger_decision AS d
-                  (admission_id, digest, outcome, decided_at, record)
-              SELECT e->>0, e->>1, e->>2, (e->>3)::float8, e->>4
-                FROM jsonb_array_elements(p->'decs') WITH ORDINALITY AS t(e, n) ORDER BY n
-              ON CONFLICT (admission_id) DO UPDATE SET outcome = excluded.outcome,
-                  decided_at = excluded.decided_at, record = excluded.record
-               WHERE d.digest = excluded.digest;
-              GET DIAGNOSTICS kept = ROW_COUNT;
-              IF kept <> jsonb_array_length(p->'decs') THEN
-                RAISE EXCEPTION USING ERRCODE = '{stale}', MESSAGE = 'a decision of this batch'
-                  ' was recorded meanwhile for another digest (another manager); decide its'
-                  ' calls again one by one';
-              END IF;
+{rows_sql}
             END $$""",
         # SqlLedger._release as one call: the row (JSON) if released, NULL if nothing matched.
         f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release(p_id text, p_fence bigint,
@@ -264,14 +274,13 @@ def _functions(s: str) -> list[str]:
               VALUES (p_at, p_id, '{released}', '{TRANSITIONS[released].target}', p_fence);
               RETURN v_row::text;
             END $$""",
-        # SqlLedger._release_many as one call: the rows it released (a JSON array), each
-        # matched on (admission ID, fence) while holding, one UPDATE per distinct pair in
-        # admission-ID order (a unique-index lookup whatever the table's size; two calls lock
-        # the rows they share in the same order); their counters given back together (one
-        # update per counter, in the global order) and their log in one insert. Which of the
-        # asked releases were refused, and why, the caller works out from what came back.
-        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release_many(p_ids text[], p_fences bigint[],
-                p_at float8) RETURNS text
+        # The releasing half of SqlLedger._release_many: each (admission ID, fence) matched
+        # while holding, one UPDATE per distinct pair in admission-ID order (a unique-index
+        # lookup whatever the table's size; two calls lock the rows they share in the same
+        # order); the rows it released, as JSON, in that order. Which of the asked releases
+        # were refused, and why, the caller works out from what came back.
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release_rows(p_ids text[], p_fences bigint[],
+                p_at float8) RETURNS jsonb[]
             LANGUAGE plpgsql AS $$
             DECLARE g record; v_row jsonb; v_rows jsonb[] := '{{}}';
             BEGIN
@@ -282,8 +291,58 @@ def _functions(s: str) -> list[str]:
                 RETURNING {_row_json(s, "r")} INTO v_row;
                 IF FOUND THEN v_rows := array_append(v_rows, v_row); END IF;
               END LOOP;
+              RETURN v_rows;
+            END $$""",
+        # SqlLedger._release_many as one call: the rows it released (a JSON array), their
+        # counters given back together (one update per counter, in the global order) and
+        # their log in one insert.
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release_many(p_ids text[], p_fences bigint[],
+                p_at float8) RETURNS text
+            LANGUAGE plpgsql AS $$
+            DECLARE v_rows jsonb[] := "{s}".ledger_release_rows(p_ids, p_fences, p_at);
+            BEGIN
               PERFORM "{s}".ledger_settle(v_rows, p_at, '{released}',
                                           '{TRANSITIONS[released].target}');
+              RETURN to_jsonb(v_rows)::text;
+            END $$""",
+        # A decided batch's writes and the releases that came with it, as one statement and
+        # one commit (``PostgresLedger.release_many`` as a batch's last call). The one lock
+        # order holds: the released reservation rows first, then each counter once, in the
+        # global order, by what the batch takes less what the releases give back (so a
+        # counter locked for a give-back is never followed by a lower one for a take). Its
+        # StaleView keeps nothing of either half. Returns what ``ledger_release_many`` does.
+        f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release_apply(p_ids text[],
+                p_fences bigint[], p_at float8, p jsonb) RETURNS text
+            LANGUAGE plpgsql AS $$
+            DECLARE v_rows jsonb[] := "{s}".ledger_release_rows(p_ids, p_fences, p_at);
+                    x jsonb; g record; kept bigint;
+            BEGIN
+{caps_sql}
+              FOR g IN SELECT k.pool, k.res, sum(k.take) AS take, sum(k.give) AS give
+                         FROM (SELECT e->>0 AS pool, e->>1 AS res, (e->>2)::bigint AS take,
+                                      0::bigint AS give
+                                 FROM jsonb_array_elements(p->'takes') AS t(e)
+                               UNION ALL
+                               SELECT i->>0, i->>1, 0, (i->>2)::bigint
+                                 FROM unnest(v_rows) AS u(r),
+                                      jsonb_array_elements((r->>8)::jsonb) AS y(i)) AS k
+                        GROUP BY 1, 2 ORDER BY k.pool COLLATE "C", k.res COLLATE "C" LOOP
+                UPDATE "{s}".ledger_capacity SET used = used + g.take - g.give
+                 WHERE pool_id = g.pool AND resource = g.res
+                   AND used >= g.give AND used - g.give + g.take <= capacity;
+                IF NOT FOUND AND g.take > 0 THEN
+                  RAISE EXCEPTION USING ERRCODE = '{stale}', MESSAGE = 'a counter changed'
+                    ' under a batch (another writer); decide its calls again one by one';
+                ELSIF NOT FOUND THEN
+                  RAISE EXCEPTION USING ERRCODE = '{short}',
+                    MESSAGE = format('counter %s/%s holds less than %s', g.pool, g.res, g.give);
+                END IF;
+              END LOOP;
+{rows_sql}
+              INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
+              SELECT p_at, e->>0, '{released}', '{TRANSITIONS[released].target}',
+                     (e->>4)::bigint
+                FROM unnest(v_rows) WITH ORDINALITY AS t(e, n) ORDER BY n;
               RETURN to_jsonb(v_rows)::text;
             END $$""",
         # SqlLedger._expire_due as one call: the expired rows (a JSON array), each under a
@@ -373,6 +432,9 @@ class PostgresLedger(SqlLedger):
         self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
         self._release_sql = f"SELECT {q}.ledger_release(?, ?, ?)"
         self._release_many_sql = f"SELECT {q}.ledger_release_many(?::text[], ?::bigint[], ?)"
+        self._release_apply_sql = (
+            f"SELECT {q}.ledger_release_apply(?::text[], ?::bigint[], ?, ?::jsonb)"
+        )
         self._expire_sql = f"SELECT {q}.ledger_expire(?)"
         # LedgerView as one JSON array: [counters, reservations, decisions, fences]. Each ID
         # is looked up by a LATERAL subquery that OFFSET 0 keeps from being flattened into a
@@ -493,6 +555,8 @@ class PostgresLedger(SqlLedger):
         lazy = self._lazy
         if lazy is None or lazy.thread != threading.get_ident():
             return super()._open_batch()
+        if lazy.closed:
+            self._lazy_unbegun()  # raises: the batch took its last call
         if lazy.transaction is None:  # the batch's first call that needs its transaction
             # Kept before it is entered: whatever fails from here on, ``batch`` rolls it back.
             stack = lazy.transaction = contextlib.ExitStack()
@@ -517,12 +581,23 @@ class PostgresLedger(SqlLedger):
             return True
         return super()._open_batch() is not None
 
-    def _not_begun(self) -> _LazyBatch | None:
-        """This thread's batch, if it has neither begun its transaction nor writes waiting."""
+    def _lazy_unbegun(self) -> _LazyBatch | None:
+        """This thread's unplanned batch, if it has not begun its transaction (it may have
+        writes waiting). A batch closed by its releases takes no more calls."""
         lazy = self._lazy
         if lazy is None or lazy.thread != threading.get_ident():
             return None
-        return lazy if lazy.transaction is None and lazy.deferred is None else None
+        if lazy.closed:
+            raise LocalProtocolError(
+                "this ledger batch committed its writes with its releases: release_many must"
+                " be a batch's last call"
+            )
+        return lazy if lazy.transaction is None else None
+
+    def _not_begun(self) -> _LazyBatch | None:
+        """This thread's batch, if it has neither begun its transaction nor writes waiting."""
+        lazy = self._lazy_unbegun()
+        return lazy if lazy is not None and lazy.deferred is None else None
 
     def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
         ids = list(dict.fromkeys(admission_ids))
@@ -581,20 +656,43 @@ class PostgresLedger(SqlLedger):
         """One statement for all of them (``ledger_release_many``: a transaction of its own,
         one round trip, one commit); the reason a release was refused is read afterwards, for
         those alone, and each answers as ``release`` would have in the given order (the first
-        of two equal releases releases, the second is told it is already released)."""
+        of two equal releases releases, the second is told it is already released).
+
+        As the last call of a batch that has not begun its transaction (the admitter's: read,
+        decide, apply, then the releases that came with the batch), the batch's waiting
+        writes go in the same statement (``ledger_release_apply``): one round trip and one
+        commit for all of it. The batch takes no call after it."""
+        lazy = self._lazy_unbegun()
+        if lazy is not None and releases:
+            payload, lazy.deferred, lazy.closed = lazy.deferred, None, True
+            ids, fences = [a for a, _ in releases], [f for _, f in releases]
+            if payload is None:
+                rows = self._one_statement(self._release_many_sql, (ids, fences, now), retry=False)
+            else:
+                rows = self._one_statement(
+                    self._release_apply_sql, (ids, fences, now, payload), retry=False
+                )
+            return self._release_answers(releases, rows, now)
         if len(releases) <= 1 or self._in_a_batch():
             return super().release_many(releases, now)  # one: release()'s own single statement
         ids, fences = [a for a, _ in releases], [f for _, f in releases]
         with self._lock:
             rows = self._one_statement(self._release_many_sql, (ids, fences, now))
-            released = {
-                (r.admission_id, r.fence): r for r in self._with_items(None, orjson.loads(rows))
-            }
-            answers = [released.pop(pair, None) for pair in releases]
-            return [
-                self._refusal_of_release(a, f, now) if answer is None else answer
-                for (a, f), answer in zip(releases, answers, strict=True)
-            ]
+            return self._release_answers(releases, rows, now)
+
+    def _release_answers(
+        self, releases: Sequence[tuple[str, int]], rows: str, now: float
+    ) -> list[Reservation | Refused]:
+        """Each release's answer from the rows ``ledger_release_many`` returned; the reason
+        of each refused one read now (the caller holds ``self._lock``)."""
+        released = {
+            (r.admission_id, r.fence): r for r in self._with_items(None, orjson.loads(rows))
+        }
+        answers = [released.pop(pair, None) for pair in releases]
+        return [
+            self._refusal_of_release(a, f, now) if answer is None else answer
+            for (a, f), answer in zip(releases, answers, strict=True)
+        ]
 
     def _refusal_of_release(self, admission_id: str, fence: int, now: float) -> Refused:
         return self._transaction(
@@ -653,6 +751,7 @@ class _LazyBatch:
     thread: int
     transaction: contextlib.ExitStack | None = None  # once begun: exits with COMMIT/ROLLBACK
     deferred: str | None = None  # an ``apply`` waiting for the batch's end (its payload)
+    closed: bool = False  # its releases committed it (``release_many``, the last call)
 
 
 def _apply_payload(ops: Sequence[LedgerOp]) -> str:

@@ -179,7 +179,10 @@ class LedgerStore(Protocol):
     ) -> list[Reservation | Refused]:
         """:meth:`release` for each ``(admission_id, fence)``, in order, in one transaction
         (one commit for all: the manager's group commit of releases). Each outcome is what
-        :meth:`release` would have returned; if the transaction fails, none is kept."""
+        :meth:`release` would have returned; if the transaction fails, none is kept. Inside
+        a :meth:`batch` they settle in the batch's transaction; with PostgreSQL, in a batch
+        that has not begun one (read, decide, apply), it must be the batch's last call: the
+        batch's writes and the releases go as one statement."""
         ...
 
     def expire_due(self, now: float) -> list[Reservation]:

@@ -93,12 +93,15 @@ changes under it (another manager) before it fails."""
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """One batch, decided and committed: a decision per request (in order), the record of
-    each (``None`` if it was not kept), and the capacity misses and evictions it made."""
+    each (``None`` if it was not kept), the capacity misses and evictions it made, and the
+    outcome of each release that came with it (in order; see :meth:`Admitter.settle_many`),
+    or the ledger's error if they could not be settled."""
 
     decisions: list[AdmissionDecision]
     records: list[DecisionRecord | None]
     misses: list[tuple[str, str]]
     evictions: list[Eviction]
+    settled: list[tuple[AdmissionReleaseReply, bool, str | None]] | StoreError
 
 
 class ExternalGrantor(Protocol):
@@ -286,14 +289,26 @@ class Admitter:
         ``live``: the registry's live capacity (the manager always passes it). ``None``
         leaves it out — the descriptors and the ledger alone decide, as for a caller that
         tracks no agents (the ledger's own tests and benchmarks)."""
+        return self._admit_many(requests, now, live, ())[0]
+
+    def _admit_many(
+        self,
+        requests: Sequence[tuple[AdmissionRequest, str]],
+        now: float,
+        live: LiveCapacity | None,
+        releases: Sequence[tuple[str, int]],
+    ) -> tuple[list[AdmissionDecision], list[Reservation | Refused] | None]:
+        """:meth:`admit_many`, with ``releases`` settled in the same transaction after the
+        batch's writes; their ledger outcomes, or ``None`` where the batch failed as a whole
+        (its requests are then decided one by one, the releases left to the caller)."""
         if not requests:
-            return []
+            return [], None
         try:
-            return self._decided(requests, now, live)
+            return self._decided(requests, now, live, releases)
         except StoreError as exc:
             if len(requests) == 1:
                 log.warning("ledger unavailable", extra={"error": str(exc)})
-                return [_unavailable(requests[0][0].admission_id, exc)]
+                return [_unavailable(requests[0][0].admission_id, exc)], None
             log.warning(
                 "a batch of admissions failed; deciding them one by one",
                 extra={"batch": len(requests), "error": str(exc)},
@@ -301,22 +316,23 @@ class Admitter:
         decisions = []
         for pair in requests:
             try:
-                decisions += self._decided([pair], now, live)
+                decisions += self._decided([pair], now, live, ())[0]
             except StoreError as exc:
                 decisions.append(_unavailable(pair[0].admission_id, exc))
-        return decisions
+        return decisions, None
 
     def _decided(
         self,
         requests: Sequence[tuple[AdmissionRequest, str]],
         now: float,
         live: LiveCapacity | None,
-    ) -> list[AdmissionDecision]:
+        releases: Sequence[tuple[str, int]],
+    ) -> tuple[list[AdmissionDecision], list[Reservation | Refused] | None]:
         """One transaction's decisions, decided again on a fresh view while the ledger
         changed under it (another manager on the same ledger), at most STALE_RETRIES times."""
         for attempt in range(1, STALE_RETRIES + 1):
             try:
-                return self._in_one_transaction(requests, now, live)
+                return self._in_one_transaction(requests, now, live, releases)
             except StaleView as stale:
                 if stale.admission_id is not None:  # a grant it evicts ended meanwhile
                     self.core.ended(stale.admission_id, now, completed=False)
@@ -331,11 +347,15 @@ class Admitter:
         requests: Sequence[tuple[AdmissionRequest, str]],
         now: float,
         live: LiveCapacity | None = None,
+        releases: Sequence[tuple[str, int]] = (),
     ) -> Admitted:
         """:meth:`admit_many`, with everything the manager does next with the batch taken
         here, on the admitter's thread: the records behind the decisions, the capacity
-        misses and the evictions it committed."""
-        decisions = self.admit_many(requests, now, live)
+        misses and the evictions it committed. ``releases`` (``(admission ID, fence)``) are
+        settled in the batch's own transaction, after its writes — one commit for both, as
+        :meth:`settle_many` would settle them (alone if the batch failed, or had no
+        requests)."""
+        decisions, released = self._admit_many(requests, now, live, releases)
         unknown = [
             i for i, d in enumerate(decisions) if d.reason is AdmissionReason.NO_ELIGIBLE_POOL
         ]
@@ -347,7 +367,15 @@ class Admitter:
             for i, decision in zip(unknown, again, strict=True):
                 decisions[i] = decision
         records = [self.core.decisions.get(d.admission_id) for d in decisions]
-        return Admitted(decisions, records, self.drain_misses(), self.drain_evictions())
+        settled: list[tuple[AdmissionReleaseReply, bool, str | None]] | StoreError = []
+        if released is not None:
+            settled = self._settled_all(releases, released, now)
+        elif releases:
+            try:
+                settled = self.settle_many(releases, now)
+            except StoreError as exc:  # the releases' callers hear of it; the decisions stand
+                settled = exc
+        return Admitted(decisions, records, self.drain_misses(), self.drain_evictions(), settled)
 
     def observe(
         self,
@@ -382,11 +410,12 @@ class Admitter:
         requests: Sequence[tuple[AdmissionRequest, str]],
         now: float,
         live: LiveCapacity | None,
-    ) -> list[AdmissionDecision]:
+        releases: Sequence[tuple[str, int]] = (),
+    ) -> tuple[list[AdmissionDecision], list[Reservation | Refused] | None]:
         taken: list[tuple[ExternalGrantor, str, str]] = []  # every external grant, to undo
         decided: list[Batch] = []
 
-        def work() -> Batch:
+        def work() -> tuple[Batch, list[Reservation | Refused] | None]:
             ids = [request.admission_id for request, _ in requests]
             view = self.ledger.read_for_decision(ids, fences=len(requests))
             batch = self.core.decide(requests, view, now, live)
@@ -394,10 +423,11 @@ class Admitter:
             for pending in list(batch.pending):
                 self._take_external(batch, pending, now, taken)
             self.ledger.apply(batch.ops)
-            return batch
+            # The last call of the batch (with PostgreSQL it goes with the writes).
+            return batch, self.ledger.release_many(releases, now) if releases else None
 
         try:
-            batch = self.ledger.batch(work)
+            batch, released = self.ledger.batch(work)
         except BaseException:
             for grantor, admission_id, grant_id in reversed(taken):
                 grantor.release(admission_id, grant_id)  # nothing of the batch was kept
@@ -405,7 +435,7 @@ class Admitter:
                 self.core.abandoned(decided[0], now)
             raise
         self.core.committed(batch)
-        return batch.final()
+        return batch.final(), released
 
     def _take_external(
         self,
@@ -528,6 +558,15 @@ class Admitter:
             if len(releases) == 1:
                 raise
             released = [self.ledger.release(a, f, now) for a, f in releases]
+        return self._settled_all(releases, released, now)
+
+    def _settled_all(
+        self,
+        releases: Sequence[tuple[str, int]],
+        released: Sequence[Reservation | Refused],
+        now: float,
+    ) -> list[tuple[AdmissionReleaseReply, bool, str | None]]:
+        """Each release's reply from its ledger outcome, once the transaction is kept."""
         return [
             self._settled(a, f, self._with_holder(a, outcome), now)
             for (a, f), outcome in zip(releases, released, strict=True)

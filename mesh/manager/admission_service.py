@@ -7,7 +7,9 @@ Theory of operation
 the one thread they run on (``ledger_inline``: the event loop itself for SQLite, else a single
 worker thread, so the admitter is only ever touched from one thread). Admission requests are
 decided in batches (group commit, :class:`~mesh.manager.batching.GroupCommit`): one ledger
-transaction, one thread hand-off and one journal commit per batch. Everything else it needs —
+transaction, one thread hand-off and one journal commit per batch. Releases join the same
+batches and are settled in the same transaction, after the decisions' writes (one commit for
+both: with PostgreSQL one statement, its dearest part a disk flush). Everything else it needs —
 the pool core's live capacity and scale planner, the journal, the events exchange, replies —
 it asks of its host, the :class:`~mesh.manager.service.ManagerService`.
 """
@@ -18,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,12 +36,19 @@ from mesh.core.events import (
 from mesh.core.pressure import StageChange
 from mesh.errors import (
     LocalProtocolError,
+    StoreError,
 )
 from mesh.leases import LeaseSigner
 from mesh.ledger.model import Reservation
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore, Usage
-from mesh.manager.admission import Admitter, DecisionRecord, Eviction, ExternalGrantor
+from mesh.manager.admission import (
+    Admitted,
+    Admitter,
+    DecisionRecord,
+    Eviction,
+    ExternalGrantor,
+)
 from mesh.manager.batching import GroupCommit
 from mesh.manager.settings import open_ledger
 from mesh.topology import names
@@ -107,18 +117,12 @@ class AdmissionService:
         self._pool_slots: dict[str, int] = {}  # the model slots each pool's policy bounds at
         self._pool_queues_polled_at = float("-inf")  # monotonic
         self._usage: Usage | None = None  # the ledger's counters as the last tick read them
-        self._admissions: GroupCommit[tuple[AdmissionRequest, str], AdmissionDecision] = (
-            GroupCommit(
-                self._admit_batch,
-                max_batch=settings.admission_batch,
-                linger_s=settings.admission_linger_s,
-            )
+        # Admissions and releases, in one queue: each batch is one ledger transaction.
+        self._batches: GroupCommit[_LedgerItem, _LedgerResult] = GroupCommit(
+            self._ledger_batch,
+            max_batch=settings.admission_batch,
+            linger_s=settings.admission_linger_s,
         )
-        # Releases that arrive together share one ledger transaction too (one commit: with
-        # PostgreSQL a disk flush each, the dearest part of a release).
-        self._releases: GroupCommit[
-            tuple[str, int], tuple[AdmissionReleaseReply, bool, str | None]
-        ] = GroupCommit(self._release_batch, max_batch=settings.admission_batch)
 
     @property
     def ledger_thread(self) -> ThreadPoolExecutor:
@@ -155,8 +159,7 @@ class AdmissionService:
 
     async def close_intake(self) -> None:
         """Decide what is queued, then take no more admissions."""
-        await self._admissions.close()
-        await self._releases.close()
+        await self._batches.close()
 
     async def barrier(self) -> None:
         """Wait until whatever runs on the ledger thread is done. A tick cancelled mid-way may
@@ -237,9 +240,11 @@ class AdmissionService:
                     detail="an admission is released by the tenant it was granted to (or the "
                     f"operator); this came from {request.user_id!r}",
                 )
-            reply, released_now, pool_id = await self._releases.submit(
-                (message.admission_id, message.fence)
-            )
+            settled = await self._batches.submit(_Release(message.admission_id, message.fence))
+            if isinstance(settled, BaseException):  # the ledger failed: as a failed batch
+                raise settled
+            assert not isinstance(settled, AdmissionDecision)
+            reply, released_now, pool_id = settled
             if released_now:  # a retried release is answered the same, and counted once
                 self.host.observer.metrics.release_latency.observe(self.clock.now().mono - started)
                 self.host.observer.metrics.settled(
@@ -262,7 +267,9 @@ class AdmissionService:
                 reason=AdmissionReason.INVALID_REQUEST,
                 detail="no authenticated producer: publish with user_id set to your broker user",
             )
-        return await self._admissions.submit((message, tenant))
+        decision = await self._batches.submit((message, tenant))
+        assert isinstance(decision, AdmissionDecision)
+        return decision
 
     def _may_release(self, record: DecisionRecord | None, user_id: str | None) -> bool:
         """The tenant an admission was decided for, or the operator, may release it (a
@@ -270,32 +277,42 @@ class AdmissionService:
         tenant = None if record is None else record.tenant
         return tenant is None or user_id in (tenant, self.settings.operator_user)
 
-    async def _release_batch(
-        self, releases: list[tuple[str, int]]
-    ) -> list[tuple[AdmissionReleaseReply, bool, str | None]]:
-        """Settle every release that queued up meanwhile, in one ledger transaction."""
+    async def _ledger_batch(self, items: list[_LedgerItem]) -> list[_LedgerResult]:
+        """Decide every admission and settle every release that queued up meanwhile: one
+        ledger transaction, one thread hand-off and one journal commit for the lot."""
         admitter = self.admitter
         if admitter is None:
             raise LocalProtocolError("the manager is not started")
-        self.counters["release_batches"] += 1
-        results: list[tuple[AdmissionReleaseReply, bool, str | None]] = await self._on_ledger(
-            admitter.settle_many, releases, self.clock.now().wall
+        requests = [item for item in items if not isinstance(item, _Release)]
+        releases = [(item.admission_id, item.fence) for item in items if isinstance(item, _Release)]
+        at = self.clock.now()
+        batch = await self._on_ledger(
+            partial(admitter.admit_batch, releases=releases), requests, at.wall, self._live(at)
         )
+        if releases:
+            self.counters["release_batches"] += 1
+        settled = batch.settled
+        decisions = iter(await self._admitted(requests, batch, at))
+        settles = iter(() if isinstance(settled, StoreError) else settled)
+        results: list[_LedgerResult] = []
+        for item in items:
+            if not isinstance(item, _Release):
+                results.append(next(decisions))
+            elif isinstance(settled, StoreError):
+                results.append(settled)
+            else:
+                results.append(next(settles))
         return results
 
-    async def _admit_batch(
-        self, requests: list[tuple[AdmissionRequest, str]]
+    async def _admitted(
+        self, requests: list[tuple[AdmissionRequest, str]], batch: Admitted, at: Instant
     ) -> list[AdmissionDecision]:
-        """Decide every admission that queued up meanwhile: one ledger transaction, one
-        thread hand-off and one journal commit for the lot."""
-        admitter = self.admitter
-        if admitter is None:
-            raise LocalProtocolError("the manager is not started")
-        at = self.clock.now()
+        """What follows a batch's decisions: scaler misses, counters, metrics, the journal,
+        the live feed and the evictions' revocations."""
         now = at.wall
-        batch = await self._on_ledger(admitter.admit_batch, requests, now, self._live(at))
         decisions = batch.decisions
-        self.counters["admission_batches"] += 1
+        if requests:
+            self.counters["admission_batches"] += 1
         for pool_id, reason in batch.misses:  # capacity misses for the scaler
             self.host.core.handle(CapacityMissed(pool_id, reason), at)
         entries = []
@@ -326,13 +343,14 @@ class AdmissionService:
         # Every decision is journaled (``mesh log``) and recorded in the ledger (``mesh
         # explain``); the live feed carries only the refusals — what someone following it can
         # act on — so a busy mesh does not pay one more broker message per grant.
-        await self.host.publish_events(
-            [
-                (names.log_key(event.agent_id, event.kind), event)
-                for event in self.host.append(entries)
-                if event.detail.get("outcome") != "admitted"
-            ]
-        )
+        if entries:
+            await self.host.publish_events(
+                [
+                    (names.log_key(event.agent_id, event.kind), event)
+                    for event in self.host.append(entries)
+                    if event.detail.get("outcome") != "admitted"
+                ]
+            )
         for eviction in evictions:  # after the journal: the producer learns of it from here on
             victim = eviction.victim
             self.counters["admissions_evicted"] += 1
@@ -718,6 +736,18 @@ class AdmissionService:
                     )
                 )
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    """A release waiting in the ledger batches' queue."""
+
+    admission_id: str
+    fence: int
+
+
+_LedgerItem = tuple[AdmissionRequest, str] | _Release  # (request, tenant) or a release
+_LedgerResult = AdmissionDecision | tuple[AdmissionReleaseReply, bool, str | None] | StoreError
 
 
 def _nothing() -> None:

@@ -8,11 +8,15 @@ what is kept, what is refused, and that a batch that fails keeps nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from mesh.errors import StaleView, StoreError
+from mesh.errors import LocalProtocolError, StaleView, StoreError
 from mesh.ledger import Item, LedgerStore, Reservation, ReservationState
 from mesh.ledger.model import DecisionRow, RecordDecision, Reserve, SaveEligibility, SetCapacity
+from mesh.ledger.postgres import PostgresLedger
 
 from .conftest import LedgerFactory
 from .test_ledger_contract import T0, TTL, assert_conserved, used
@@ -195,3 +199,106 @@ def test_a_batch_the_database_refuses_fails_with_a_store_error_and_keeps_nothing
     assert pool.get("adm-2") is None and pool.get("adm-1") == taken
     assert used(pool, "pool-a", "model_slots") == 1
     assert_conserved(pool)
+
+
+# ---- releases as the batch's last call (the admitter's releases that came with a batch) ----
+
+
+def held_grant(pool: LedgerStore, admission_id: str) -> Reservation:
+    """A grant committed earlier (one slot), to be released inside a later batch."""
+    (fence,) = pool.read_for_decision([admission_id], fences=1).fences
+    taken = grant(admission_id, fence)
+    pool.apply([Reserve(taken), decided(admission_id)])
+    return taken
+
+
+def test_releases_as_the_batch_s_last_call_commit_with_its_writes(
+    pool: LedgerStore, ledger_factory: LedgerFactory
+) -> None:
+    old = held_grant(pool, "adm-0")
+    statements = count_statements(pool)
+
+    def work() -> tuple[Reservation, list[object]]:
+        (fence,) = pool.read_for_decision(["adm-1"], fences=1).fences
+        fresh = grant("adm-1", fence)
+        pool.apply([Reserve(fresh), decided("adm-1")])
+        # adm-0 released; a stale fence and an unknown ID refused, each as release() would.
+        answers = pool.release_many(
+            [("adm-0", old.fence), ("adm-0", old.fence + 100), ("adm-x", 1)], T0 + 1
+        )
+        return fresh, list(answers)
+
+    fresh, answers = pool.batch(work)
+
+    released = pool.get("adm-0")
+    assert released is not None and released.state is ReservationState.RELEASED
+    assert answers[0] == released
+    assert [getattr(a, "reason", None) is not None for a in answers] == [False, True, True]
+    assert pool.get("adm-1") == fresh
+    assert used(pool, "pool-a", "model_slots") == 1  # adm-1's; adm-0's given back
+    events = [(e.admission_id, e.event.value) for e in pool.log()][-3:]
+    assert events == [("adm-1", "prepared"), ("adm-1", "activated"), ("adm-0", "released")]
+    if ledger_factory.kind == "postgres":  # the view, then the writes and releases together
+        assert statements() == 2
+    assert_conserved(pool)
+
+
+def test_a_batch_whose_writes_are_stale_keeps_none_of_its_releases(
+    pool: LedgerStore, ledger_factory: LedgerFactory
+) -> None:
+    other = another_writer(ledger_factory)
+    old = held_grant(pool, "adm-0")
+
+    def work() -> None:
+        view = pool.read_for_decision(["adm-1", "adm-2"], fences=2)
+        other.prepare("adm-9", "d9", [("pool-a", "model_slots", 1)], TTL, T0)  # the last slot
+        pool.apply(
+            [
+                Reserve(grant("adm-1", view.fences[0])),
+                Reserve(grant("adm-2", view.fences[1])),
+                decided("adm-1"),
+                decided("adm-2"),
+            ]
+        )
+        pool.release_many([("adm-0", old.fence)], T0 + 1)
+
+    with pytest.raises(StaleView):
+        pool.batch(work)
+
+    held = pool.get("adm-0")
+    assert held is not None and held.state is ReservationState.ACTIVE  # not released
+    assert pool.get("adm-1") is None and pool.get("adm-2") is None
+    assert used(pool, "pool-a", "model_slots") == 2  # adm-0's and the other manager's
+    assert_conserved(pool)
+
+
+def test_a_postgresql_batch_takes_no_call_after_its_releases(
+    pool: LedgerStore, ledger_factory: LedgerFactory
+) -> None:
+    if ledger_factory.kind != "postgres":
+        pytest.skip("SQLite runs every call of a batch in its one transaction")
+    old = held_grant(pool, "adm-0")
+
+    def work() -> None:
+        pool.read_for_decision(["adm-1"], fences=0)
+        pool.release_many([("adm-0", old.fence)], T0 + 1)
+        pool.apply([decided("adm-1")])
+
+    with pytest.raises(LocalProtocolError, match="last call"):
+        pool.batch(work)
+
+
+def count_statements(pool: LedgerStore) -> Callable[[], int]:
+    """How many statements a PostgreSQL ledger sends from now on (one round trip each)."""
+    if not isinstance(pool, PostgresLedger):
+        return lambda: 0
+    sent = 0
+    one_statement = pool._one_statement
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal sent
+        sent += 1
+        return one_statement(*args, **kwargs)
+
+    pool._one_statement = counted  # type: ignore[method-assign]
+    return lambda: sent

@@ -278,6 +278,42 @@ def test_a_failed_release_batch_is_settled_again_one_by_one(tmp_path: Path) -> N
     store.close()
 
 
+def test_releases_that_come_with_a_batch_are_settled_in_its_one_transaction(
+    tmp_path: Path,
+) -> None:
+    store = SqliteLedger(tmp_path / "ledger.sqlite3")
+    a = admitter(store)
+    grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(2)]
+    releases = [(g.admission_id, g.fence) for g in grants if g is not None]
+    real_transaction, transactions = store._transaction, []
+
+    def counted(work, *, write, retry=True):  # type: ignore[no-untyped-def]
+        transactions.append(write)
+        return real_transaction(work, write=write, retry=retry)
+
+    store._transaction = counted  # type: ignore[method-assign]
+    try:
+        batch = a.admit_batch(
+            [(request("adm-2"), "tenant-a")], T0 + 1, releases=[*releases, ("adm-9", 1)]
+        )
+    finally:
+        store._transaction = real_transaction  # type: ignore[method-assign]
+    assert transactions.count(True) == 1  # the decision and the releases: one commit
+    assert [d.outcome for d in batch.decisions] == ["admitted"]
+    assert not isinstance(batch.settled, Exception)
+    assert [(r.released, now, pool) for r, now, pool in batch.settled] == [
+        (True, True, DESCRIPTOR.pool_id),
+        (True, True, DESCRIPTOR.pool_id),
+        (False, False, None),  # never granted: refused as release() refuses it
+    ]
+    assert set(a.core.held) == {"adm-2"}  # the released grants no longer counted
+    (granted,) = batch.decisions
+    assert granted.grant is not None and used(store) != {}  # adm-2's share, only:
+    assert a.release("adm-2", granted.grant.fence, T0 + 2).released
+    assert used(store) == {}
+    store.close()
+
+
 def test_after_a_restart_the_same_request_gets_its_grant_back_from_the_ledger(
     tmp_path: Path,
 ) -> None:
