@@ -1055,7 +1055,7 @@ def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun
     stores), then one per transaction."""
     warmup = min(count // 10, 200)
     print(
-        f"B) in-core decisions: Admitter.admit_many called directly (no broker) on a mixed "
+        f"B) in-core decisions: Admitter.admit_batch called directly (no broker) on a mixed "
         f"workload — 4 pools, 8 requirement shapes, 3 tenants, a clock moving "
         f"{MIXED_STEP_S * 1e3:g} ms per request, grants of {MIXED_GRANT_TTL_S:g} s of which "
         f"every other one is released after {MIXED_RELEASE_AFTER_S:g} s and the rest expire "
