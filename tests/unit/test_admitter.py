@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,22 @@ def request(admission_id: str, **changes: object) -> AdmissionRequest:
 
 def used(ledger: SqliteLedger) -> dict[tuple[str, str], int]:
     return {key: u for key, (u, _) in ledger.usage().items() if u}
+
+
+@contextmanager
+def transactions_of(store: SqliteLedger) -> Iterator[list[bool]]:
+    """Every transaction the store runs meanwhile, as ``write`` flags, in order."""
+    real_transaction, transactions = store._transaction, []
+
+    def counted(work, *, write, retry=True):  # type: ignore[no-untyped-def]
+        transactions.append(write)
+        return real_transaction(work, write=write, retry=retry)
+
+    store._transaction = counted  # type: ignore[method-assign]
+    try:
+        yield transactions
+    finally:
+        store._transaction = real_transaction  # type: ignore[method-assign]
 
 
 def test_an_eligible_request_is_admitted_with_a_grant_that_reserves_the_whole_chain(
@@ -217,14 +234,7 @@ def test_releases_that_arrive_together_are_settled_in_one_transaction_as_one_by_
     grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(3)]
     assert all(g is not None for g in grants)
     fences = [g.fence for g in grants if g is not None]
-    real_transaction, transactions = store._transaction, []
-
-    def counted(work, *, write, retry=True):  # type: ignore[no-untyped-def]
-        transactions.append(write)
-        return real_transaction(work, write=write, retry=retry)
-
-    store._transaction = counted  # type: ignore[method-assign]
-    try:
+    with transactions_of(store) as transactions:
         settled = a.settle_many(
             [
                 ("adm-0", fences[0]),
@@ -234,8 +244,6 @@ def test_releases_that_arrive_together_are_settled_in_one_transaction_as_one_by_
             ],  # a stale fence, and a retried release in the same batch
             T0 + 1,
         )
-    finally:
-        store._transaction = real_transaction  # type: ignore[method-assign]
     assert transactions.count(True) == 1  # one write transaction for all four (then reads)
     assert [(r.released, now, pool) for r, now, pool in settled] == [
         (True, True, DESCRIPTOR.pool_id),
@@ -285,19 +293,10 @@ def test_releases_that_come_with_a_batch_are_settled_in_its_one_transaction(
     a = admitter(store)
     grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(2)]
     releases = [(g.admission_id, g.fence) for g in grants if g is not None]
-    real_transaction, transactions = store._transaction, []
-
-    def counted(work, *, write, retry=True):  # type: ignore[no-untyped-def]
-        transactions.append(write)
-        return real_transaction(work, write=write, retry=retry)
-
-    store._transaction = counted  # type: ignore[method-assign]
-    try:
+    with transactions_of(store) as transactions:
         batch = a.admit_batch(
             [(request("adm-2"), "tenant-a")], T0 + 1, releases=[*releases, ("adm-9", 1)]
         )
-    finally:
-        store._transaction = real_transaction  # type: ignore[method-assign]
     assert transactions.count(True) == 1  # the decision and the releases: one commit
     assert [d.outcome for d in batch.decisions] == ["admitted"]
     assert not isinstance(batch.settled, Exception)
