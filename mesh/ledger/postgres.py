@@ -311,6 +311,8 @@ def _functions(s: str) -> list[str]:
         # global order, by what the batch takes less what the releases give back (so a
         # counter locked for a give-back is never followed by a lower one for a take). Its
         # StaleView keeps nothing of either half. Returns what ``ledger_release_many`` does.
+        # (Its releases cannot name the batch's own grants: a holder learns its fence from
+        # the batch's reply, sent after this commits.)
         f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release_apply(p_ids text[],
                 p_fences bigint[], p_at float8, p jsonb) RETURNS text
             LANGUAGE plpgsql AS $$
