@@ -558,7 +558,7 @@ class PostgresLedger(SqlLedger):
         if lazy is None or lazy.thread != threading.get_ident():
             return super()._open_batch()
         if lazy.closed:
-            self._lazy_unbegun()  # raises: the batch took its last call
+            raise LocalProtocolError(_BATCH_CLOSED)
         if lazy.transaction is None:  # the batch's first call that needs its transaction
             # Kept before it is entered: whatever fails from here on, ``batch`` rolls it back.
             stack = lazy.transaction = contextlib.ExitStack()
@@ -590,10 +590,7 @@ class PostgresLedger(SqlLedger):
         if lazy is None or lazy.thread != threading.get_ident():
             return None
         if lazy.closed:
-            raise LocalProtocolError(
-                "this ledger batch committed its writes with its releases: release_many must"
-                " be a batch's last call"
-            )
+            raise LocalProtocolError(_BATCH_CLOSED)
         return lazy if lazy.transaction is None else None
 
     def _not_begun(self) -> _LazyBatch | None:
@@ -744,6 +741,12 @@ class PostgresLedger(SqlLedger):
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
+
+
+_BATCH_CLOSED = (
+    "this ledger batch committed its writes with its releases: release_many must be a batch's"
+    " last call"
+)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -286,23 +286,18 @@ class AdmissionService:
         requests = [item for item in items if not isinstance(item, _Release)]
         releases = [(item.admission_id, item.fence) for item in items if isinstance(item, _Release)]
         at = self.clock.now()
+        live = self._live(at) if requests else None  # a batch of releases alone decides nothing
         batch = await self._on_ledger(
-            partial(admitter.admit_batch, releases=releases), requests, at.wall, self._live(at)
+            partial(admitter.admit_batch, releases=releases), requests, at.wall, live
         )
         if releases:
             self.counters["release_batches"] += 1
-        settled = batch.settled
-        decisions = iter(await self._admitted(requests, batch, at))
-        settles = iter(() if isinstance(settled, StoreError) else settled)
-        results: list[_LedgerResult] = []
-        for item in items:
-            if not isinstance(item, _Release):
-                results.append(next(decisions))
-            elif isinstance(settled, StoreError):
-                results.append(settled)
-            else:
-                results.append(next(settles))
-        return results
+        settled = batch.settled  # each release's outcome, or the one error all of them get
+        settles: Iterator[_LedgerResult] = iter(
+            [settled] * len(releases) if isinstance(settled, StoreError) else settled
+        )
+        decisions: Iterator[_LedgerResult] = iter(await self._admitted(requests, batch, at))
+        return [next(settles) if isinstance(item, _Release) else next(decisions) for item in items]
 
     async def _admitted(
         self, requests: list[tuple[AdmissionRequest, str]], batch: Admitted, at: Instant
