@@ -389,6 +389,9 @@ class _PgDb:
         self._cur.execute(_pyformat(sql), params or None)
         return self._cur.rowcount
 
+    def changed_many(self, sql: str, rows: Sequence[Sequence[object]]) -> int:
+        return sum(self.changed(sql, row) for row in rows)
+
 
 class PostgresLedger(SqlLedger):
     """The ledger in PostgreSQL schema ``schema``; many processes may share it."""

@@ -141,6 +141,9 @@ class _SqliteDb:
     def changed(self, sql: str, params: Sequence[object] = ()) -> int:
         return self._conn.execute(sql, params).rowcount
 
+    def changed_many(self, sql: str, rows: Sequence[Sequence[object]]) -> int:
+        return self._conn.executemany(sql, rows).rowcount if rows else 0
+
 
 class SqliteLedger(SqlLedger):
     """The ledger in one SQLite file (WAL); safe for threads and for processes on one host."""

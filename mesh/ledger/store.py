@@ -275,6 +275,11 @@ class Db(Protocol):
         is needed: SQLite answers it without the work ``RETURNING`` does)."""
         ...
 
+    def changed_many(self, sql: str, rows: Sequence[Sequence[object]]) -> int:
+        """Run one write once per row of parameters, in order, and say how many rows they
+        changed in all (SQLite: one prepared statement stepped per row, no Python between)."""
+        ...
+
 
 class _Rollback(Exception):
     """Raised inside a transaction to roll it back and return ``outcome`` instead."""
@@ -747,21 +752,23 @@ class SqlLedger(abc.ABC):
 
     def _increment(self, db: Db, pool_id: str, resource: str, amount: int) -> bool:
         """The conditional increment (module docstring); False if it would pass capacity."""
+        return db.changed(self._increment_sql, (amount, pool_id, resource, amount)) == 1
+
+    @property
+    def _increment_sql(self) -> str:
         return (
-            db.changed(
-                f"UPDATE {self._t.capacity} SET used = used + ?"
-                " WHERE pool_id = ? AND resource = ? AND used + ? <= capacity",
-                (amount, pool_id, resource, amount),
-            )
-            == 1
+            f"UPDATE {self._t.capacity} SET used = used + ?"
+            " WHERE pool_id = ? AND resource = ? AND used + ? <= capacity"
         )
 
     def _increment_all(self, db: Db, totals: Sequence[tuple[tuple[str, str], int]]) -> bool:
         """Every conditional increment of a planned batch, ``totals`` in the one global order;
         False if one would pass capacity (the caller fails the batch: all roll back). One
-        statement each, in that order, so two writers lock rows in the same order. (One
-        ``UPDATE … FROM (VALUES …)`` for all of them measured slower on SQLite.)"""
-        return all(self._increment(db, pool, resource, n) for (pool, resource), n in totals)
+        statement per counter, in that order, so two writers lock rows in the same order (one
+        ``UPDATE … FROM (VALUES …)`` for all of them measured slower on SQLite), run as one
+        ``changed_many``: every row must change."""
+        rows = [(n, pool, resource, n) for (pool, resource), n in totals]
+        return db.changed_many(self._increment_sql, rows) == len(rows)
 
     def _counters(
         self, db: Db, keys: Sequence[tuple[str, str]]
@@ -892,14 +899,15 @@ class SqlLedger(abc.ABC):
         for reservation in reservations:
             for pool_id, resource, amount in reservation.items:
                 totals[(pool_id, resource)] = totals.get((pool_id, resource), 0) + amount
-        for (pool_id, resource), amount in sorted(totals.items()):
-            given = db.changed(
-                f"UPDATE {self._t.capacity} SET used = used - ?"
-                " WHERE pool_id = ? AND resource = ? AND used >= ?",
-                (amount, pool_id, resource, amount),
-            )
-            if not given:
-                raise StoreError(f"counter {pool_id}/{resource} holds less than {amount}")
+        rows = [(n, pool, resource, n) for (pool, resource), n in sorted(totals.items())]
+        given = db.changed_many(
+            f"UPDATE {self._t.capacity} SET used = used - ?"
+            " WHERE pool_id = ? AND resource = ? AND used >= ?",
+            rows,
+        )
+        if given != len(rows):
+            short = ", ".join(f"{pool}/{resource} by {n}" for n, pool, resource, _ in rows)
+            raise StoreError(f"a counter holds less than it is to give back ({short})")
 
     def _activate(
         self, db: Db, admission_id: str, fence: int, expires_at: float, now: float
