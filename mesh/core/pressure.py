@@ -254,20 +254,34 @@ class PoolPressure:
     # the victim is found without a walk over the pool's grants.
     evictable: dict[tuple[int, int], _Youngest] = field(default_factory=dict)
     evictable_of: dict[str, dict[tuple[int, int], _Youngest]] = field(default_factory=dict)
-    # The stage limits, computed once per (capacity, thresholds): checked on every admission.
+    # The stage limits and the lowered ones, computed once per (capacity, policy): the first
+    # are checked on every admission, both on every grant and release.
     _limits: tuple[int, int, int] = (0, 0, 0)
+    _lowered: tuple[int, int, int] = (0, 0, 0)
     _limits_capacity: int = -1
-    _limits_thresholds: tuple[float, float, float] | None = None
+    _limits_policy: PressurePolicy | None = None
 
     def limits(self, policy: PressurePolicy) -> tuple[int, int, int]:
         """Slots in use at which SHED_SPECULATIVE, PAUSE_BATCH and TIGHTEN begin."""
-        if self._limits_capacity != self.capacity or self._limits_thresholds is not (
-            policy.thresholds
-        ):
-            low, mid, high = (max(1, math.floor(t * self.capacity)) for t in policy.thresholds)
-            self._limits = (low, mid, high)
-            self._limits_capacity, self._limits_thresholds = self.capacity, policy.thresholds
+        if self._limits_capacity != self.capacity or self._limits_policy is not policy:
+            self._compute_limits(policy)
         return self._limits
+
+    def lowered_limits(self, policy: PressurePolicy) -> tuple[int, int, int]:
+        """The same at ``threshold - hysteresis``: below these a stage may step down."""
+        if self._limits_capacity != self.capacity or self._limits_policy is not policy:
+            self._compute_limits(policy)
+        return self._lowered
+
+    def _compute_limits(self, policy: PressurePolicy) -> None:
+        capacity, lowered = self.capacity, policy.hysteresis
+        low, mid, high = (max(1, math.floor(t * capacity)) for t in policy.thresholds)
+        self._limits = (low, mid, high)
+        low, mid, high = (
+            max(1, math.floor(max(0.0, t - lowered) * capacity)) for t in policy.thresholds
+        )
+        self._lowered = (low, mid, high)
+        self._limits_capacity, self._limits_policy = capacity, policy
 
     def limit(self, stage: Stage, policy: PressurePolicy) -> int:
         """Slots in use at which ``stage`` begins (by utilisation alone)."""
@@ -643,20 +657,15 @@ class PressureBoard:
         service = p.mean_service_s()
         return p.queue_depth * service / p.capacity if service else 0.0
 
-    def _stage_of(
-        self, p: PoolPressure, thresholds: tuple[float, float, float] | None = None
-    ) -> tuple[Stage, str]:
+    def _stage_of(self, p: PoolPressure, lowered: bool = False) -> tuple[Stage, str]:
         """The stage the pool's state calls for now, and which source calls for it;
-        ``thresholds``: other utilisation thresholds than the policy's (the lowered ones a
-        stage steps down at)."""
-        if not self.policy.enabled:
+        ``lowered``: by the lowered thresholds (those a stage steps down at)."""
+        policy = self.policy
+        if not policy.enabled:
             return Stage.NORMAL, "off"
         by_use = Stage.NORMAL
         if p.capacity > 0:  # the highest stage whose limit is reached
-            if thresholds is None:
-                shed, pause, tighten = p.limits(self.policy)
-            else:
-                shed, pause, tighten = (max(1, math.floor(t * p.capacity)) for t in thresholds)
+            shed, pause, tighten = p.lowered_limits(policy) if lowered else p.limits(policy)
             used = p.used
             if used >= tighten:
                 by_use = Stage.TIGHTEN
@@ -698,8 +707,10 @@ class PressureBoard:
                 return  # rose just now: the per-class limits already refuse what they must
             self._change(pool_id, p, up, now, self._cause(p, source), source)
             return
-        lowered = tuple(max(0.0, t - policy.hysteresis) for t in policy.thresholds)
-        down, source = self._stage_of(p, lowered)  # type: ignore[arg-type]
+        if p.stage is Stage.NORMAL:  # nothing lower to step down to
+            p.lower_since = None
+            return
+        down, source = self._stage_of(p, lowered=True)
         if down >= p.stage:
             p.lower_since = None
             return
