@@ -148,6 +148,8 @@ class _SqliteDb:
 class SqliteLedger(SqlLedger):
     """The ledger in one SQLite file (WAL); safe for threads and for processes on one host."""
 
+    _due_index_clause = " INDEXED BY ledger_reservation_due"
+
     def __init__(
         self,
         path: Path | str,

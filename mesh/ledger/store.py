@@ -116,6 +116,10 @@ T = TypeVar("T")
 __all__ = ["DecisionRow", "LedgerStore", "SqlLedger", "Usage"]  # the first and last: model's
 
 _HOLDING = "(" + ", ".join(f"'{state}'" for state in sorted(HOLDING_STATES)) + ")"
+# The holding states as the partial index ``ledger_reservation_due`` is defined in both
+# schemas, word for word: SQLite uses a partial index only for a WHERE term that matches its
+# definition (with the states in another order it does not, and INDEXED BY fails).
+_DUE_STATES = "('PREPARING', 'ACTIVE')"
 _RES_COLUMNS = (
     "admission_id, digest, pool_id, state, fence, expires_at, created_at, updated_at, items, epoch"
 )
@@ -339,6 +343,10 @@ class SqlLedger(abc.ABC):
     # Appended to the expiry sweep's SELECT: PostgreSQL locks the due rows and skips rows a
     # concurrent release or sweep holds (they are dealt with by that transaction).
     _due_lock_clause = ""
+    # After the reservation table in the sweep's SELECT: SQLite names the due index, since
+    # left to itself it reads the whole table in primary-key order to save sorting the few
+    # due rows (a sweep then costs O(every reservation ever kept)).
+    _due_index_clause = ""
 
     def __init__(self, tables: Tables) -> None:
         self._t = tables
@@ -965,13 +973,17 @@ class SqlLedger(abc.ABC):
             for (admission_id, fence), answer in zip(releases, answers, strict=True)
         ]
 
-    def _expire_due(self, db: Db, now: float) -> list[Reservation]:
-        due = db.execute(
-            f"SELECT admission_id FROM {self._t.reservation}"
-            f" WHERE state IN {_HOLDING} AND expires_at <= ?"
-            f" ORDER BY admission_id{self._due_lock_clause}",
-            (now,),
+    @property
+    def _due_sql(self) -> str:
+        """The expiry sweep's read: the holding reservations due by ``?``, in ID order."""
+        return (
+            f"SELECT admission_id FROM {self._t.reservation}{self._due_index_clause}"
+            f" WHERE state IN {_DUE_STATES} AND expires_at <= ?"
+            f" ORDER BY admission_id{self._due_lock_clause}"
         )
+
+    def _expire_due(self, db: Db, now: float) -> list[Reservation]:
+        due = db.execute(self._due_sql, (now,))
         # Each due row under a fence of its own, ascending in admission-ID order; rows a
         # concurrent release ended meanwhile are left out by the UPDATE's own condition.
         fences = self._next_fences(db, len(due)) if due else []
