@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -130,8 +131,10 @@ their items in the item table, which is read for those rows only."""
 
 
 @functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)
 def items_json(items: tuple[Item, ...]) -> str:
-    """``[[pool_id, resource, amount], ...]``, in the items' (normalised) order."""
+    """``[[pool_id, resource, amount], ...]``, in the items' (normalised) order (remembered:
+    requests of one shape and tenant take the same items)."""
     return orjson.dumps([list(item) for item in items]).decode()
 
 
@@ -620,7 +623,7 @@ class SqlLedger(abc.ABC):
                 + " ON CONFLICT (admission_id) DO UPDATE SET outcome = excluded.outcome,"
                 " decided_at = excluded.decided_at, record = excluded.record"
                 f" WHERE {t}.digest = excluded.digest",
-                [value for row in chunk for value in row],
+                _flat(chunk),
             )
         return kept
 
@@ -637,7 +640,7 @@ class SqlLedger(abc.ABC):
                 f"INSERT INTO {self._t.eligibility} (ref, body) VALUES "
                 + ", ".join(["(?, ?)"] * len(chunk))
                 + " ON CONFLICT (ref) DO NOTHING",
-                [value for row in chunk for value in row],
+                _flat(chunk),
             )
 
     def eligibility(self, ref: str) -> str | None:
@@ -786,7 +789,7 @@ class SqlLedger(abc.ABC):
         rows = db.execute(
             f"SELECT pool_id, resource, used, capacity FROM {self._t.capacity}"
             f" WHERE (pool_id, resource) IN (VALUES {', '.join(['(?, ?)'] * len(keys))})",
-            [part for key in keys for part in key],
+            _flat(keys),
         )
         found.update(((str(p), str(r)), (int(u), int(c))) for p, r, u, c in rows)
         return found
@@ -899,7 +902,7 @@ class SqlLedger(abc.ABC):
         for chunk in _chunks(rows, 100):
             db.execute(
                 f"INSERT INTO {table} ({columns}) VALUES " + ", ".join([marks] * len(chunk)),
-                [value for row in chunk for value in row],
+                _flat(chunk),
             )
 
     def _give_back(self, db: Db, reservations: Iterable[Reservation]) -> None:
@@ -1154,6 +1157,11 @@ def _gather(rows: _Plan, op: LedgerOp) -> bool:
     else:
         return False
     return True
+
+
+def _flat(rows: Iterable[Sequence[object]]) -> list[object]:
+    """The rows' values in one list, row after row: one statement's bind parameters."""
+    return list(itertools.chain.from_iterable(rows))
 
 
 def _chunks(values: Sequence[T], size: int) -> Iterator[Sequence[T]]:
