@@ -234,6 +234,10 @@ class Consumer:
             log.debug("consumer cancel incomplete", extra={"queue": self.queue_name, "err": exc})
 
 
+def _where(exchange: str, routing_key: str) -> str:
+    return f"{exchange or '<default>'}/{routing_key}"
+
+
 def _forget_message_id(
     channel: aiormq.Channel, message_id: str, tag: int, _: asyncio.Future[Any]
 ) -> None:
@@ -269,8 +273,8 @@ class AmqpTransport:
         self._watchdog: asyncio.Task[None] | None = None
         self.probes_unanswered = 0
         self._lean: LeanConnection | None = None  # heartbeats' consume-only connection
-        # Message IDs of batch publishes: unique (a random prefix per transport, a counter),
-        # without a uuid4 (an os.urandom call) per message.
+        # Message IDs of publishes: unique (a random prefix per transport, a counter),
+        # without a uuid4 (an os.urandom call and a UUID object) per message.
         self._id_prefix = uuid.uuid4().hex[:16]
         self._ids = itertools.count(1)
         connection.reconnect_callbacks.add(self._reconnected)
@@ -565,7 +569,7 @@ class AmqpTransport:
         properties = aiormq.spec.Basic.Properties(
             content_type=c.CONTENT_TYPE,
             message_type=None if isinstance(message, bytes) else message.type,
-            message_id=uuid.uuid4().hex,
+            message_id=f"{self._id_prefix}{next(self._ids):x}",  # unique per attempt
             reply_to=reply_to,
             correlation_id=correlation_id,
             user_id=user_id,
@@ -576,7 +580,6 @@ class AmqpTransport:
             timestamp=datetime.fromtimestamp(int(time.time()), UTC) if persistent else None,
         )
         timeout = self.publish_timeout_s if timeout_s is None else timeout_s
-        where = f"{exchange or '<default>'}/{routing_key}"
         try:
             # Straight to aiormq on the confirming channel: aio-pika's Exchange.publish is a
             # thin wrapper, but its Message object costs more than the publish itself.
@@ -595,12 +598,15 @@ class AmqpTransport:
                     wait=False,
                 )
         except aiormq.exceptions.PublishError as exc:
+            where = _where(exchange, routing_key)
             raise PublishUnroutable(f"no queue bound for {where} ({exc})") from None
         except aiormq.exceptions.DeliveryError as exc:
+            where = _where(exchange, routing_key)
             raise PublishNacked(f"broker refused publish to {where} ({exc})") from None
         except TimeoutError:
             raise PublishTimeout(
-                f"no confirm within {timeout:g} s for {where}; the message may still be enqueued"
+                f"no confirm within {timeout:g} s for {_where(exchange, routing_key)}; the"
+                " message may still be enqueued"
             ) from None
         except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
             raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
@@ -656,7 +662,7 @@ class AmqpTransport:
             failed = TransportError(f"publish of {len(messages)} to {exchange} failed: {exc}")
             return [failed] * len(messages)
         for index, ((key, _), answer) in enumerate(zip(messages, answers, strict=True)):
-            where = f"{exchange or '<default>'}/{key}"
+            where = _where(exchange, key)
             if isinstance(answer, aiormq.exceptions.PublishError):
                 outcomes[index] = PublishUnroutable(f"no queue bound for {where} ({answer})")
             elif isinstance(answer, aiormq.exceptions.DeliveryError):
