@@ -1081,24 +1081,17 @@ class SqlLedger(abc.ABC):
                 chunk,
             ):
                 items[str(admission_id)].append(Item(str(pool_id), str(resource), int(amount)))
-        return sorted(
-            (
-                Reservation(
-                    admission_id=str(a),
-                    digest=str(d),
-                    pool_id=str(p),
-                    state=ReservationState(s),
-                    fence=int(f),
-                    items=_items_from_json(i) if i is not None else tuple(items[str(a)]),
-                    expires_at=float(e),
-                    created_at=float(c),
-                    updated_at=float(u),
-                    descriptor_epoch=None if epoch is None else int(epoch),
-                )
-                for a, d, p, s, f, e, c, u, i, epoch in rows
-            ),
-            key=lambda r: r.fence,
-        )
+        state_of = _STATE_OF
+        found = [
+            Reservation(
+                str(a), str(d), str(p), state_of.get(s) or ReservationState(s), int(f),
+                _items_from_json(i) if i is not None else tuple(items[str(a)]),
+                float(e), float(c), float(u), None if epoch is None else int(epoch),
+            )
+            for a, d, p, s, f, e, c, u, i, epoch in rows
+        ]  # fmt: skip
+        found.sort(key=_fence)
+        return found
 
     def _append_logs(
         self, db: Db, now: float, entries: Sequence[tuple[str, int]], event: LedgerEvent
@@ -1157,6 +1150,15 @@ def _gather(rows: _Plan, op: LedgerOp) -> bool:
     else:
         return False
     return True
+
+
+_STATE_OF: dict[object, ReservationState] = {state.value: state for state in ReservationState}
+"""A stored state's enum member by dict lookup (the enum's own call is Python code; an
+unknown value still goes through it, and raises)."""
+
+
+def _fence(reservation: Reservation) -> int:
+    return reservation.fence
 
 
 def _flat(rows: Iterable[Sequence[object]]) -> list[object]:
