@@ -100,7 +100,7 @@ from mesh.ledger.model import (
     SaveEligibility,
     SetCapacity,
     Usage,
-    normalize_items,
+    normalize_built,
     shortage,
 )
 from mesh.wire.admission import (
@@ -909,7 +909,7 @@ class AdmissionCore:
         ]
         if live is not None:
             raw.append((pool_id, live_slots_resource(req.capability.name), 1))
-        return normalize_items(raw)
+        return normalize_built(tuple(raw))  # names and validated ints: exact types
 
     def _granted(
         self,

@@ -257,6 +257,13 @@ def normalize_items(items: Iterable[tuple[str, str, int]]) -> tuple[Item, ...]:
     return _normalized(key)
 
 
+def normalize_built(items: tuple[tuple[str, str, int], ...]) -> tuple[Item, ...]:
+    """:func:`normalize_items` for items whose exact types hold by construction — built from
+    validated wire models, whose integers are exact ``int`` — straight to the memo, without
+    the per-item type check that keeps ``True`` and ``1.0`` from sharing an entry with ``1``."""
+    return _normalized(items)
+
+
 @lru_cache(maxsize=4096)
 def _normalized(items: tuple[tuple[str, str, int], ...]) -> tuple[Item, ...]:
     return _normalize(items)
