@@ -76,7 +76,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, TypeVar
 
@@ -210,9 +210,11 @@ class LedgerStore(Protocol):
         """Keep a pool's descriptor (JSON) unless a newer epoch is stored; True if kept."""
         ...
 
-    def descriptors(self) -> list[tuple[str, int, str]]:
+    def descriptors(self, known: Mapping[str, int] | None = None) -> list[tuple[str, int, str]]:
         """``(pool_id, epoch, body)`` of every stored descriptor: what a (re)starting manager,
-        or another manager on the same ledger, loads."""
+        or another manager on the same ledger, loads. ``known``: the epochs the caller
+        holds; then only descriptors of a newer epoch (or another pool) are returned, and
+        only their bodies are read."""
         ...
 
     def log(self, after_seq: int = 0) -> list[LogEntry]:
@@ -530,10 +532,28 @@ class SqlLedger(abc.ABC):
         )
         return bool(stored) and int(stored[0][0]) == epoch
 
-    def descriptors(self) -> list[tuple[str, int, str]]:
-        sql = f"SELECT pool_id, epoch, body FROM {self._t.descriptor} ORDER BY pool_id"
-        rows = self._read(lambda db: db.execute(sql))
-        return [(str(p), int(e), str(b)) for p, e, b in rows]
+    def descriptors(self, known: Mapping[str, int] | None = None) -> list[tuple[str, int, str]]:
+        table = self._t.descriptor
+
+        def read(db: Db) -> list[tuple[Any, ...]]:
+            if known is None:
+                return db.execute(f"SELECT pool_id, epoch, body FROM {table} ORDER BY pool_id")
+            # Epochs first (a few bytes a pool), bodies only of the newer ones.
+            newer = [
+                str(pool)
+                for pool, epoch in db.execute(f"SELECT pool_id, epoch FROM {table}")
+                if int(epoch) > known.get(str(pool), 0)
+            ]
+            rows: list[tuple[Any, ...]] = []
+            for chunk in _chunks(sorted(newer), 500):
+                rows += db.execute(
+                    f"SELECT pool_id, epoch, body FROM {table}"
+                    f" WHERE pool_id IN ({', '.join('?' * len(chunk))}) ORDER BY pool_id",
+                    chunk,
+                )
+            return rows
+
+        return [(str(p), int(e), str(b)) for p, e, b in self._read(read)]
 
     def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
         ids = list(dict.fromkeys(admission_ids))

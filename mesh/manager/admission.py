@@ -245,7 +245,7 @@ class Admitter:
         """Adopt every stored descriptor newer than ours (at start, and on every tick: other
         managers on the same ledger may have accepted one). Returns how many were adopted."""
         adopted = 0
-        for pool_id, epoch, body in self.ledger.descriptors():
+        for pool_id, epoch, body in self.ledger.descriptors(known=self.core.active_epochs):
             if self.core.active_epochs.get(pool_id, 0) >= epoch:
                 continue
             try:

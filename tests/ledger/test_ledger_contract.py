@@ -719,3 +719,24 @@ def test_maintain_can_run_while_decisions_go_on(pool: LedgerStore) -> None:
         checkpoint.result()
     assert used(pool, "*", "tenant_tokens:acme") == 51
     assert_conserved(pool)
+
+
+# ---- descriptors ------------------------------------------------------------------------------
+def test_a_descriptor_is_kept_only_for_a_newer_epoch(ledger: LedgerStore) -> None:
+    assert ledger.save_descriptor("pool-a", 2, '{"epoch": 2}')
+    assert not ledger.save_descriptor("pool-a", 1, '{"epoch": 1}')  # older: the stored stays
+    assert ledger.save_descriptor("pool-b", 1, '{"b": 1}')
+
+    assert ledger.descriptors() == [("pool-a", 2, '{"epoch": 2}'), ("pool-b", 1, '{"b": 1}')]
+
+
+def test_descriptors_newer_than_the_callers_are_all_it_reads_back(ledger: LedgerStore) -> None:
+    for pool_id, epoch in (("pool-a", 2), ("pool-b", 1), ("pool-c", 3)):
+        ledger.save_descriptor(pool_id, epoch, f'{{"{pool_id}": {epoch}}}')
+
+    # pool-a is held at its epoch, pool-b at an older one, pool-c not at all.
+    assert ledger.descriptors(known={"pool-a": 2, "pool-b": 0}) == [
+        ("pool-b", 1, '{"pool-b": 1}'),
+        ("pool-c", 3, '{"pool-c": 3}'),
+    ]
+    assert ledger.descriptors(known={"pool-a": 2, "pool-b": 1, "pool-c": 3}) == []
