@@ -578,8 +578,11 @@ class EndToEnd:
             if part is not None:
                 with contextlib.suppress(Exception):
                     await (part.stop() if isinstance(part, ManagerService) else part.close())
-        declared = Topology(namespace=self.namespace).manager()
+        topology = Topology(namespace=self.namespace)
+        declared = topology.manager()
         queues = [q.name for q in declared.queues] + [self.echo_queue(p) for p in self.echoes]
+        # The pool's task queue, declared by the manager when it accepted the descriptor.
+        queues.append(topology.pool_task_queue(descriptor(time.time()).pool_id))
         exchanges = [x.name for x in declared.exchanges] + [
             self.echo_exchange(p) for p in self.echoes
         ]
