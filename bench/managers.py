@@ -260,7 +260,10 @@ async def delete_namespace(url: str, namespace: str) -> None:
     transport = await AmqpTransport.connect(url, name="bench-managers-cleanup")
     try:
         with contextlib.suppress(Exception):
-            await transport.delete_declared(Topology(namespace=namespace).manager())
+            topology = Topology(namespace=namespace)
+            # With the pool's task queue, which a manager declared on accepting the descriptor.
+            pool_id = descriptor(time.time()).pool_id
+            await transport.delete_declared(topology.manager() + topology.pool(pool_id))
     finally:
         await transport.close()
 
