@@ -1,4 +1,5 @@
-"""Fresh admission IDs that sort by time: UUIDv7 (RFC 9562), as 32 hex digits.
+"""Fresh IDs: admission IDs that sort by time (UUIDv7, RFC 9562, as 32 hex digits), and
+cheap unique sequences for message and correlation IDs (:class:`IdSequence`).
 
 An admission ID is the key of a reservation and of a decision in the ledger, and a producer
 chooses it (the manager never does: retrying with the same ID is how a producer stays
@@ -17,6 +18,7 @@ are random, so IDs stay unguessable.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -46,3 +48,18 @@ def new_admission_id() -> str:
     random_bits = int.from_bytes(os.urandom(8), "big") >> 2  # 62 bits
     value = (ms & _MS_MASK) << 80 | 0x7 << 76 | counter << 64 | 0x2 << 62 | random_bits
     return f"{value:032x}"
+
+
+class IdSequence:
+    """Unique IDs without an ``os.urandom`` call or a UUID object each: a random 64-bit
+    prefix per sequence, then a counter in hex. For message and correlation IDs, which must
+    never repeat but need not sort or be unguessable."""
+
+    __slots__ = ("_counter", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._counter):x}"

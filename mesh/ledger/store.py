@@ -131,10 +131,8 @@ their items in the item table, which is read for those rows only."""
 
 
 @functools.lru_cache(maxsize=1024)
-@functools.lru_cache(maxsize=1024)
 def items_json(items: tuple[Item, ...]) -> str:
-    """``[[pool_id, resource, amount], ...]``, in the items' (normalised) order (remembered:
-    requests of one shape and tenant take the same items)."""
+    """``[[pool_id, resource, amount], ...]``, in the items' (normalised) order."""
     return orjson.dumps([list(item) for item in items]).decode()
 
 

@@ -27,7 +27,6 @@ Refusals and failures raise typed errors carrying the machine-readable code.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
@@ -52,7 +51,7 @@ from mesh.errors import (
     TaskTimeout,
     TransportError,
 )
-from mesh.ids import new_admission_id
+from mesh.ids import IdSequence, new_admission_id
 from mesh.topology import names
 from mesh.topology.specs import Topology
 from mesh.transport.amqp import AmqpTransport
@@ -184,10 +183,7 @@ class MeshClient:
         self.reply_queue = reply_queue
         self.counters: Counter[str] = Counter()
         self._pending: dict[str, asyncio.Future[Message]] = {}
-        # Correlation IDs: a random prefix per client and a counter (unique without a uuid4,
-        # an os.urandom call and a UUID object, per request).
-        self._id_prefix = uuid.uuid4().hex[:16]
-        self._ids = itertools.count(1)
+        self._correlation_ids = IdSequence()
         # Correlation IDs answered lately (bounded), each with the grant its answer carried:
         # a second answer to one is a duplicate.
         self._answered: OrderedDict[str, str | None] = OrderedDict()
@@ -318,7 +314,7 @@ class MeshClient:
         method = _METHODS.get(type(message))
         if method is None:
             raise LocalProtocolError(f"{message.type} is not a manager request")
-        correlation_id = f"{self._id_prefix}{next(self._ids):x}"
+        correlation_id = self._correlation_ids.next()
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[correlation_id] = fut
         try:

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
@@ -51,6 +49,7 @@ from mesh.errors import (
     TopologyMissing,
     TransportError,
 )
+from mesh.ids import IdSequence
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec, reply_queue
 from mesh.transport import dead_letters
 from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
@@ -273,10 +272,7 @@ class AmqpTransport:
         self._watchdog: asyncio.Task[None] | None = None
         self.probes_unanswered = 0
         self._lean: LeanConnection | None = None  # heartbeats' consume-only connection
-        # Message IDs of publishes: unique (a random prefix per transport, a counter),
-        # without a uuid4 (an os.urandom call and a UUID object) per message.
-        self._id_prefix = uuid.uuid4().hex[:16]
-        self._ids = itertools.count(1)
+        self._message_ids = IdSequence()  # fresh per publish attempt
         connection.reconnect_callbacks.add(self._reconnected)
         connection.close_callbacks.add(self._dropped)
 
@@ -569,7 +565,7 @@ class AmqpTransport:
         properties = aiormq.spec.Basic.Properties(
             content_type=c.CONTENT_TYPE,
             message_type=None if isinstance(message, bytes) else message.type,
-            message_id=f"{self._id_prefix}{next(self._ids):x}",  # unique per attempt
+            message_id=self._message_ids.next(),
             reply_to=reply_to,
             correlation_id=correlation_id,
             user_id=user_id,
@@ -598,11 +594,12 @@ class AmqpTransport:
                     wait=False,
                 )
         except aiormq.exceptions.PublishError as exc:
-            where = _where(exchange, routing_key)
+            where = _where(exchange, routing_key)  # built on an error only: not per publish
             raise PublishUnroutable(f"no queue bound for {where} ({exc})") from None
         except aiormq.exceptions.DeliveryError as exc:
-            where = _where(exchange, routing_key)
-            raise PublishNacked(f"broker refused publish to {where} ({exc})") from None
+            raise PublishNacked(
+                f"broker refused publish to {_where(exchange, routing_key)} ({exc})"
+            ) from None
         except TimeoutError:
             raise PublishTimeout(
                 f"no confirm within {timeout:g} s for {_where(exchange, routing_key)}; the"
@@ -703,7 +700,7 @@ class AmqpTransport:
         confirms: list[asyncio.Future[Any]],
     ) -> None:
         for routing_key, message in messages:
-            message_id = f"{self._id_prefix}{next(self._ids):x}"
+            message_id = self._message_ids.next()
             channel.delivery_tag += 1
             tag = channel.delivery_tag
             confirm = channel.create_future()

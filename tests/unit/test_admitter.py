@@ -66,6 +66,13 @@ def used(ledger: SqliteLedger) -> dict[tuple[str, str], int]:
     return {key: u for key, (u, _) in ledger.usage().items() if u}
 
 
+def grant_pairs(a: Admitter, count: int) -> list[tuple[str, int]]:
+    """``(admission ID, fence)`` of ``count`` grants, adm-0, adm-1, …, made at T0."""
+    grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(count)]
+    assert all(g is not None for g in grants)
+    return [(g.admission_id, g.fence) for g in grants if g is not None]
+
+
 @contextmanager
 def transactions_of(store: SqliteLedger) -> Iterator[list[bool]]:
     """Every transaction the store runs meanwhile, as ``write`` flags, in order."""
@@ -231,9 +238,7 @@ def test_releases_that_arrive_together_are_settled_in_one_transaction_as_one_by_
 ) -> None:
     store = SqliteLedger(tmp_path / "ledger.sqlite3")
     a = admitter(store)
-    grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(3)]
-    assert all(g is not None for g in grants)
-    fences = [g.fence for g in grants if g is not None]
+    fences = [fence for _, fence in grant_pairs(a, 3)]
     with transactions_of(store) as transactions:
         settled = a.settle_many(
             [
@@ -264,8 +269,7 @@ def test_a_failed_release_batch_is_settled_again_one_by_one(tmp_path: Path) -> N
 
     store = SqliteLedger(tmp_path / "ledger.sqlite3")
     a = admitter(store)
-    grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(2)]
-    releases = [(g.admission_id, g.fence) for g in grants if g is not None]
+    releases = grant_pairs(a, 2)
     real_batch = store.batch
 
     def failing(work, plan=()):  # type: ignore[no-untyped-def]
@@ -291,8 +295,7 @@ def test_releases_that_come_with_a_batch_are_settled_in_its_one_transaction(
 ) -> None:
     store = SqliteLedger(tmp_path / "ledger.sqlite3")
     a = admitter(store)
-    grants = [a.admit(request(f"adm-{i}"), "tenant-a", T0).grant for i in range(2)]
-    releases = [(g.admission_id, g.fence) for g in grants if g is not None]
+    releases = grant_pairs(a, 2)
     with transactions_of(store) as transactions:
         batch = a.admit_batch(
             [(request("adm-2"), "tenant-a")], T0 + 1, releases=[*releases, ("adm-9", 1)]
