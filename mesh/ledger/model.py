@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
 from typing import Final, NamedTuple
@@ -164,12 +164,16 @@ class LedgerView:
 
     ``counters``: every counter; ``reservations`` and ``decisions``: those the batch's
     admission IDs already have; ``fences``: fresh values of the fence sequence, ascending,
-    one for each reservation the batch may create (an unused one is a harmless gap)."""
+    one for each reservation the batch may create (an unused one is a harmless gap);
+    ``epochs``: every stored descriptor's epoch by pool, so that a batch that found no pool
+    for a request learns in the same read whether another manager stored a descriptor it has
+    not loaded yet (and only then reads the descriptors)."""
 
     counters: Mapping[tuple[str, str], tuple[int, int]]
     reservations: Mapping[str, Reservation]
     decisions: Mapping[str, DecisionRow]
     fences: tuple[int, ...] = ()
+    epochs: Mapping[str, int] = field(default_factory=dict)
 
 
 # ---- what a decided batch asks the store to write, in order, in its one transaction --------

@@ -441,13 +441,14 @@ class PostgresLedger(SqlLedger):
             f"SELECT {q}.ledger_release_apply(?::text[], ?::bigint[], ?, ?::jsonb)"
         )
         self._expire_sql = f"SELECT {q}.ledger_expire(?)"
-        # LedgerView as one JSON array: [counters, reservations, decisions, fences]. Each ID
-        # is looked up by a LATERAL subquery that OFFSET 0 keeps from being flattened into a
-        # join: a cached generic plan is chosen after a statement's first executions, and for
-        # ``admission_id = ANY(array)`` (or a join) on a table still small then — a fresh
-        # ledger, before any ANALYZE — that plan is a sequential scan, kept while the table
-        # grows (measured: 0.9 ms a batch at 1,800 reservations, and rising). A lookup per ID
-        # on the primary key is planned as an index lookup whatever the table's size.
+        # LedgerView as one JSON array: [counters, reservations, decisions, fences, epochs]
+        # (epochs as an object, pool → epoch). Each ID is looked up by a LATERAL subquery that
+        # OFFSET 0 keeps from being flattened into a join: a cached generic plan is chosen
+        # after a statement's first executions, and for ``admission_id = ANY(array)`` (or a
+        # join) on a table still small then — a fresh ledger, before any ANALYZE — that plan
+        # is a sequential scan, kept while the table grows (measured: 0.9 ms a batch at 1,800
+        # reservations, and rising). A lookup per ID on the primary key is planned as an
+        # index lookup whatever the table's size.
         self._view_sql = (
             "SELECT jsonb_build_array("
             f"(SELECT coalesce(jsonb_agg(jsonb_build_array(pool_id, resource, used, capacity)),"
@@ -459,7 +460,9 @@ class PostgresLedger(SqlLedger):
             " LATERAL (SELECT jsonb_build_array(admission_id, digest, outcome, decided_at,"
             f" record) AS j FROM {q}.ledger_decision WHERE admission_id = k.id OFFSET 0) AS d),"
             f" (SELECT coalesce(jsonb_agg(nextval('{q}.ledger_fence')), '[]')"
-            " FROM generate_series(1, ?)))::text"
+            " FROM generate_series(1, ?)),"
+            " (SELECT coalesce(jsonb_object_agg(pool_id, epoch), '{}')"
+            f" FROM {q}.ledger_descriptor))::text"
         )
         with self._lock:
             self._transaction(self._create_schema, write=True)
@@ -612,7 +615,7 @@ class PostgresLedger(SqlLedger):
         else:
             with self._lock:
                 view = self._one_statement(self._view_sql, params)
-        counters, reservations, decisions, drawn = orjson.loads(view)
+        counters, reservations, decisions, drawn, epochs = orjson.loads(view)
         return LedgerView(
             counters={(str(p), str(r)): (int(u), int(c)) for p, r, u, c in counters},
             reservations={r.admission_id: r for r in self._with_items(None, reservations)},
@@ -621,6 +624,7 @@ class PostgresLedger(SqlLedger):
                 for a, d, o, at, rec in decisions
             },
             fences=tuple(sorted(int(f) for f in drawn)),
+            epochs={str(p): int(e) for p, e in epochs.items()},
         )
 
     def apply(self, ops: Sequence[LedgerOp]) -> None:

@@ -227,8 +227,9 @@ class LedgerStore(Protocol):
 
     def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
         """What a batch about ``admission_ids`` is decided from (:class:`LedgerView`), with
-        ``fences`` fresh fences drawn for it. Call it inside :meth:`batch`, then
-        :meth:`apply` the decided operations in the same transaction."""
+        ``fences`` fresh fences drawn for it and every stored descriptor's epoch. Call it
+        inside :meth:`batch`, then :meth:`apply` the decided operations in the same
+        transaction."""
         ...
 
     def apply(self, ops: Sequence[LedgerOp]) -> None:
@@ -569,6 +570,10 @@ class SqlLedger(abc.ABC):
                 reservations=reservations,
                 decisions=self._select_decisions(db, ids) if ids else {},
                 fences=tuple(self._next_fences(db, fences)) if fences else (),
+                epochs={
+                    str(p): int(e)
+                    for p, e in db.execute(f"SELECT pool_id, epoch FROM {self._t.descriptor}")
+                },
             )
 
         return self._write(read) if fences else self._read(read)

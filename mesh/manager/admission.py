@@ -130,6 +130,8 @@ class Admitter:
     # The pressure board's pools as the last observe() left them: a copy of the mapping made
     # on the admitter's thread, which the status page and metrics read from the event loop.
     pools_seen: Mapping[str, PoolPressure] = field(default_factory=dict, init=False)
+    # Every stored descriptor's epoch, as the last batch's view read it (LedgerView.epochs).
+    stored_epochs: Mapping[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.core = AdmissionCore(
@@ -256,6 +258,12 @@ class Admitter:
             adopted += 1
         return adopted
 
+    def _newer_stored(self) -> bool:
+        """Whether the last view saw a stored descriptor newer than the one we hold (or of a
+        pool we do not know): another manager's, not loaded yet."""
+        active = self.core.active_epochs
+        return any(epoch > active.get(pool, 0) for pool, epoch in self.stored_epochs.items())
+
     def set_active_epoch(self, pool_id: str, epoch: int) -> None:
         """Make ``epoch`` the pool's active descriptor epoch (a rollout that moves on before
         its descriptor arrives): descriptors of other epochs are no longer eligible."""
@@ -359,10 +367,11 @@ class Admitter:
         unknown = [
             i for i, d in enumerate(decisions) if d.reason is AdmissionReason.NO_ELIGIBLE_POOL
         ]
-        if unknown and self.load_descriptors():
+        if unknown and self._newer_stored() and self.load_descriptors():
             # Another manager on the same ledger accepted a descriptor since our last tick:
             # decide those again with it rather than reject them until the next tick (a
-            # rejection is final to a producer). Rare, so the extra read costs nothing.
+            # rejection is final to a producer). The batch's view says whether one is
+            # stored, so a request for a capability nobody offers costs no extra read.
             again = self.admit_many([requests[i] for i in unknown], now, live)
             for i, decision in zip(unknown, again, strict=True):
                 decisions[i] = decision
@@ -418,6 +427,7 @@ class Admitter:
         def work() -> tuple[Batch, list[Reservation | Refused] | None]:
             ids = [request.admission_id for request, _ in requests]
             view = self.ledger.read_for_decision(ids, fences=len(requests))
+            self.stored_epochs = view.epochs
             batch = self.core.decide(requests, view, now, live)
             decided.append(batch)
             for pending in list(batch.pending):

@@ -43,6 +43,19 @@ def decided(admission_id: str, digest: str | None = None) -> RecordDecision:
     )
 
 
+def test_the_view_carries_every_stored_descriptors_epoch(pool: LedgerStore) -> None:
+    # A batch that finds no pool for a request learns from its view alone whether another
+    # manager stored a descriptor it has not loaded (the admitter reads bodies only then).
+    assert pool.read_for_decision(["adm-1"], fences=1).epochs == {}
+    assert pool.save_descriptor("pool-a", 3, '{"d": 3}')
+    assert pool.save_descriptor("pool-b", 1, '{"d": 1}')
+    assert pool.save_descriptor("pool-a", 4, '{"d": 4}')
+
+    view = pool.batch(lambda: pool.read_for_decision(["adm-1"], fences=1))
+
+    assert view.epochs == {"pool-a": 4, "pool-b": 1}
+
+
 def test_a_decided_batch_keeps_what_it_decided_against_the_view_it_read(
     pool: LedgerStore,
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 from mesh.ledger.model import TENANT_POOL, Refused
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.manager.admission import AdmissionPolicy, Admitter
-from mesh.wire import AdmissionReason, AdmissionRequest, TaskRequirements
+from mesh.wire import AdmissionReason, AdmissionRequest, CapabilityRange, TaskRequirements
 
 from .samples import DESCRIPTOR, REQUIREMENTS, T0
 
@@ -160,6 +160,31 @@ def test_a_requirement_the_descriptor_does_not_allow_is_never_admitted(
 
     assert (decision.outcome, decision.reason) == ("rejected", AdmissionReason.NO_ELIGIBLE_POOL)
     assert "classification_allowed" in decision.detail
+
+
+def test_a_batch_that_finds_no_pool_reads_descriptors_only_when_a_newer_one_is_stored(
+    ledger: SqliteLedger,
+) -> None:
+    a = admitter(ledger)
+    nobody = CapabilityRange(name="nobody.offers")
+    reads: list[object] = []
+    real = ledger.descriptors
+
+    def counted(known=None):  # type: ignore[no-untyped-def]
+        reads.append(known)
+        return real(known)
+
+    ledger.descriptors = counted  # type: ignore[method-assign]
+    first = a.admit_batch([(request("adm-x", capability=nobody), "tenant-a")], T0)
+    assert first.decisions[0].reason is AdmissionReason.NO_ELIGIBLE_POOL
+    assert reads == []  # the view showed nothing newer than what this admitter holds
+
+    # Another manager stores a newer epoch: the next such batch loads it (one read).
+    newer = DESCRIPTOR.model_copy(update={"descriptor_epoch": 4})
+    assert ledger.save_descriptor("rag-eu", 4, newer.model_dump_json())
+    again = a.admit_batch([(request("adm-y", capability=nobody), "tenant-a")], T0)
+    assert again.decisions[0].reason is AdmissionReason.NO_ELIGIBLE_POOL
+    assert len(reads) == 1 and a.active_epochs == {"rag-eu": 4}
 
 
 def test_capacity_is_never_granted_twice(ledger: SqliteLedger) -> None:
