@@ -470,6 +470,30 @@ def test_the_log_is_append_only(ledger_factory: LedgerFactory, pool: LedgerStore
     assert len(pool.log()) == 1
 
 
+def test_giving_back_more_than_a_counter_holds_fails_and_keeps_nothing(
+    ledger_factory: LedgerFactory, pool: LedgerStore
+) -> None:
+    # Counters and reservations disagree only if someone wrote the tables by hand: a
+    # release or an expiry that would take a counter below zero fails whole.
+    held = prepared(pool.prepare("adm-1", "d", [SLOT, SANDBOX], TTL, T0))
+    if ledger_factory.kind == "sqlite":
+        with contextlib.closing(sqlite3.connect(ledger_factory.main)) as db, db:
+            db.execute("UPDATE ledger_capacity SET used = 0 WHERE resource = 'sandboxes'")
+    else:
+        assert ledger_factory.dsn is not None
+        table = f'"{ledger_factory.main}".ledger_capacity'
+        with psycopg.connect(ledger_factory.dsn, autocommit=True) as conn:
+            conn.execute(f"UPDATE {table} SET used = 0 WHERE resource = 'sandboxes'")
+
+    with pytest.raises(StoreError, match="holds less"):
+        pool.release("adm-1", held.fence, T0 + 1)
+    with pytest.raises(StoreError, match="holds less"):
+        pool.expire_due(T0 + TTL + 1)
+
+    assert pool.get("adm-1") == held  # neither ended it
+    assert (used(pool, "pool-a", "model_slots"), used(pool, "pool-a", "sandboxes")) == (1, 0)
+
+
 def test_threads_sharing_one_store_never_overbook(pool: LedgerStore) -> None:
     # The manager calls the store through asyncio.to_thread: calls may overlap.
     pool.set_capacity("pool-a", "model_slots", 25)
