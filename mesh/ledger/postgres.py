@@ -49,7 +49,7 @@ import logging
 import re
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Final, TypeVar
@@ -402,6 +402,20 @@ def _functions(s: str) -> list[str]:
     ]
 
 
+def _text_array(values: Iterable[str]) -> str:
+    """``values`` as a PostgreSQL ``text[]`` literal, every element double-quoted (inside,
+    only ``"`` and ``\\`` are escaped). For the hot statements' ``?::text[]`` parameters:
+    psycopg adapts a list element by element in Python (measured ~45 µs of CPU for 16 short
+    IDs, most of a statement's own cost), this string in a few."""
+    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+    return "{" + ",".join(quoted) + "}"
+
+
+def _int_array(values: Iterable[int]) -> str:
+    """``values`` as a PostgreSQL ``bigint[]`` literal (see :func:`_text_array`)."""
+    return "{" + ",".join(str(int(v)) for v in values) + "}"
+
+
 @lru_cache(maxsize=256)
 def _pyformat(sql: str) -> str:
     """The shared SQL's ``?`` placeholders as psycopg's ``%s``."""
@@ -636,7 +650,7 @@ class PostgresLedger(SqlLedger):
         return lazy if lazy is not None and lazy.deferred is None else None
 
     def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
-        ids = list(dict.fromkeys(admission_ids))
+        ids = _text_array(dict.fromkeys(admission_ids))
         params = (ids, ids, fences)
         if self._not_begun() is not None:
             view = self._one_statement(self._view_sql, params, retry=False)
@@ -702,7 +716,7 @@ class PostgresLedger(SqlLedger):
         lazy = self._lazy_unbegun()
         if lazy is not None and releases:
             payload, lazy.deferred, lazy.closed = lazy.deferred, None, True
-            ids, fences = [a for a, _ in releases], [f for _, f in releases]
+            ids, fences = _text_array(a for a, _ in releases), _int_array(f for _, f in releases)
             if payload is None:
                 rows = self._one_statement(self._release_many_sql, (ids, fences, now), retry=False)
             else:
@@ -712,7 +726,7 @@ class PostgresLedger(SqlLedger):
             return self._release_answers(releases, rows, now)
         if len(releases) <= 1 or self._in_a_batch():
             return super().release_many(releases, now)  # one: release()'s own single statement
-        ids, fences = [a for a, _ in releases], [f for _, f in releases]
+        ids, fences = _text_array(a for a, _ in releases), _int_array(f for _, f in releases)
         with self._lock:
             rows = self._one_statement(self._release_many_sql, (ids, fences, now))
             return self._release_answers(releases, rows, now)

@@ -25,7 +25,7 @@ from mesh.ledger import (
     Reservation,
     ReservationState,
 )
-from mesh.ledger.model import Reserve
+from mesh.ledger.model import LedgerView, Reserve
 from mesh.ledger.store import Db, SqlLedger
 
 from .conftest import LedgerFactory
@@ -468,6 +468,23 @@ def test_the_log_is_append_only(ledger_factory: LedgerFactory, pool: LedgerStore
                 with pytest.raises(psycopg.DatabaseError, match="append-only"):
                     conn.execute(statement)
     assert len(pool.log()) == 1
+
+
+def test_admission_ids_are_opaque_strings_through_reads_and_releases(pool: LedgerStore) -> None:
+    # Any 1 to 128 characters (the wire contract's Identifier): quotes, backslashes, commas and
+    # braces travel as they are (PostgreSQL's statements take them as array literals).
+    ids = ['a"b', "c\\d", "e,f", "{g}", " h ", "NULL", "ü"]
+    held = {i: prepared(pool.prepare(i, "d", [tokens(1)], TTL, T0)) for i in ids}
+
+    def view() -> LedgerView:
+        return pool.read_for_decision([*ids, "absent"], fences=0)
+
+    assert set(pool.batch(view).reservations) == set(ids)
+    outcomes = pool.release_many([(i, held[i].fence) for i in ids], T0 + 1)
+
+    assert [reservation(o).admission_id for o in outcomes] == ids
+    assert used(pool, "*", "tenant_tokens:acme") == 0
+    assert_conserved(pool)
 
 
 def test_giving_back_more_than_a_counter_holds_fails_and_keeps_nothing(
