@@ -206,6 +206,26 @@ def _functions(s: str) -> list[str]:
                   ' calls again one by one';
               END IF;
 """
+
+    def move_sql(moves: str) -> str:
+        """Move the counters of ``moves`` (rows of pool, resource, take, give; a counter may
+        come more than once): summed by counter and handed to ledger_move in the one global
+        order. Needs ``v_pool text[]; v_res text[]; v_take bigint[]; v_give bigint[]``."""
+        order = 'ORDER BY g.pool COLLATE "C", g.res COLLATE "C"'
+        return f"""\
+              SELECT array_agg(g.pool {order}), array_agg(g.res {order}),
+                     array_agg(g.take {order}), array_agg(g.give {order})
+                INTO v_pool, v_res, v_take, v_give
+                FROM (SELECT k.pool, k.res, sum(k.take)::bigint AS take,
+                             sum(k.give)::bigint AS give
+                        FROM ({moves}) AS k(pool, res, take, give) GROUP BY 1, 2) AS g;
+              PERFORM "{s}".ledger_move(v_pool, v_res, v_take, v_give);
+"""
+
+    takes = (  # a batch's takes, as move_sql reads them
+        "SELECT e->>0, e->>1, (e->>2)::bigint, 0::bigint"
+        " FROM jsonb_array_elements(p->'takes') AS t(e)"
+    )
     return [
         # Every counter a write moves, as four arrays in the one global order — the
         # (pool_id, resource) order of Python's sorted(), which is byte order, COLLATE "C" —
@@ -248,14 +268,12 @@ def _functions(s: str) -> list[str]:
             LANGUAGE plpgsql AS $$
             DECLARE v_pool text[]; v_res text[]; v_take bigint[]; v_give bigint[];
             BEGIN
-              SELECT array_agg(g.pool ORDER BY g.pool COLLATE "C", g.res COLLATE "C"),
-                     array_agg(g.res ORDER BY g.pool COLLATE "C", g.res COLLATE "C"),
-                     array_agg(0::bigint),
-                     array_agg(g.n ORDER BY g.pool COLLATE "C", g.res COLLATE "C")
-                INTO v_pool, v_res, v_take, v_give
-                FROM (SELECT e->>0 AS pool, e->>1 AS res, sum((e->>2)::bigint)::bigint AS n
-                        FROM jsonb_array_elements(p_items) AS t(e) GROUP BY 1, 2) AS g;
-              PERFORM "{s}".ledger_move(v_pool, v_res, v_take, v_give);
+{
+            move_sql(
+                "SELECT e->>0, e->>1, 0::bigint, (e->>2)::bigint"
+                " FROM jsonb_array_elements(p_items) AS t(e)"
+            )
+        }\
             END $$""",
         # Reservations just ended, as one tail of every set-based release and sweep: their
         # counters given back together, and one log row each, in the order of ``p_rows``
@@ -281,11 +299,7 @@ def _functions(s: str) -> list[str]:
                     v_pool text[]; v_res text[]; v_take bigint[]; v_give bigint[];
             BEGIN
 {caps_sql}
-              SELECT array_agg(e->>0 ORDER BY n), array_agg(e->>1 ORDER BY n),
-                     array_agg((e->>2)::bigint ORDER BY n), array_agg(0::bigint)
-                INTO v_pool, v_res, v_take, v_give
-                FROM jsonb_array_elements(p->'takes') WITH ORDINALITY AS t(e, n);
-              PERFORM "{s}".ledger_move(v_pool, v_res, v_take, v_give);
+{move_sql(takes)}\
 {rows_sql}
             END $$""",
         # SqlLedger._release as one call: the row (JSON) if released, NULL if nothing matched.
@@ -350,22 +364,12 @@ def _functions(s: str) -> list[str]:
                     v_pool text[]; v_res text[]; v_take bigint[]; v_give bigint[];
             BEGIN
 {caps_sql}
-              SELECT array_agg(g.pool ORDER BY g.pool COLLATE "C", g.res COLLATE "C"),
-                     array_agg(g.res ORDER BY g.pool COLLATE "C", g.res COLLATE "C"),
-                     array_agg(g.take ORDER BY g.pool COLLATE "C", g.res COLLATE "C"),
-                     array_agg(g.give ORDER BY g.pool COLLATE "C", g.res COLLATE "C")
-                INTO v_pool, v_res, v_take, v_give
-                FROM (SELECT k.pool, k.res, sum(k.take)::bigint AS take,
-                             sum(k.give)::bigint AS give
-                        FROM (SELECT e->>0 AS pool, e->>1 AS res, (e->>2)::bigint AS take,
-                                     0::bigint AS give
-                                FROM jsonb_array_elements(p->'takes') AS t(e)
-                              UNION ALL
-                              SELECT i->>0, i->>1, 0, (i->>2)::bigint
-                                FROM unnest(v_rows) AS u(r),
-                                     jsonb_array_elements((r->>8)::jsonb) AS y(i)) AS k
-                       GROUP BY 1, 2) AS g;
-              PERFORM "{s}".ledger_move(v_pool, v_res, v_take, v_give);
+{
+            move_sql(
+                takes + " UNION ALL SELECT i->>0, i->>1, 0::bigint, (i->>2)::bigint"
+                " FROM unnest(v_rows) AS u(r), jsonb_array_elements((r->>8)::jsonb) AS y(i)"
+            )
+        }\
 {rows_sql}
               INSERT INTO "{s}".ledger_log (at, admission_id, event, state, fence)
               SELECT p_at, e->>0, '{released}', '{TRANSITIONS[released].target}',

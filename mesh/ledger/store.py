@@ -538,11 +538,7 @@ class SqlLedger(abc.ABC):
             if known is None:
                 return db.execute(f"SELECT pool_id, epoch, body FROM {table} ORDER BY pool_id")
             # Epochs first (a few bytes a pool), bodies only of the newer ones.
-            newer = [
-                str(pool)
-                for pool, epoch in db.execute(f"SELECT pool_id, epoch FROM {table}")
-                if int(epoch) > known.get(str(pool), 0)
-            ]
+            newer = [p for p, epoch in self._epochs(db).items() if epoch > known.get(p, 0)]
             rows: list[tuple[Any, ...]] = []
             for chunk in _chunks(sorted(newer), 500):
                 rows += db.execute(
@@ -553,6 +549,11 @@ class SqlLedger(abc.ABC):
             return rows
 
         return [(str(p), int(e), str(b)) for p, e, b in self._read(read)]
+
+    def _epochs(self, db: Db) -> dict[str, int]:
+        """Every stored descriptor's epoch, by pool."""
+        rows = db.execute(f"SELECT pool_id, epoch FROM {self._t.descriptor}")
+        return {str(pool): int(epoch) for pool, epoch in rows}
 
     def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
         ids = list(dict.fromkeys(admission_ids))
@@ -570,10 +571,7 @@ class SqlLedger(abc.ABC):
                 reservations=reservations,
                 decisions=self._select_decisions(db, ids) if ids else {},
                 fences=tuple(self._next_fences(db, fences)) if fences else (),
-                epochs={
-                    str(p): int(e)
-                    for p, e in db.execute(f"SELECT pool_id, epoch FROM {self._t.descriptor}")
-                },
+                epochs=self._epochs(db),
             )
 
         return self._write(read) if fences else self._read(read)

@@ -593,9 +593,11 @@ class AmqpTransport:
                     # bench/admission.py).
                     wait=False,
                 )
+        # Where it went is named (_where) on an error only: not built on every publish.
         except aiormq.exceptions.PublishError as exc:
-            where = _where(exchange, routing_key)  # built on an error only: not per publish
-            raise PublishUnroutable(f"no queue bound for {where} ({exc})") from None
+            raise PublishUnroutable(
+                f"no queue bound for {_where(exchange, routing_key)} ({exc})"
+            ) from None
         except aiormq.exceptions.DeliveryError as exc:
             raise PublishNacked(
                 f"broker refused publish to {_where(exchange, routing_key)} ({exc})"
@@ -606,7 +608,9 @@ class AmqpTransport:
                 " message may still be enqueued"
             ) from None
         except (aiormq.exceptions.AMQPError, RuntimeError) as exc:
-            raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
+            raise TransportError(
+                f"publish to {_where(exchange, routing_key)} failed: {exc}"
+            ) from exc
         except asyncio.CancelledError:
             # aiormq fails a closing connection's pending futures with CancelledError (its
             # default close reason; a missed-heartbeats close too): the connection died, this
@@ -752,7 +756,9 @@ class AmqpTransport:
                 wait=False,
             )
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
-            raise TransportError(f"publish to {exchange}/{routing_key} failed: {exc}") from exc
+            raise TransportError(
+                f"publish to {_where(exchange, routing_key)} failed: {exc}"
+            ) from exc
 
     async def publish_fast_many(self, exchange: str, messages: Sequence[tuple[str, bytes]]) -> None:
         """:meth:`publish_fast` of several ``(routing key, body)`` messages, in order, as one
