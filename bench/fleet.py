@@ -42,6 +42,12 @@ Figures, per configuration:
 * false losses: agents the managers declared lost (``log.<agent>.lost`` events on the events
   exchange) although the fleet kept sending their heartbeats on time (its own lag behind the
   schedule is printed: a fleet that fell behind would make its own losses).
+
+``--decompose`` checks nothing: it takes the two-manager CPU ratio apart instead, one manager
+alone at a time on PostgreSQL — the whole fleet without shards, half of it without shards (the
+floor: what half the heartbeats cost before sharding costs anything), half of it holding all
+eight shards, half of it with one shard, and each idle — so the share of sharding, of the
+number of queues and of the fixed cost can be read off one table.
 """
 
 from __future__ import annotations
@@ -160,6 +166,13 @@ class ManagerProcess:
     def cpu_seconds(self) -> float:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+    def main_thread_cpu_seconds(self) -> float:
+        """CPU of the manager's main thread alone (its event loop; the ledger's worker and
+        PostgreSQL's LISTEN thread are left out)."""
+        stat = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
     def rss_bytes(self) -> int:
         return int(Path(f"/proc/{self.proc.pid}/statm").read_text().split()[1]) * PAGE
@@ -802,6 +815,121 @@ def drop_schema(dsn: str, schema: str) -> None:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+# ---- where a sharded manager's CPU goes (--decompose) -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Lone:
+    """One manager alone on a fleet: heartbeats/s and CPU over the steady window."""
+
+    label: str
+    agents: int
+    heartbeats_per_s: float
+    cpu_share: float
+    main_thread_share: float
+
+
+async def run_lone(
+    url: str,
+    dsn: str,
+    workdir: Path,
+    agents: int,
+    shards: int | None,
+    warm_s: float,
+    window_s: float,
+) -> tuple[float, float, float]:
+    """One manager on a PostgreSQL ledger (with ``--shards shards`` holding all of them,
+    or without shards), nobody else: its heartbeats/s, CPU share and main thread's share
+    over ``window_s`` once ``agents`` registered and beat for ``warm_s``."""
+    topology = Topology(namespace=f"bench-{uuid.uuid4().hex[:8]}")
+    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    extra = ["--ledger", dsn, "--ledger-schema", schema]
+    if shards is not None:
+        extra += ["--shards", str(shards), "--shard-lease", "5"]
+    fleet = Fleet(url, topology, sharded=shards is not None)
+    manager: ManagerProcess | None = None
+    try:
+        admin = await AmqpTransport.connect(url, name="bench-fleet-admin")
+        await admin.declare(topology.manager())
+        await admin.close()
+        manager = await ManagerProcess.start(url, topology.namespace, workdir, "lone", extra)
+        deadline = time.monotonic() + 60
+        while shards is not None and await manager.metric("mesh_shards_held") != shards:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the lone manager did not take every shard")
+            await asyncio.sleep(0.3)
+        await fleet.open()
+        fleet.start_heartbeats()
+        await fleet.register(fleet.grow(agents), window=1000)
+        if not await fleet.wait_accepted(agents, timeout_s=agents / 50 + 60):
+            raise RuntimeError(f"only {fleet.counts.accepted} of {agents} accepted")
+        await asyncio.sleep(warm_s)
+        main0, started = manager.main_thread_cpu_seconds(), time.monotonic()
+        rates, _ = await steady_window(fleet, [manager], 0.0, window_s)
+        main = (manager.main_thread_cpu_seconds() - main0) / (time.monotonic() - started)
+        return rates[0][0], rates[0][1], main
+    finally:
+        await fleet.close()
+        if manager is not None:
+            await manager.stop()
+        await delete_namespace(url, topology, shards)
+        with contextlib.suppress(Exception):
+            drop_schema(dsn, schema)
+
+
+async def decompose(args: argparse.Namespace, agents: int, report: Report) -> None:
+    """The two-manager target's ratio taken apart, one manager alone each time (no second
+    manager competing for the cores), every configuration on PostgreSQL: the whole fleet
+    without shards (the reference); half of it without shards (the floor — what a manager
+    with half the heartbeats costs before sharding costs anything); half of it holding every
+    shard (sharding's own cost); half of it with one shard (how much of that is the number of
+    queues); and each idle (no agent: the fixed cost)."""
+    half = agents // 2
+    warm_s, window_s = (11.0, 12.0) if args.quick else (12.0, 25.0)
+    plan = [
+        ("no shards, whole fleet", agents, None),
+        ("no shards, half the fleet", half, None),
+        (f"{SHARDS} shards, half the fleet", half, SHARDS),
+        ("1 shard, half the fleet", half, 1),
+        ("no shards, idle", 0, None),
+        (f"{SHARDS} shards, idle", 0, SHARDS),
+    ]
+    print()
+    print(
+        "   where a sharded manager's CPU goes: one manager alone each time (PostgreSQL "
+        f"ledger), {window_s:g} s windows"
+    )
+    print(
+        f"   {'configuration':<28} {'agents':>7}  {'hb/s':>7}  {'CPU':>6}  {'main':>6}  "
+        f"{'µs/hb':>6}  {'÷ whole fleet':>13}"
+    )
+    lone: list[Lone] = []
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-lone-") as tmp:
+        for label, size, shards in plan:
+            hb, cpu, main = await run_lone(
+                args.amqp_url, args.postgres_dsn, Path(tmp), size, shards, warm_s, window_s
+            )
+            lone.append(Lone(label, size, hb, cpu, main))
+            reference = lone[0].cpu_share
+            per_hb = f"{cpu / hb * 1e6:>6.1f}" if hb else f"{'-':>6}"
+            print(
+                f"   {label:<28} {size:>7,}  {hb:>7,.0f}  {cpu:>6.2%}  {main:>6.2%}  {per_hb}  "
+                f"{cpu / reference:>12.2f}x"
+            )
+            report.figure(
+                decompose=label,
+                agents=size,
+                heartbeats_per_s=hb,
+                cpu_share=cpu,
+                main_thread_share=main,
+                of_whole_fleet=cpu / reference,
+            )
+    print(
+        "   (µs/hb: the process's CPU over the heartbeats it took, fixed cost included; the "
+        "last column is each row's CPU over the first's)"
+    )
+
+
 # ---- main ----------------------------------------------------------------------------------------
 
 
@@ -978,6 +1106,13 @@ def main() -> int:
         type=float,
         help="registrations/s during the ramp (default 1,000; 300 with --quick)",
     )
+    parser.add_argument(
+        "--decompose",
+        action="store_true",
+        help="instead of the targets, take the two-manager CPU ratio apart: one manager alone, "
+        "with and without shards, on the whole fleet, on half of it and idle (PostgreSQL; "
+        "~7 minutes at the default 30,000 agents)",
+    )
     add_json_argument(parser)
     args = parser.parse_args()
     logging.getLogger("mesh").setLevel(logging.ERROR)
@@ -996,6 +1131,16 @@ def main() -> int:
         f"a simulated fleet against mesh manager processes, broker {redact(args.amqp_url)}, "
         f"heartbeat interval {INTERVAL_S:g} s"
     )
+    if args.decompose:
+        why_not_pg = postgres_unreachable(args.postgres_dsn)
+        if why_not_pg is not None:
+            print(f"skipped: {why_not_pg}.")
+            report.skipped.append(f"decompose: {why_not_pg}")
+        else:
+            agents = args.agents or (5_000 if args.quick else 30_000)
+            asyncio.run(decompose(args, agents, report))
+        report.skipped.append("targets: --decompose measures, it checks nothing")
+        return report.finish(started, args.json)
     asyncio.run(run(args, report))
     return report.finish(started, args.json)
 
