@@ -103,6 +103,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _stat_cpu_seconds(stat: Path) -> float:
+    """utime + stime of a process's (or a thread's) ``/proc`` stat file, in seconds."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 class ManagerProcess:
     """A ``mesh manager`` child process: its CPU and RSS from /proc, its counters from
     ``/metrics``."""
@@ -164,15 +170,20 @@ class ManagerProcess:
         return self.log.read_text(errors="replace")[-2000:]
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+        return _stat_cpu_seconds(Path(f"/proc/{self.proc.pid}/stat"))
 
     def main_thread_cpu_seconds(self) -> float:
         """CPU of the manager's main thread alone (its event loop; the ledger's worker and
         PostgreSQL's LISTEN thread are left out)."""
-        stat = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat").read_text()
-        fields = stat.rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return _stat_cpu_seconds(Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat"))
+
+    async def wait_for_shards(self, count: float, deadline: float) -> bool:
+        """Whether the manager holds ``count`` shards before ``deadline`` (monotonic)."""
+        while await self.metric("mesh_shards_held") != count:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.3)
+        return True
 
     def rss_bytes(self) -> int:
         return int(Path(f"/proc/{self.proc.pid}/statm").read_text().split()[1]) * PAGE
@@ -531,16 +542,22 @@ async def steady_window(
     return rates, [a[2] for a in after]
 
 
+async def fresh_namespace(url: str) -> Topology:
+    """A ``bench-<uuid8>`` namespace with the manager's topology declared."""
+    topology = Topology(namespace=f"bench-{uuid.uuid4().hex[:8]}")
+    admin = await AmqpTransport.connect(url, name="bench-fleet-admin")
+    await admin.declare(topology.manager())
+    await admin.close()
+    return topology
+
+
 async def run_one_manager(
     url: str, workdir: Path, agents: int, warm_s: float, window_s: float
 ) -> tuple[ConfigFigures, Fleet, ManagerProcess]:
     """One manager, fed a backlog: ``agents`` registrations waiting in the announce queue
     when it starts (as after a restart, when the whole fleet registers at once), so the rate
     is the manager's, not the fleet's publishing. Returned running, for the ramp."""
-    topology = Topology(namespace=f"bench-{uuid.uuid4().hex[:8]}")
-    admin = await AmqpTransport.connect(url, name="bench-fleet-admin")
-    await admin.declare(topology.manager())
-    await admin.close()
+    topology = await fresh_namespace(url)
     fleet = Fleet(url, topology, sharded=False)
     manager: ManagerProcess | None = None
     try:
@@ -616,10 +633,9 @@ async def run_two_managers(
                 await ManagerProcess.start(url, topology.namespace, workdir, f"s{n}", extra)
             )
         deadline = time.monotonic() + 60
-        while [await m.metric("mesh_shards_held") for m in managers] != [SHARDS / 2] * 2:
-            if time.monotonic() > deadline:
+        for manager in managers:
+            if not await manager.wait_for_shards(SHARDS / 2, deadline):
                 raise RuntimeError("the two managers did not split the shards evenly")
-            await asyncio.sleep(0.5)
         await fleet.open()
         fleet.start_heartbeats()  # each agent from its acceptance on
         base = [(m.cpu_seconds(), m.rss_bytes()) for m in managers]
@@ -818,17 +834,6 @@ def drop_schema(dsn: str, schema: str) -> None:
 # ---- where a sharded manager's CPU goes (--decompose) -------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Lone:
-    """One manager alone on a fleet: heartbeats/s and CPU over the steady window."""
-
-    label: str
-    agents: int
-    heartbeats_per_s: float
-    cpu_share: float
-    main_thread_share: float
-
-
 async def run_lone(
     url: str,
     dsn: str,
@@ -841,7 +846,7 @@ async def run_lone(
     """One manager on a PostgreSQL ledger (with ``--shards shards`` holding all of them,
     or without shards), nobody else: its heartbeats/s, CPU share and main thread's share
     over ``window_s`` once ``agents`` registered and beat for ``warm_s``."""
-    topology = Topology(namespace=f"bench-{uuid.uuid4().hex[:8]}")
+    topology = await fresh_namespace(url)
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     extra = ["--ledger", dsn, "--ledger-schema", schema]
     if shards is not None:
@@ -849,15 +854,9 @@ async def run_lone(
     fleet = Fleet(url, topology, sharded=shards is not None)
     manager: ManagerProcess | None = None
     try:
-        admin = await AmqpTransport.connect(url, name="bench-fleet-admin")
-        await admin.declare(topology.manager())
-        await admin.close()
         manager = await ManagerProcess.start(url, topology.namespace, workdir, "lone", extra)
-        deadline = time.monotonic() + 60
-        while shards is not None and await manager.metric("mesh_shards_held") != shards:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the lone manager did not take every shard")
-            await asyncio.sleep(0.3)
+        if shards is not None and not await manager.wait_for_shards(shards, time.monotonic() + 60):
+            raise RuntimeError("the lone manager did not take every shard")
         await fleet.open()
         fleet.start_heartbeats()
         await fleet.register(fleet.grow(agents), window=1000)
@@ -903,14 +902,13 @@ async def decompose(args: argparse.Namespace, agents: int, report: Report) -> No
         f"   {'configuration':<28} {'agents':>7}  {'hb/s':>7}  {'CPU':>6}  {'main':>6}  "
         f"{'µs/hb':>6}  {'÷ whole fleet':>13}"
     )
-    lone: list[Lone] = []
+    reference: float | None = None  # the whole fleet's CPU share (the first row)
     with tempfile.TemporaryDirectory(prefix="bench-fleet-lone-") as tmp:
         for label, size, shards in plan:
             hb, cpu, main = await run_lone(
                 args.amqp_url, args.postgres_dsn, Path(tmp), size, shards, warm_s, window_s
             )
-            lone.append(Lone(label, size, hb, cpu, main))
-            reference = lone[0].cpu_share
+            reference = reference or cpu
             per_hb = f"{cpu / hb * 1e6:>6.1f}" if hb else f"{'-':>6}"
             print(
                 f"   {label:<28} {size:>7,}  {hb:>7,.0f}  {cpu:>6.2%}  {main:>6.2%}  {per_hb}  "
@@ -957,9 +955,13 @@ def print_config(figures: ConfigFigures, report: Report) -> None:
         )
 
 
+def fleet_size(args: argparse.Namespace) -> int:
+    return int(args.agents or (5_000 if args.quick else 30_000))
+
+
 async def run(args: argparse.Namespace, report: Report) -> None:
     quick = args.quick
-    agents = args.agents or (5_000 if quick else 30_000)
+    agents = fleet_size(args)
     warm_s, window_s = (11.0, 12.0) if quick else (12.0, 30.0)
     step = args.step or (5_000 if quick else 20_000)
     ramp_rate = args.ramp_rate or (300.0 if quick else 1_000.0)
@@ -1111,7 +1113,7 @@ def main() -> int:
         action="store_true",
         help="instead of the targets, take the two-manager CPU ratio apart: one manager alone, "
         "with and without shards, on the whole fleet, on half of it and idle (PostgreSQL; "
-        "~7 minutes at the default 30,000 agents)",
+        "~4 minutes at the default 30,000 agents)",
     )
     add_json_argument(parser)
     args = parser.parse_args()
@@ -1137,8 +1139,7 @@ def main() -> int:
             print(f"skipped: {why_not_pg}.")
             report.skipped.append(f"decompose: {why_not_pg}")
         else:
-            agents = args.agents or (5_000 if args.quick else 30_000)
-            asyncio.run(decompose(args, agents, report))
+            asyncio.run(decompose(args, fleet_size(args), report))
         report.skipped.append("targets: --decompose measures, it checks nothing")
         return report.finish(started, args.json)
     asyncio.run(run(args, report))
