@@ -45,11 +45,13 @@ lock, so managers starting together do not trip over each other's DDL.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Final, TypeVar
@@ -482,6 +484,11 @@ class PostgresLedger(SqlLedger):
         self._fences_sql = f"SELECT nextval('\"{schema}\".ledger_fence') FROM generate_series(1, ?)"
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
         self._lazy: _LazyBatch | None = None  # while an unplanned batch runs
+        # ``write_behind``: a thread and a connection of its own, so the server works on one
+        # batch's writes while this connection reads the next batch's view.
+        self._writer: ThreadPoolExecutor | None = None
+        self._write_conn: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._write_lock = threading.Lock()
         q = f'"{schema}"'
         self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
         self._release_sql = f"SELECT {q}.ledger_release(?, ?, ?)"
@@ -526,9 +533,13 @@ class PostgresLedger(SqlLedger):
         if self._conn is None or self._conn.closed or self._conn.broken:
             if self._conn is not None:
                 log.warning("reconnecting to the ledger database", extra={"schema": self.schema})
-            self._conn = psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs)
-            self._conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            self._conn = self._connect()
         return self._conn
+
+    def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
+        conn = psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs)
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        return conn
 
     def _transaction(self, work: Callable[[Db], T], *, write: bool, retry: bool = True) -> T:
         attempts = self._max_attempts if retry else 1
@@ -664,6 +675,60 @@ class PostgresLedger(SqlLedger):
         else:
             with self._lock:
                 view = self._one_statement(self._view_sql, params)
+        return self._parsed_view(view)
+
+    def read_view_after(
+        self, admission_ids: Sequence[str], fences: int, witness: str | None
+    ) -> tuple[LedgerView, bool]:
+        if self._in_a_batch():
+            raise LocalProtocolError("read_view_after is read outside any ledger batch")
+        ids = _text_array(dict.fromkeys(admission_ids))
+        asked = ids if witness is None else _text_array(dict.fromkeys([*admission_ids, witness]))
+        with self._lock:
+            view = self._parsed_view(self._one_statement(self._view_sql, (ids, asked, fences)))
+        if witness is None or witness not in view.decisions:
+            return view, False
+        if witness not in admission_ids:
+            decisions = dict(view.decisions)
+            del decisions[witness]
+            view = dataclasses.replace(view, decisions=decisions)
+        return view, True
+
+    def write_behind(
+        self, ops: Sequence[LedgerOp], releases: Sequence[tuple[str, int]], now: float
+    ) -> Future[Any]:
+        if any(isinstance(op, Release | Activate) for op in ops):
+            raise LocalProtocolError("write_behind takes no release or activation")
+        payload = _apply_payload(ops)
+        params: list[object]
+        sql, params = self._apply_sql, [payload]
+        if releases:  # the batch's writes and its releases: one statement, one commit
+            ids, fences = _text_array(a for a, _ in releases), _int_array(f for _, f in releases)
+            sql, params = self._release_apply_sql, [ids, fences, now, payload]
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
+        return self._writer.submit(self._write_behind, sql, params)
+
+    def _write_behind(self, sql: str, params: Sequence[object]) -> Any:
+        """One statement on the writer's connection (not retried, as a batch's last
+        statement is not: a deadlock's victim fails and its batch is decided again)."""
+        with self._write_lock:
+            try:
+                conn = self._write_conn
+                if conn is None or conn.closed or conn.broken:
+                    conn = self._write_conn = self._connect()
+                row = conn.execute(_pyformat(sql), params).fetchone()
+            except psycopg.Error as exc:
+                raise self._error(exc) from exc
+            return None if row is None else row[0]
+
+    def release_answers(
+        self, releases: Sequence[tuple[str, int]], written: Any, now: float
+    ) -> list[Reservation | Refused]:
+        with self._lock:
+            return self._release_answers(releases, written, now)
+
+    def _parsed_view(self, view: str) -> LedgerView:
         counters, reservations, decisions, drawn, epochs = orjson.loads(view)
         return LedgerView(
             counters={(str(p), str(r)): (int(u), int(c)) for p, r, u, c in counters},
@@ -794,6 +859,11 @@ class PostgresLedger(SqlLedger):
         return sorted(int(fence) for (fence,) in rows)
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)  # a batch being written finishes first
+        with self._write_lock:
+            if self._write_conn is not None:
+                self._write_conn.close()
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
