@@ -82,6 +82,15 @@ T = TypeVar("T")
 DEFAULT_SCHEMA: Final = "mesh_ledger"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)
+
+FENCE_BLOCK: Final = 256
+"""Fences a batch's view draws at once when the block it keeps runs out, for this batch and
+the next ones. A view that calls ``nextval`` writes WAL (every 32 values) and must flush it
+before it answers: behind a batch being written, that flush waited for the other's commit.
+Handing out fences drawn a little earlier keeps what fences promise: each is used once, a
+batch's are ascending, and a fence that supersedes a grant's (its expiry, its eviction) is
+drawn later from the sequence, so it is higher; grants of different admissions need no
+order between them. Unused ones are gaps, as a batch's unused fences always were."""
 # Raised by the ledger's own functions (a class of SQLSTATE no PostgreSQL error uses):
 _STALE_SQLSTATE: Final = "ML001"  # a batch's view no longer holds: StaleView
 _SHORT_SQLSTATE: Final = "ML002"  # a counter holds less than is given back: StoreError
@@ -487,6 +496,7 @@ class PostgresLedger(SqlLedger):
         # ``write_behind``: a thread and a connection of its own, so the server works on one
         # batch's writes while this connection reads the next batch's view.
         self._writer: ThreadPoolExecutor | None = None
+        self._fence_block: list[int] = []  # drawn by a view, not yet handed to a batch
         self._write_conn: psycopg.Connection[tuple[Any, ...]] | None = None
         self._write_lock = threading.Lock()
         q = f'"{schema}"'
@@ -666,16 +676,16 @@ class PostgresLedger(SqlLedger):
 
     def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
         ids = _text_array(dict.fromkeys(admission_ids))
-        params = (ids, ids, fences)
-        if self._not_begun() is not None:
+        if self._not_begun() is not None:  # (``batch`` holds the lock)
+            params = (ids, ids, self._drawing(fences))
             view = self._one_statement(self._view_sql, params, retry=False)
-        elif (db := self._open_batch()) is not None:
+            return self._with_fences(self._parsed_view(view), fences)
+        if (db := self._open_batch()) is not None:
             self._settle_plan(db, forget=fences > 0)
-            view = self._in_batch(db, self._view_sql, params)
-        else:
-            with self._lock:
-                view = self._one_statement(self._view_sql, params)
-        return self._parsed_view(view)
+            return self._parsed_view(self._in_batch(db, self._view_sql, (ids, ids, fences)))
+        with self._lock:
+            view = self._one_statement(self._view_sql, (ids, ids, self._drawing(fences)))
+            return self._with_fences(self._parsed_view(view), fences)
 
     def read_view_after(
         self, admission_ids: Sequence[str], fences: int, witness: str | None
@@ -685,7 +695,8 @@ class PostgresLedger(SqlLedger):
         ids = _text_array(dict.fromkeys(admission_ids))
         asked = ids if witness is None else _text_array(dict.fromkeys([*admission_ids, witness]))
         with self._lock:
-            view = self._parsed_view(self._one_statement(self._view_sql, (ids, asked, fences)))
+            read = self._one_statement(self._view_sql, (ids, asked, self._drawing(fences)))
+            view = self._with_fences(self._parsed_view(read), fences)
         if witness is None or witness not in view.decisions:
             return view, False
         if witness not in admission_ids:
@@ -727,6 +738,18 @@ class PostgresLedger(SqlLedger):
     ) -> list[Reservation | Refused]:
         with self._lock:
             return self._release_answers(releases, written, now)
+
+    def _drawing(self, wanted: int) -> int:
+        """How many fences a view must draw for a batch that wants ``wanted``: none while
+        the block drawn before holds them, else a block (the caller holds ``self._lock``)."""
+        return 0 if wanted <= len(self._fence_block) else max(wanted, FENCE_BLOCK)
+
+    def _with_fences(self, view: LedgerView, wanted: int) -> LedgerView:
+        """``view`` with the batch's ``wanted`` fences, the lowest of the block and what the
+        view drew (later values of the sequence: the block stays ascending)."""
+        self._fence_block += view.fences
+        taken, self._fence_block = self._fence_block[:wanted], self._fence_block[wanted:]
+        return dataclasses.replace(view, fences=tuple(taken))
 
     def _parsed_view(self, view: str) -> LedgerView:
         counters, reservations, decisions, drawn, epochs = orjson.loads(view)

@@ -12,7 +12,8 @@ import psycopg
 import pytest
 from unit.samples import DESCRIPTOR, REQUIREMENTS, T0
 
-from mesh.ledger import PostgresLedger, SqliteLedger
+from mesh.ledger import Item, PostgresLedger, Reservation, ReservationState, SqliteLedger
+from mesh.ledger.model import Reserve
 from mesh.manager.admission import AdmissionPolicy, Admitted, Admitter, Ticket
 from mesh.wire import AdmissionRequest
 
@@ -58,6 +59,13 @@ def answers(admitted: Admitted) -> list[tuple[str, str, str | None, int | None]]
          d.grant.fence if d.grant else None)
         for d in admitted.decisions
     ]  # fmt: skip
+
+
+def grant_at(admission_id: str, fence: int) -> Reservation:
+    return Reservation(
+        admission_id, f"d-{admission_id}", "pool-a", ReservationState.ACTIVE, fence,
+        (Item("pool-a", "model_slots", 1),), T0 + 60, T0, T0, 1,
+    )  # fmt: skip
 
 
 def holdings(a: Admitter) -> int:
@@ -233,3 +241,28 @@ def test_a_store_that_cannot_write_behind_answers_at_once(tmp_path: object) -> N
         assert [o for _, o, _, _ in answers(ticket.result)] == ["admitted", "admitted"]
     finally:
         store.close()
+
+
+def test_fences_come_from_a_block_drawn_ahead_and_a_superseding_fence_is_higher(
+    ledgers: list[PostgresLedger], postgres_dsn: str
+) -> None:
+    # A view draws a block of fences (one WAL flush for many batches); the next batches take
+    # theirs from it. Another manager on the same ledger draws past the block, so fences of
+    # different admissions interleave — but each is handed out once, a batch's ascend, and
+    # the fence an expiry gives a grant is drawn later, so it is higher than the grant's.
+    a, other = ledgers[1], PostgresLedger(postgres_dsn, schema=ledgers[1].schema)
+    try:
+        first = a.read_for_decision(["x-1", "x-2"], fences=2).fences
+        theirs = other.read_for_decision(["y-1"], fences=1).fences
+        second = a.read_for_decision(["x-3", "x-4"], fences=2).fences
+    finally:
+        other.close()
+
+    assert list(first) == sorted(first) and list(second) == sorted(second)
+    assert second[0] == first[-1] + 1  # from the block: no new draw
+    assert theirs[0] > second[-1]  # the other manager drew past the block
+    a.set_capacity("pool-a", "model_slots", 1)
+    granted = grant_at("x-3", second[0])
+    a.apply([Reserve(granted)])
+    (expired,) = a.expire_due(granted.expires_at)
+    assert expired.fence > max(theirs)  # superseding fences come later from the sequence
