@@ -48,8 +48,9 @@ from mesh.manager.admission import (
     DecisionRecord,
     Eviction,
     ExternalGrantor,
+    Ticket,
 )
-from mesh.manager.batching import GroupCommit
+from mesh.manager.batching import GroupCommit, Later
 from mesh.manager.settings import open_ledger
 from mesh.topology import names
 from mesh.transport.delivery import Delivery
@@ -117,6 +118,8 @@ class AdmissionService:
         self._pool_slots: dict[str, int] = {}  # the model slots each pool's policy bounds at
         self._pool_queues_polled_at = float("-inf")  # monotonic
         self._usage: Usage | None = None  # the ledger's counters as the last tick read them
+        # The last batch still being answered (written behind): the next is answered after it.
+        self._finishing: asyncio.Future[list[_LedgerResult]] | None = None
         # Admissions and releases, in one queue: each batch is one ledger transaction.
         self._batches: GroupCommit[_LedgerItem, _LedgerResult] = GroupCommit(
             self._ledger_batch,
@@ -277,9 +280,14 @@ class AdmissionService:
         tenant = None if record is None else record.tenant
         return tenant is None or user_id in (tenant, self.settings.operator_user)
 
-    async def _ledger_batch(self, items: list[_LedgerItem]) -> list[_LedgerResult]:
+    async def _ledger_batch(
+        self, items: list[_LedgerItem]
+    ) -> list[_LedgerResult] | Later[_LedgerResult]:
         """Decide every admission and settle every release that queued up meanwhile: one
-        ledger transaction, one thread hand-off and one journal commit for the lot."""
+        ledger transaction, one thread hand-off and one journal commit for the lot. With a
+        ledger that writes behind (PostgreSQL) the batch's results come later, once its
+        writes are kept — meanwhile the next batch is decided (``Admitter.admit_begin``);
+        each batch is answered and journaled after the one before it."""
         admitter = self.admitter
         if admitter is None:
             raise LocalProtocolError("the manager is not started")
@@ -287,9 +295,49 @@ class AdmissionService:
         releases = [(item.admission_id, item.fence) for item in items if isinstance(item, _Release)]
         at = self.clock.now()
         live = self._live(at) if requests else None  # a batch of releases alone decides nothing
-        batch = await self._on_ledger(
-            partial(admitter.admit_batch, releases=releases), requests, at.wall, live
+        ticket = await self._on_ledger(
+            partial(admitter.admit_begin, releases=releases), requests, at.wall, live
         )
+        before = self._finishing
+        if ticket.result is not None and before is None:
+            return await self._answers(items, requests, releases, ticket.result, at)
+        if ticket.written is not None:
+            self.counters["admission_batches_behind"] += 1  # decided while one was written
+        finishing = asyncio.ensure_future(self._after(before, ticket, items, at))
+        self._finishing = finishing
+        return Later(finishing)
+
+    async def _after(
+        self,
+        before: asyncio.Future[list[_LedgerResult]] | None,
+        ticket: Ticket,
+        items: list[_LedgerItem],
+        at: Instant,
+    ) -> list[_LedgerResult]:
+        """A batch's answers once the batch before it is answered and its writes are kept."""
+        this = asyncio.current_task()
+        try:
+            if before is not None:
+                await asyncio.wait([before])  # its failure is its own callers'
+            if ticket.written is not None:
+                await asyncio.wait([asyncio.wrap_future(ticket.written)])
+            assert self.admitter is not None
+            batch = await self._on_ledger(self.admitter.admit_finish, ticket)
+            releases = [(i.admission_id, i.fence) for i in items if isinstance(i, _Release)]
+            return await self._answers(items, ticket.requests, releases, batch, at)
+        finally:
+            if self._finishing is this:
+                self._finishing = None
+
+    async def _answers(
+        self,
+        items: list[_LedgerItem],
+        requests: list[tuple[AdmissionRequest, str]],
+        releases: list[tuple[str, int]],
+        batch: Admitted,
+        at: Instant,
+    ) -> list[_LedgerResult]:
+        """Each item's answer from the committed batch (the decisions journaled first)."""
         if releases:
             self.counters["release_batches"] += 1
         settled = batch.settled  # each release's outcome, or the one error all of them get

@@ -9,6 +9,11 @@ batch (a thread hand-off, a transaction, an fsync) is shared by everyone who wai
 
 Results go back to each caller in submission order. If ``run`` raises, every caller of that
 batch gets the exception; the next batch is unaffected.
+
+A batch may finish later: ``run`` returns :class:`Later` (its results still to come, e.g.
+while the ledger writes it) and the next batch starts at once; its callers get their results
+when ``Later.results`` is done. Whoever returns ``Later`` keeps the batches' order (the
+admission service finishes each batch after the one before it).
 """
 
 from __future__ import annotations
@@ -24,12 +29,19 @@ I = TypeVar("I")  # noqa: E741 - the item type
 O = TypeVar("O")  # noqa: E741 - the result type
 
 
+class Later(Generic[O]):
+    """What ``run`` returns for a batch whose results come later (see the module docstring)."""
+
+    def __init__(self, results: asyncio.Future[list[O]]) -> None:
+        self.results = results
+
+
 class GroupCommit(Generic[I, O]):
     """Coalesce concurrent ``submit`` calls into calls of ``run(items) -> results``."""
 
     def __init__(
         self,
-        run: Callable[[list[I]], Awaitable[list[O]]],
+        run: Callable[[list[I]], Awaitable[list[O] | Later[O]]],
         *,
         max_batch: int = 64,
         max_yields: int = 4,
@@ -48,6 +60,7 @@ class GroupCommit(Generic[I, O]):
         self._last_batch_end = float("-inf")  # loop time
         self._queue: list[tuple[I, asyncio.Future[O]]] = []
         self._drainer: asyncio.Task[None] | None = None
+        self._later: set[asyncio.Task[None]] = set()  # batches whose results are to come
         self.batches = 0  # batches run so far
         self.items = 0  # items decided so far
         self.largest = 0  # the largest batch so far
@@ -83,6 +96,8 @@ class GroupCommit(Generic[I, O]):
         if self._drainer is not None:
             with contextlib.suppress(Exception):
                 await self._drainer
+        while self._later:
+            await asyncio.wait(set(self._later))
 
     async def _drain(self) -> None:
         while self._queue:
@@ -94,19 +109,48 @@ class GroupCommit(Generic[I, O]):
             self.largest = max(self.largest, len(batch))
             try:
                 results = await self._run([item for item, _ in batch])
-                if len(results) != len(batch):
-                    raise LocalProtocolError(
-                        f"a batch of {len(batch)} items returned {len(results)} results"
-                    )
+                if isinstance(results, Later):
+                    task = asyncio.create_task(self._deliver(batch, results.results))
+                    self._later.add(task)
+                    task.add_done_callback(self._later.discard)
+                    continue
+                _check(batch, results)
             except BaseException as exc:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
+                _fail(batch, exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 continue
             finally:
                 self._last_batch_end = asyncio.get_running_loop().time()
-            for (_, future), result in zip(batch, results, strict=True):
-                if not future.done():  # its caller may have been cancelled meanwhile
-                    future.set_result(result)
+            _succeed(batch, results)
+
+    @staticmethod
+    async def _deliver(
+        batch: list[tuple[I, asyncio.Future[O]]], later: asyncio.Future[list[O]]
+    ) -> None:
+        try:
+            results = await later
+            _check(batch, results)
+        except BaseException as exc:
+            _fail(batch, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        _succeed(batch, results)
+
+
+def _check(batch: list[tuple[I, asyncio.Future[O]]], results: list[O]) -> None:
+    if len(results) != len(batch):
+        raise LocalProtocolError(f"a batch of {len(batch)} items returned {len(results)} results")
+
+
+def _fail(batch: list[tuple[I, asyncio.Future[O]]], exc: BaseException) -> None:
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(exc)
+
+
+def _succeed(batch: list[tuple[I, asyncio.Future[O]]], results: list[O]) -> None:
+    for (_, future), result in zip(batch, results, strict=True):
+        if not future.done():  # its caller may have been cancelled meanwhile
+            future.set_result(result)
