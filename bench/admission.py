@@ -988,11 +988,12 @@ class MixedRun:
     released by its holder ``MIXED_RELEASE_AFTER_S`` later (the releases due by a batch's
     time settled in that batch's transaction, as the manager's group commit settles the
     releases that queued up with a batch), and every ``MIXED_SWEEP_EVERY_S`` the expiry
-    sweep runs. Batches go through ``Admitter.admit_begin`` as the manager's do (with
-    PostgreSQL a batch is decided while the one before it is written); ``behind=False``
-    decides each with ``admit_batch``, one batch at a time."""
+    sweep runs. Each batch is decided with ``Admitter.admit_batch``, one batch at a time, as
+    the manager decides them by default; ``behind=True``: with ``Admitter.admit_begin``, a
+    batch decided while the ledger writes the one before it (PostgreSQL; the manager's
+    ``admission_write_behind``)."""
 
-    def __init__(self, ledger: LedgerStore, now: float, *, behind: bool = True) -> None:
+    def __init__(self, ledger: LedgerStore, now: float, *, behind: bool = False) -> None:
         self.admitter = Admitter(ledger, MIXED_POLICY)
         self.behind = behind
         self.now = self.next_sweep = now
@@ -1055,13 +1056,13 @@ def in_core(
     batch: int,
     new_id: Callable[[], str] = new_admission_id,
     *,
-    behind: bool = True,
+    behind: bool = False,
 ) -> StoreRun:
     """``count`` admissions of the mixed workload straight through an Admitter (no broker),
     ``batch`` per ledger transaction as the manager's group commit decides them, after
     ``warmup`` of the same; the releases and expiry sweeps they cause are timed with them.
     ``new_id`` makes the admission IDs (``bench/ledger_layout.py`` compares kinds);
-    ``behind=False``: one batch at a time (see MixedRun)."""
+    ``behind``: each batch decided while the one before it is written (see MixedRun)."""
     now = time.time()
     mixed = MixedRun(ledger, now, behind=behind)
     requests = mixed_requests(warmup + count, now, new_id)
@@ -1080,12 +1081,13 @@ def median_run(runs: list[StoreRun]) -> StoreRun:
 def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun]:
     """Each store with ``batch`` decisions per transaction (what the manager's group commit
     does with ``batch`` requests in flight; the target rows, medians of REPEATS runs on fresh
-    stores), then one per transaction. PostgreSQL's target row decides a batch while the one
-    before it is written, as the manager does; the row after it, one batch at a time (the
-    same number of runs, alternating with the first's), shows what that is worth."""
+    stores), then one per transaction. PostgreSQL's target row decides one batch at a time,
+    as the manager does by default; the row after it (the same number of runs, alternating
+    with the first's) decides each batch while the one before it is written, as with
+    ``admission_write_behind``."""
     warmup = min(count // 10, 200)
     print(
-        f"B) in-core decisions: Admitter.admit_begin called directly (no broker) on a mixed "
+        f"B) in-core decisions: Admitter.admit_batch called directly (no broker) on a mixed "
         f"workload — 4 pools, 8 requirement shapes, 3 tenants, a clock moving "
         f"{MIXED_STEP_S * 1e3:g} ms per request, grants of {MIXED_GRANT_TTL_S:g} s of which "
         f"every other one is released after {MIXED_RELEASE_AFTER_S:g} s and the rest expire "
@@ -1114,13 +1116,13 @@ def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun
 
     try:
         label = f"PostgreSQL, {batch} per commit"
-        alone = f"PostgreSQL, {batch} per commit, no pipeline"
+        behind = f"PostgreSQL, {batch} per commit, written behind"
         pairs = [
-            (postgres(label, batch), postgres(alone, batch, behind=False))
+            (postgres(label, batch), postgres(behind, batch, behind=True))
             for _ in range(REPEATS["PostgreSQL"])
         ]
-        runs.append(median_run([piped for piped, _ in pairs]))
-        runs.append(median_run([one for _, one in pairs]))
+        runs.append(median_run([one for one, _ in pairs]))  # the target's row
+        runs.append(median_run([piped for _, piped in pairs]))
     except StoreError as exc:
         why = str(exc).splitlines()[0].rstrip(".")
         print(f"   PostgreSQL rows skipped: cannot reach {redact(dsn)} ({why}).")
@@ -1133,14 +1135,14 @@ def print_part_b(runs: list[StoreRun], reference: float | None) -> None:
     """The table; ``reference``: the fair echo's requests/s measured in the same run."""
     print()
     print(
-        f"   {'store':<40}{'decisions':>9}  {'adm/rej/def':>13}  {'rel/exp':>9}  {'seconds':>7}"
+        f"   {'store':<42}{'decisions':>9}  {'adm/rej/def':>13}  {'rel/exp':>9}  {'seconds':>7}"
         f"  {'decisions/s':>11}  {'µs/decision':>11}  {'CPU µs':>6}  {'÷ echo req/s':>12}"
     )
     for run in runs:
         ratio = f"{run.rate / reference:>11.2f}x" if reference else f"{'-':>12}"
         mix = "/".join(str(run.outcomes[o]) for o in ("admitted", "rejected", "deferred"))
         print(
-            f"   {run.store:<40}{run.decisions:>9,}  {mix:>13}  "
+            f"   {run.store:<42}{run.decisions:>9,}  {mix:>13}  "
             f"{f'{run.released}/{run.expired}':>9}  {run.seconds:>7.2f}  {run.rate:>11,.0f}  "
             f"{run.seconds / run.decisions * 1e6:>11,.0f}  {run.cpu_us:>6,.0f}  {ratio}"
         )

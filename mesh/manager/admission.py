@@ -477,6 +477,19 @@ class Admitter:
         self._behind = ticket
         return ticket
 
+    def admit_at_once(
+        self,
+        requests: Sequence[tuple[AdmissionRequest, str]],
+        now: float,
+        live: LiveCapacity | None = None,
+        releases: Sequence[tuple[str, int]] = (),
+    ) -> Ticket:
+        """:meth:`admit_begin` without writing behind: :meth:`admit_batch`'s result, as a
+        ticket that has it."""
+        ticket = Ticket(list(requests), now, live, list(releases))
+        ticket.result = self.admit_batch(ticket.requests, now, live, ticket.releases)
+        return ticket
+
     def admit_finish(self, ticket: Ticket) -> Admitted:
         """The result of a batch :meth:`admit_begin` began: at once if it has it, else once
         its writes are done (this waits for them)."""

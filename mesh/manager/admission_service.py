@@ -295,34 +295,40 @@ class AdmissionService:
         releases = [(item.admission_id, item.fence) for item in items if isinstance(item, _Release)]
         at = self.clock.now()
         live = self._live(at) if requests else None  # a batch of releases alone decides nothing
-        ticket = await self._on_ledger(
-            partial(admitter.admit_begin, releases=releases), requests, at.wall, live
-        )
+        if self.settings.admission_write_behind:
+            begin = partial(admitter.admit_begin, releases=releases)
+        else:
+            begin = partial(admitter.admit_at_once, releases=releases)
+        ticket = await self._on_ledger(begin, requests, at.wall, live)
         before = self._finishing
         if ticket.result is not None and before is None:
             return await self._answers(items, requests, releases, ticket.result, at)
         if ticket.written is not None:
             self.counters["admission_batches_behind"] += 1  # decided while one was written
-        finishing = asyncio.ensure_future(self._after(before, ticket, items, at))
+        written = None if ticket.written is None else asyncio.wrap_future(ticket.written)
+        finishing = asyncio.ensure_future(self._after(before, ticket, written, items, at))
         self._finishing = finishing
-        return Later(finishing)
+        return Later(finishing, written)
 
     async def _after(
         self,
         before: asyncio.Future[list[_LedgerResult]] | None,
         ticket: Ticket,
+        written: asyncio.Future[Any] | None,
         items: list[_LedgerItem],
         at: Instant,
     ) -> list[_LedgerResult]:
         """A batch's answers once the batch before it is answered and its writes are kept."""
         this = asyncio.current_task()
         try:
-            if before is not None:
+            if before is not None and not before.done():
                 await asyncio.wait([before])  # its failure is its own callers'
-            if ticket.written is not None:
-                await asyncio.wait([asyncio.wrap_future(ticket.written)])
+            if written is not None:
+                await asyncio.wait([written])
             assert self.admitter is not None
-            batch = await self._on_ledger(self.admitter.admit_finish, ticket)
+            batch = ticket.result  # set once the next batch's begin finished it (commonly)
+            if batch is None:
+                batch = await self._on_ledger(self.admitter.admit_finish, ticket)
             releases = [(i.admission_id, i.fence) for i in items if isinstance(i, _Release)]
             return await self._answers(items, ticket.requests, releases, batch, at)
         finally:

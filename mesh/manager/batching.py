@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from mesh.errors import LocalProtocolError
 
@@ -30,10 +30,15 @@ O = TypeVar("O")  # noqa: E741 - the result type
 
 
 class Later(Generic[O]):
-    """What ``run`` returns for a batch whose results come later (see the module docstring)."""
+    """What ``run`` returns for a batch whose results come later (see the module docstring).
+    ``written``: done once the batch no longer holds the next one back (its writes are
+    kept); until then the next batch waits to grow as large as this one."""
 
-    def __init__(self, results: asyncio.Future[list[O]]) -> None:
+    def __init__(
+        self, results: asyncio.Future[list[O]], written: asyncio.Future[Any] | None = None
+    ) -> None:
         self.results = results
+        self.written = written
 
 
 class GroupCommit(Generic[I, O]):
@@ -61,6 +66,7 @@ class GroupCommit(Generic[I, O]):
         self._queue: list[tuple[I, asyncio.Future[O]]] = []
         self._drainer: asyncio.Task[None] | None = None
         self._later: set[asyncio.Task[None]] = set()  # batches whose results are to come
+        self._grew = asyncio.Event()  # set by every submit
         self.batches = 0  # batches run so far
         self.items = 0  # items decided so far
         self.largest = 0  # the largest batch so far
@@ -68,6 +74,7 @@ class GroupCommit(Generic[I, O]):
     async def submit(self, item: I) -> O:
         future: asyncio.Future[O] = asyncio.get_running_loop().create_future()
         self._queue.append((item, future))
+        self._grew.set()
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain(), name="group-commit")
         return await future
@@ -113,6 +120,7 @@ class GroupCommit(Generic[I, O]):
                     task = asyncio.create_task(self._deliver(batch, results.results))
                     self._later.add(task)
                     task.add_done_callback(self._later.discard)
+                    await self._grow_behind(results, len(batch))
                     continue
                 _check(batch, results)
             except BaseException as exc:
@@ -123,6 +131,18 @@ class GroupCommit(Generic[I, O]):
             finally:
                 self._last_batch_end = asyncio.get_running_loop().time()
             _succeed(batch, results)
+
+    async def _grow_behind(self, later: Later[O], size: int) -> None:
+        """While a batch is being written, let the next one grow: it starts once those
+        writes are done or as many items wait as that batch had. (Started at once, it
+        would be decided and then wait for the writes anyway, with fewer items to share
+        its view and its commit.)"""
+        written = later.written
+        while written is not None and not written.done() and len(self._queue) < size:
+            self._grew.clear()
+            grew = asyncio.ensure_future(self._grew.wait())
+            await asyncio.wait([written, grew], return_when=asyncio.FIRST_COMPLETED)
+            grew.cancel()
 
     @staticmethod
     async def _deliver(

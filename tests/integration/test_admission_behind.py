@@ -50,7 +50,10 @@ async def manager(
     amqp_url: str, namespace: str, tmp_path: Path, pg_schema: tuple[str, str]
 ) -> AsyncIterator[ManagerService]:
     dsn, schema = pg_schema
-    settings = settings_for(amqp_url, namespace, tmp_path, ledger_url=dsn, ledger_schema=schema)
+    settings = settings_for(
+        amqp_url, namespace, tmp_path, ledger_url=dsn, ledger_schema=schema,
+        admission_write_behind=True,
+    )  # fmt: skip
     service = await start_manager(settings)
     transport = await AmqpTransport.connect(amqp_url, name="rag-eu-agent")
     await live_member(service, transport, "rag-eu-1", "rag-eu", RAG_AGENT)
