@@ -87,7 +87,7 @@ from mesh.ids import new_admission_id
 from mesh.ledger.postgres import PostgresLedger
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore
-from mesh.manager.admission import AdmissionPolicy, Admitter, Ticket
+from mesh.manager.admission import AdmissionPolicy, Admitter
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.producer import MeshClient
@@ -984,18 +984,14 @@ REPEATS = {"SQLite": 9, "PostgreSQL": 5}
 
 class MixedRun:
     """The mixed workload on one admitter: per batch, the clock moves on by the batch's
-    requests, the batch is decided (one ledger transaction), every other admitted grant is
-    released by its holder ``MIXED_RELEASE_AFTER_S`` later (the releases due by a batch's
-    time settled in that batch's transaction, as the manager's group commit settles the
-    releases that queued up with a batch), and every ``MIXED_SWEEP_EVERY_S`` the expiry
-    sweep runs. Each batch is decided with ``Admitter.admit_batch``, one batch at a time, as
-    the manager decides them by default; ``behind=True``: with ``Admitter.admit_begin``, a
-    batch decided while the ledger writes the one before it (PostgreSQL; the manager's
-    ``admission_write_behind``)."""
+    requests, the batch is decided (``admit_batch``: one ledger transaction), every other
+    admitted grant is released by its holder ``MIXED_RELEASE_AFTER_S`` later (the releases
+    due by a batch's time settled in that batch's transaction, as the manager's group commit
+    settles the releases that queued up with a batch), and every ``MIXED_SWEEP_EVERY_S`` the
+    expiry sweep runs."""
 
-    def __init__(self, ledger: LedgerStore, now: float, *, behind: bool = False) -> None:
+    def __init__(self, ledger: LedgerStore, now: float) -> None:
         self.admitter = Admitter(ledger, MIXED_POLICY)
-        self.behind = behind
         self.now = self.next_sweep = now
         for pool in mixed_descriptors(now):
             problem = self.admitter.publish_descriptor(pool, now)
@@ -1006,21 +1002,6 @@ class MixedRun:
     def run(self, requests: list[tuple[AdmissionRequest, str]], batch: int) -> StoreRun:
         outcomes: Counter[str] = Counter()
         released = expired = 0
-        tickets: list[Ticket] = []
-
-        def done(ticket: Ticket) -> None:
-            nonlocal released
-            admitted = self.admitter.admit_finish(ticket)
-            assert not isinstance(admitted.settled, Exception), admitted.settled
-            released += sum(reply.released for reply, _, _ in admitted.settled)
-            decided = admitted.decisions
-            outcomes.update(d.outcome for d in decided)
-            for grant in (d.grant for d in decided if d.grant is not None):
-                self.granted += 1
-                if self.granted % 2:  # every other grant, counted across batches
-                    due_at = ticket.now + MIXED_RELEASE_AFTER_S
-                    self.holders.append((due_at, grant.admission_id, grant.fence))
-
         start, cpu = time.perf_counter(), time.process_time()
         for at in range(0, len(requests), batch):
             chunk = requests[at : at + batch]
@@ -1032,18 +1013,19 @@ class MixedRun:
             # The releases due settle in the batch's transaction, as the manager's group
             # commit settles the releases that queued up with a batch of admissions (~8 here
             # with 16 admissions: under the manager's 64 items a batch, so no split).
-            if self.behind:
-                tickets.append(self.admitter.admit_begin(chunk, self.now, MIXED_LIVE, due))
-            else:
-                admitted = self.admitter.admit_batch(chunk, self.now, MIXED_LIVE, releases=due)
-                tickets.append(Ticket(chunk, self.now, MIXED_LIVE, due, result=admitted))
-            while tickets and tickets[0].result is not None:
-                done(tickets.pop(0))
+            admitted = self.admitter.admit_batch(chunk, self.now, MIXED_LIVE, releases=due)
+            assert not isinstance(admitted.settled, Exception), admitted.settled
+            released += sum(reply.released for reply, _, _ in admitted.settled)
+            decided = admitted.decisions
+            outcomes.update(d.outcome for d in decided)
+            for grant in (d.grant for d in decided if d.grant is not None):
+                self.granted += 1
+                if self.granted % 2:  # every other grant, counted across batches
+                    due_at = self.now + MIXED_RELEASE_AFTER_S
+                    self.holders.append((due_at, grant.admission_id, grant.fence))
             if self.now >= self.next_sweep:
                 self.next_sweep += MIXED_SWEEP_EVERY_S
                 expired += len(self.admitter.expire(self.now))
-        for ticket in tickets:
-            done(ticket)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         return StoreRun("", len(requests), seconds, outcomes, released, expired, cpu)
 
@@ -1055,16 +1037,13 @@ def in_core(
     warmup: int,
     batch: int,
     new_id: Callable[[], str] = new_admission_id,
-    *,
-    behind: bool = False,
 ) -> StoreRun:
     """``count`` admissions of the mixed workload straight through an Admitter (no broker),
     ``batch`` per ledger transaction as the manager's group commit decides them, after
     ``warmup`` of the same; the releases and expiry sweeps they cause are timed with them.
-    ``new_id`` makes the admission IDs (``bench/ledger_layout.py`` compares kinds);
-    ``behind``: each batch decided while the one before it is written (see MixedRun)."""
+    ``new_id`` makes the admission IDs (``bench/ledger_layout.py`` compares kinds)."""
     now = time.time()
-    mixed = MixedRun(ledger, now, behind=behind)
+    mixed = MixedRun(ledger, now)
     requests = mixed_requests(warmup + count, now, new_id)
     mixed.run(requests[:warmup], batch)
     run = mixed.run(requests[warmup:], batch)
@@ -1081,10 +1060,7 @@ def median_run(runs: list[StoreRun]) -> StoreRun:
 def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun]:
     """Each store with ``batch`` decisions per transaction (what the manager's group commit
     does with ``batch`` requests in flight; the target rows, medians of REPEATS runs on fresh
-    stores), then one per transaction. PostgreSQL's target row decides one batch at a time,
-    as the manager does by default; the row after it (the same number of runs, alternating
-    with the first's) decides each batch while the one before it is written, as with
-    ``admission_write_behind``."""
+    stores), then one per transaction."""
     warmup = min(count // 10, 200)
     print(
         f"B) in-core decisions: Admitter.admit_batch called directly (no broker) on a mixed "
@@ -1104,11 +1080,11 @@ def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun
     with SqliteLedger(workdir / "in-core-single.sqlite3") as sqlite:
         runs.append(in_core("SQLite (WAL), 1 per commit", sqlite, count, warmup, 1))
 
-    def postgres(label: str, size: int, *, behind: bool = True) -> StoreRun:
+    def postgres(label: str, size: int) -> StoreRun:
         schema = f"bench_{uuid.uuid4().hex[:8]}"
         ledger = PostgresLedger(dsn, schema=schema, connect_timeout_s=5)
         try:
-            return in_core(label, ledger, count, warmup, size, behind=behind)
+            return in_core(label, ledger, count, warmup, size)
         finally:
             ledger.close()
             with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
@@ -1116,13 +1092,7 @@ def run_part_b(count: int, dsn: str, workdir: Path, batch: int) -> list[StoreRun
 
     try:
         label = f"PostgreSQL, {batch} per commit"
-        behind = f"PostgreSQL, {batch} per commit, written behind"
-        pairs = [
-            (postgres(label, batch), postgres(behind, batch, behind=True))
-            for _ in range(REPEATS["PostgreSQL"])
-        ]
-        runs.append(median_run([one for one, _ in pairs]))  # the target's row
-        runs.append(median_run([piped for _, piped in pairs]))
+        runs.append(median_run([postgres(label, batch) for _ in range(REPEATS["PostgreSQL"])]))
     except StoreError as exc:
         why = str(exc).splitlines()[0].rstrip(".")
         print(f"   PostgreSQL rows skipped: cannot reach {redact(dsn)} ({why}).")
@@ -1135,14 +1105,14 @@ def print_part_b(runs: list[StoreRun], reference: float | None) -> None:
     """The table; ``reference``: the fair echo's requests/s measured in the same run."""
     print()
     print(
-        f"   {'store':<42}{'decisions':>9}  {'adm/rej/def':>13}  {'rel/exp':>9}  {'seconds':>7}"
+        f"   {'store':<34}{'decisions':>9}  {'adm/rej/def':>13}  {'rel/exp':>9}  {'seconds':>7}"
         f"  {'decisions/s':>11}  {'µs/decision':>11}  {'CPU µs':>6}  {'÷ echo req/s':>12}"
     )
     for run in runs:
         ratio = f"{run.rate / reference:>11.2f}x" if reference else f"{'-':>12}"
         mix = "/".join(str(run.outcomes[o]) for o in ("admitted", "rejected", "deferred"))
         print(
-            f"   {run.store:<42}{run.decisions:>9,}  {mix:>13}  "
+            f"   {run.store:<34}{run.decisions:>9,}  {mix:>13}  "
             f"{f'{run.released}/{run.expired}':>9}  {run.seconds:>7.2f}  {run.rate:>11,.0f}  "
             f"{run.seconds / run.decisions * 1e6:>11,.0f}  {run.cpu_us:>6,.0f}  {ratio}"
         )

@@ -59,7 +59,6 @@ from mesh.wire import DescriptorAccepted
 
 DEFAULT_PG_DSN = "postgresql://postgres@127.0.0.1:5432/mesh_test"
 TARGET_CPU_GROWTH = 1.1  # CPU per admission with two managers / with one, at most
-WRITE_BEHIND_ENV = "BENCH_MANAGERS_WRITE_BEHIND"  # --write-behind, as the children see it
 
 
 # ---- a manager process ------------------------------------------------------------------------
@@ -82,7 +81,6 @@ async def serve_manager(url: str, namespace: str, dsn: str, journal: Path, manag
         admission_capacity="descriptor",
         operator_user=urlsplit(url).username or "guest",
         http_port=None,
-        admission_write_behind=os.environ.get(WRITE_BEHIND_ENV) == "1",
     )
     service = ManagerService(settings)
     await service.start()
@@ -366,12 +364,6 @@ def main() -> int:
         "--postgres-dsn", default=os.environ.get("MESH_TEST_POSTGRES_DSN", DEFAULT_PG_DSN)
     )
     parser.add_argument("--per-manager", type=int, default=16, help="requests in flight each")
-    parser.add_argument(
-        "--write-behind",
-        action="store_true",
-        help="managers decide a batch while the ledger writes the one before it "
-        "(ManagerSettings.admission_write_behind; default: as the manager's default, off)",
-    )
     parser.add_argument("--serve-manager", nargs=4, metavar=("NS", "DSN", "JOURNAL", "ID"))
     add_json_argument(parser)
     args = parser.parse_args()
@@ -383,8 +375,6 @@ def main() -> int:
         asyncio.run(serve_manager(args.amqp_url, namespace, dsn, Path(journal), manager_id))
         return 0
 
-    if args.write_behind:
-        os.environ[WRITE_BEHIND_ENV] = "1"  # the manager processes inherit it
     started = time.perf_counter()
     report = Report("managers")
     count, rounds = (1_000, 2) if args.quick else (3_000, 3)
@@ -396,7 +386,6 @@ def main() -> int:
     print(
         f"several managers on one PostgreSQL ledger, broker {redact(args.amqp_url)}: "
         f"{count:,} admissions per manager per round, {args.per_manager} in flight per manager"
-        + (", batches written behind" if args.write_behind else "")
     )
     with fresh_database(args.postgres_dsn) as dsn:
         results = asyncio.run(run(args.amqp_url, dsn, count, rounds, args.per_manager))

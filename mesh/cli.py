@@ -201,7 +201,6 @@ def cmd_manager(args: argparse.Namespace) -> int:
             admission=_admission_policy(args),
             admission_capacity=args.admission_capacity,
             ledger_schema=args.ledger_schema,
-            admission_write_behind=args.admission_write_behind,
             shard_count=args.shards,
             shard_lease_s=args.shard_lease,
         )
@@ -811,15 +810,6 @@ def build_parser() -> argparse.ArgumentParser:
         "shares its figures through the ledger); descriptor: the descriptor alone, for "
         "several managers on one PostgreSQL ledger without --shards "
         "(env MESH_ADMISSION_CAPACITY, default live)",
-    )
-    p.add_argument(
-        "--admission-write-behind",
-        action="store_true",
-        default=_env("MESH_ADMISSION_WRITE_BEHIND", "") not in ("", "0", "false", "no"),
-        help="PostgreSQL ledgers: decide each admission batch while the database writes the "
-        "one before it — more admissions a second where the database's round trips are the "
-        "bound (a database across a network), more manager CPU a batch where they are not "
-        "(env MESH_ADMISSION_WRITE_BEHIND; default off)",
     )
     p.add_argument(
         "--ledger-schema",

@@ -274,9 +274,6 @@ class Batch:
     live_checked: tuple[int, int] | None = None  # (live version, descriptors version) written
     misses: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) deferred
     line_marks: dict[str, int] = field(default_factory=dict)  # per pool: undo to here
-    # Per pool, the line's mark where this batch's changes end, when another batch is decided
-    # on top of it before it is kept (empty: everything up to its commit is this batch's).
-    line_ends: dict[str, int] = field(default_factory=dict)
 
     def take(self, items: tuple[Item, ...]) -> Refused | None:
         """Take every item from the batch's counters, or none (the first shortage)."""
@@ -527,7 +524,7 @@ class AdmissionCore:
             self.live_checked = batch.live_checked
         self.misses += batch.misses
         for pool_id in batch.line_marks:
-            self.lines[pool_id].forget_undo(batch.line_ends.get(pool_id))
+            self.lines[pool_id].forget_undo()
 
     def abandoned(self, batch: Batch, now: float) -> None:
         """Nothing of ``batch`` was kept: put the pressure board and the lines back."""
@@ -537,64 +534,6 @@ class AdmissionCore:
             self.pressure.restore(eviction.victim.admission_id, eviction.holding, now)
         for pool_id, mark in batch.line_marks.items():
             self.lines[pool_id].undo(mark)
-
-    def on_top_of(
-        self, view: LedgerView, below: Batch, releases: Sequence[tuple[str, int]]
-    ) -> LedgerView:
-        """``view``, read while ``below`` (decided, not yet committed) was being written and
-        without it, as the ledger will stand once ``below`` commits: its counters moved as
-        ``below`` moves them (its takes, the capacities it sets) and the items of its
-        ``releases`` given back — those of grants this core holds at the released fence (a
-        release it cannot tell is left out: the counters then look fuller than they will be,
-        never emptier). ``below`` must take nothing back (no eviction, release or
-        activation among its operations). If the ledger's own check disagrees when the batch
-        decided on top commits — a counter moved by another writer meanwhile — that batch
-        fails as stale and is decided again, as any batch whose view went out of date."""
-        counters = dict(view.counters)
-        read = below.view.counters
-        set_by_below = {
-            (op.pool_id, op.resource) for op in below.ops if isinstance(op, SetCapacity)
-        }
-        for key, (used, capacity) in below.counters.items():
-            taken = used - read.get(key, (0, 0))[0]
-            if not taken and key not in set_by_below:
-                continue
-            now_used, now_capacity = counters.get(key, (0, capacity))
-            counters[key] = (now_used + taken, capacity if key in set_by_below else now_capacity)
-        for admission_id, fence in releases:
-            held = self.held.get(admission_id)
-            if held is None or held.fence != fence:
-                continue
-            for pool_id, resource, amount in held.items:
-                counter = counters.get((pool_id, resource))
-                if counter is not None:
-                    counters[(pool_id, resource)] = (max(counter[0] - amount, 0), counter[1])
-        return replace(view, counters=counters)
-
-    def end_early(
-        self, releases: Sequence[tuple[str, int]], now: float
-    ) -> list[tuple[str, Holding]]:
-        """Have the pressure board end the grants ``releases`` release — those this core
-        holds at the released fence — before the batch they came with has committed, so a
-        batch decided on top of it sees the board as it will be (who holds how much of a
-        pool counts for its fair shares). Returns what it ended, for
-        :meth:`restore_ended` should that batch fail; the release itself still ends each
-        (``ended``: the board's part is then done already)."""
-        gone = []
-        for admission_id, fence in releases:
-            held = self.held.get(admission_id)
-            if held is None or held.fence != fence:
-                continue
-            holding = self.pressure.ended(admission_id, now, completed=True)
-            if holding is not None:
-                gone.append((admission_id, holding))
-        return gone
-
-    def restore_ended(self, gone: Sequence[tuple[str, Holding]], now: float) -> None:
-        """Undo :meth:`end_early` (the batch with those releases was not kept); the hold-time
-        samples they gave the board stay (a failed batch is rare, a sample is one of many)."""
-        for admission_id, holding in gone:
-            self.pressure.restore(admission_id, holding, now)
 
     def _write_live(self, batch: Batch, live: LiveCapacity) -> None:
         """The ledger's live-slot capacities as the registry says: per described pool and

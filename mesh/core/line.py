@@ -45,7 +45,6 @@ class PoolLine:
     _classes: dict[str, dict[str, OrderedDict[str, Waiter]]] = field(default_factory=dict)
     _waiters: dict[str, Waiter] = field(default_factory=dict)
     _undo: list[tuple[str, Waiter]] = field(default_factory=list)  # ("join" | "leave", w)
-    _forgotten: int = 0  # undo entries dropped from the front: marks stay absolute
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -132,12 +131,11 @@ class PoolLine:
     # ---- a batch's changes ----------------------------------------------------------------
     def mark(self) -> int:
         """A point to undo back to (the start of a batch)."""
-        return self._forgotten + len(self._undo)
+        return len(self._undo)
 
     def undo(self, mark: int) -> None:
-        """Revert every join and leave since ``mark`` (the batch was not kept); what was
-        kept since (``forget_undo``) stays."""
-        while self._undo and self._forgotten + len(self._undo) > mark:
+        """Revert every join and leave since ``mark`` (the batch was not kept)."""
+        while len(self._undo) > mark:
             action, waiter = self._undo.pop()
             if action == "join":
                 self.leave(waiter.admission_id)
@@ -145,13 +143,9 @@ class PoolLine:
             else:
                 self._restore(waiter)
 
-    def forget_undo(self, upto: int | None = None) -> None:
-        """The batch was kept: nothing before ``upto`` (a mark taken at its end) is undone
-        any more — the changes of a batch decided on top of it, not yet kept, stay
-        undoable. ``None``: everything so far."""
-        drop = len(self._undo) if upto is None else max(0, upto - self._forgotten)
-        del self._undo[:drop]
-        self._forgotten += drop
+    def forget_undo(self) -> None:
+        """The batch was kept: nothing to undo any more."""
+        self._undo.clear()
 
     def _restore(self, waiter: Waiter) -> None:
         queue = self._classes.setdefault(waiter.service_class, {}).setdefault(

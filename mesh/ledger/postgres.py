@@ -37,7 +37,8 @@ functions are created with CREATE OR REPLACE each time the store opens, so a sch
 an earlier version gains them on its first open; tables and rows stay as they are.
 
 Fences come from a SEQUENCE: strictly increasing across all managers; a rolled-back
-``prepare`` leaves a gap, which is harmless. Tables live in their own schema (``schema=``), so
+``prepare`` leaves a gap, which is harmless. A batch's view draws them in blocks
+(``FENCE_BLOCK``) and the next batches take theirs from the block. Tables live in their own schema (``schema=``), so
 tests and deployments can keep ledgers apart; it is created idempotently under an advisory
 lock, so managers starting together do not trip over each other's DDL.
 """
@@ -51,7 +52,6 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Final, TypeVar
@@ -85,12 +85,13 @@ _RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)
 
 FENCE_BLOCK: Final = 256
 """Fences a batch's view draws at once when the block it keeps runs out, for this batch and
-the next ones. A view that calls ``nextval`` writes WAL (every 32 values) and must flush it
-before it answers: behind a batch being written, that flush waited for the other's commit.
-Handing out fences drawn a little earlier keeps what fences promise: each is used once, a
-batch's are ascending, and a fence that supersedes a grant's (its expiry, its eviction) is
-drawn later from the sequence, so it is higher; grants of different admissions need no
-order between them. Unused ones are gaps, as a batch's unused fences always were."""
+the next ones. A view that calls ``nextval`` writes WAL (every 32 values), so it must flush
+that WAL before it answers (an fdatasync, waiting behind any other commit's); drawing 16 a
+batch, every other view did. Handing out fences drawn a little earlier keeps what fences
+promise: each is used once, a batch's are ascending, and a fence that supersedes a grant's
+(its expiry, its eviction) is drawn later from the sequence, so it is higher; grants of
+different admissions need no order between them. Unused ones are gaps, as a batch's unused
+fences always were."""
 # Raised by the ledger's own functions (a class of SQLSTATE no PostgreSQL error uses):
 _STALE_SQLSTATE: Final = "ML001"  # a batch's view no longer holds: StaleView
 _SHORT_SQLSTATE: Final = "ML002"  # a counter holds less than is given back: StoreError
@@ -493,12 +494,7 @@ class PostgresLedger(SqlLedger):
         self._fences_sql = f"SELECT nextval('\"{schema}\".ledger_fence') FROM generate_series(1, ?)"
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
         self._lazy: _LazyBatch | None = None  # while an unplanned batch runs
-        # ``write_behind``: a thread and a connection of its own, so the server works on one
-        # batch's writes while this connection reads the next batch's view.
-        self._writer: ThreadPoolExecutor | None = None
         self._fence_block: list[int] = []  # drawn by a view, not yet handed to a batch
-        self._write_conn: psycopg.Connection[tuple[Any, ...]] | None = None
-        self._write_lock = threading.Lock()
         q = f'"{schema}"'
         self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
         self._release_sql = f"SELECT {q}.ledger_release(?, ?, ?)"
@@ -543,13 +539,9 @@ class PostgresLedger(SqlLedger):
         if self._conn is None or self._conn.closed or self._conn.broken:
             if self._conn is not None:
                 log.warning("reconnecting to the ledger database", extra={"schema": self.schema})
-            self._conn = self._connect()
+            self._conn = psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs)
+            self._conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         return self._conn
-
-    def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
-        conn = psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs)
-        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        return conn
 
     def _transaction(self, work: Callable[[Db], T], *, write: bool, retry: bool = True) -> T:
         attempts = self._max_attempts if retry else 1
@@ -686,58 +678,6 @@ class PostgresLedger(SqlLedger):
         with self._lock:
             view = self._one_statement(self._view_sql, (ids, ids, self._drawing(fences)))
             return self._with_fences(self._parsed_view(view), fences)
-
-    def read_view_after(
-        self, admission_ids: Sequence[str], fences: int, witness: str | None
-    ) -> tuple[LedgerView, bool]:
-        if self._in_a_batch():
-            raise LocalProtocolError("read_view_after is read outside any ledger batch")
-        ids = _text_array(dict.fromkeys(admission_ids))
-        asked = ids if witness is None else _text_array(dict.fromkeys([*admission_ids, witness]))
-        with self._lock:
-            read = self._one_statement(self._view_sql, (ids, asked, self._drawing(fences)))
-            view = self._with_fences(self._parsed_view(read), fences)
-        if witness is None or witness not in view.decisions:
-            return view, False
-        if witness not in admission_ids:
-            decisions = dict(view.decisions)
-            del decisions[witness]
-            view = dataclasses.replace(view, decisions=decisions)
-        return view, True
-
-    def write_behind(
-        self, ops: Sequence[LedgerOp], releases: Sequence[tuple[str, int]], now: float
-    ) -> Future[Any]:
-        if any(isinstance(op, Release | Activate) for op in ops):
-            raise LocalProtocolError("write_behind takes no release or activation")
-        payload = _apply_payload(ops)
-        params: list[object]
-        sql, params = self._apply_sql, [payload]
-        if releases:  # the batch's writes and its releases: one statement, one commit
-            ids, fences = _text_array(a for a, _ in releases), _int_array(f for _, f in releases)
-            sql, params = self._release_apply_sql, [ids, fences, now, payload]
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
-        return self._writer.submit(self._write_behind, sql, params)
-
-    def _write_behind(self, sql: str, params: Sequence[object]) -> Any:
-        """One statement on the writer's connection (not retried, as a batch's last
-        statement is not: a deadlock's victim fails and its batch is decided again)."""
-        with self._write_lock:
-            try:
-                conn = self._write_conn
-                if conn is None or conn.closed or conn.broken:
-                    conn = self._write_conn = self._connect()
-                row = conn.execute(_pyformat(sql), params).fetchone()
-            except psycopg.Error as exc:
-                raise self._error(exc) from exc
-            return None if row is None else row[0]
-
-    def release_answers(
-        self, releases: Sequence[tuple[str, int]], written: Any, now: float
-    ) -> list[Reservation | Refused]:
-        with self._lock:
-            return self._release_answers(releases, written, now)
 
     def _drawing(self, wanted: int) -> int:
         """How many fences a view must draw for a batch that wants ``wanted``: none while
@@ -882,11 +822,6 @@ class PostgresLedger(SqlLedger):
         return sorted(int(fence) for (fence,) in rows)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)  # a batch being written finishes first
-        with self._write_lock:
-            if self._write_conn is not None:
-                self._write_conn.close()
         with self._lock:
             if self._conn is not None:
                 self._conn.close()

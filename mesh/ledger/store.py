@@ -77,9 +77,8 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, Protocol, Self, TypeVar
 
 import orjson
 
@@ -115,8 +114,7 @@ from mesh.ledger.model import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# DecisionRow and Usage are the model's
-__all__ = ["DecisionRow", "LedgerStore", "SqlLedger", "Usage", "WritesBehind"]
+__all__ = ["DecisionRow", "LedgerStore", "SqlLedger", "Usage"]  # the first and last: model's
 
 _HOLDING = "(" + ", ".join(f"'{state}'" for state in sorted(HOLDING_STATES)) + ")"
 # The holding states as the partial index ``ledger_reservation_due`` is defined in both
@@ -273,42 +271,6 @@ class LedgerStore(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-@runtime_checkable
-class WritesBehind(Protocol):
-    """A ledger that writes a decided batch while the next batch is decided (PostgreSQL: the
-    writes go on a connection of their own, while the server works on them the admitter reads
-    and decides the next batch). The admitter's pipeline (:meth:`Admitter.admit_begin
-    <mesh.manager.admission.Admitter.admit_begin>`) is the only caller."""
-
-    def read_view_after(
-        self, admission_ids: Sequence[str], fences: int, witness: str | None
-    ) -> tuple[LedgerView, bool]:
-        """:meth:`LedgerStore.read_for_decision` outside any batch, and whether the view's
-        snapshot holds the recorded decision of ``witness`` — an admission ID whose decision
-        the batch being written records afresh: its commit's witness (a statement sees all of
-        a transaction or none of it). The witness's row is not in the view's decisions unless
-        it is one of ``admission_ids``."""
-        ...
-
-    def write_behind(
-        self, ops: Sequence[LedgerOp], releases: Sequence[tuple[str, int]], now: float
-    ) -> Future[Any]:
-        """Start writing a decided batch — ``ops`` (neither a release nor an activation among
-        them), then the ``releases`` that came with it, one transaction — and return at once.
-        The future's result is what :meth:`release_answers` reads; it raises
-        :class:`~mesh.errors.StaleView` or :class:`~mesh.errors.StoreError` as
-        :meth:`LedgerStore.apply` would, and then nothing of it was kept. One batch at a
-        time: the caller waits for a future before starting the next."""
-        ...
-
-    def release_answers(
-        self, releases: Sequence[tuple[str, int]], written: Any, now: float
-    ) -> list[Reservation | Refused]:
-        """Each release's outcome, as :meth:`LedgerStore.release_many` returns them, from a
-        finished :meth:`write_behind`'s result."""
-        ...
 
 
 class Db(Protocol):

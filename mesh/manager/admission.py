@@ -33,7 +33,6 @@ import logging
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,21 +51,19 @@ from mesh.core.admission import (
 from mesh.core.capacity import LiveCapacity
 from mesh.core.eligibility import EligibilityCache, EligibilitySnapshot, capacities
 from mesh.core.eligibility import tenant_tokens_resource as _tenant_tokens_resource
-from mesh.core.pressure import Holding, PoolPressure, PressureBoard, StageChange
-from mesh.errors import LocalProtocolError, StaleView, StoreError
+from mesh.core.pressure import PoolPressure, PressureBoard, StageChange
+from mesh.errors import StaleView, StoreError
 from mesh.leases import LeaseSigner
 from mesh.ledger.model import (
     TENANT_POOL,
-    Activate,
     DecisionRow,
     LedgerReason,
     Refused,
-    Release,
     Reservation,
     ReservationState,
     Usage,
 )
-from mesh.ledger.store import LedgerStore, WritesBehind
+from mesh.ledger.store import LedgerStore
 from mesh.wire.admission import (
     AdmissionDecision,
     AdmissionReason,
@@ -84,7 +81,6 @@ __all__ = [
     "DecisionRecord",
     "Eviction",
     "ExternalGrantor",
-    "Ticket",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,33 +102,6 @@ class Admitted:
     misses: list[tuple[str, str]]
     evictions: list[Eviction]
     settled: list[tuple[AdmissionReleaseReply, bool, str | None]] | StoreError
-
-
-@dataclass(slots=True)
-class Ticket:
-    """A batch handed to :meth:`Admitter.admit_begin`: decided and committed at once
-    (``result`` set), or decided and being written (``written``: its writes in flight;
-    :meth:`Admitter.admit_finish` gives its result once they are done)."""
-
-    requests: list[tuple[AdmissionRequest, str]]
-    now: float
-    live: LiveCapacity | None
-    releases: list[tuple[str, int]]
-    batch: Batch | None = None  # as decided, while it is being written
-    witness: str | None = None  # an admission whose decision row it writes afresh
-    # Its releases' grants the pressure board ended before it committed (AdmissionCore.end_early)
-    ended_early: list[tuple[str, Holding]] = field(default_factory=list)
-    written: Future[Any] | None = None
-    result: Admitted | None = None
-
-
-def _apart(ticket: Ticket, below: Ticket) -> bool:
-    """Whether ``ticket`` names no admission that ``below`` decides or releases (else it is
-    decided once ``below`` has committed: its view must show them)."""
-    theirs = {r.admission_id for r, _ in below.requests} | {a for a, _ in below.releases}
-    return not any(r.admission_id in theirs for r, _ in ticket.requests) and not any(
-        a in theirs for a, _ in ticket.releases
-    )
 
 
 class ExternalGrantor(Protocol):
@@ -163,7 +132,6 @@ class Admitter:
     pools_seen: Mapping[str, PoolPressure] = field(default_factory=dict, init=False)
     # Every stored descriptor's epoch, as the last batch's view read it (LedgerView.epochs).
     stored_epochs: Mapping[str, int] = field(default_factory=dict, init=False)
-    _behind: Ticket | None = field(default=None, init=False)  # the batch being written
 
     def __post_init__(self) -> None:
         self.core = AdmissionCore(
@@ -394,24 +362,8 @@ class Admitter:
         misses and the evictions it committed. ``releases`` (``(admission ID, fence)``) are
         settled in the batch's own transaction, after its writes — one commit for both, as
         :meth:`settle_many` would settle them (alone if the batch failed, or had no
-        requests). A batch still being written behind (:meth:`admit_begin`) is finished
-        first."""
-        self._finish_behind(None)
+        requests)."""
         decisions, released = self._admit_many(requests, now, live, releases)
-        return self._admitted(requests, decisions, released, now, live, releases)
-
-    def _admitted(
-        self,
-        requests: Sequence[tuple[AdmissionRequest, str]],
-        decisions: list[AdmissionDecision],
-        released: list[Reservation | Refused] | StoreError | None,
-        now: float,
-        live: LiveCapacity | None,
-        releases: Sequence[tuple[str, int]],
-    ) -> Admitted:
-        """A committed batch's :class:`Admitted` (``released``: its releases' ledger
-        outcomes; ``None`` where they were not settled with it, an error where they were but
-        their outcomes could not be read)."""
         unknown = [
             i for i, d in enumerate(decisions) if d.reason is AdmissionReason.NO_ELIGIBLE_POOL
         ]
@@ -425,9 +377,7 @@ class Admitter:
                 decisions[i] = decision
         records = [self.core.decisions.get(d.admission_id) for d in decisions]
         settled: list[tuple[AdmissionReleaseReply, bool, str | None]] | StoreError = []
-        if isinstance(released, StoreError):
-            settled = released
-        elif released is not None:
+        if released is not None:
             settled = self._settled_all(releases, released, now)
         elif releases:
             try:
@@ -435,143 +385,6 @@ class Admitter:
             except StoreError as exc:  # the releases' callers hear of it; the decisions stand
                 settled = exc
         return Admitted(decisions, records, self.drain_misses(), self.drain_evictions(), settled)
-
-    # ---- the pipeline: a batch decided while the one before it is written ----------------
-    def admit_begin(
-        self,
-        requests: Sequence[tuple[AdmissionRequest, str]],
-        now: float,
-        live: LiveCapacity | None = None,
-        releases: Sequence[tuple[str, int]] = (),
-    ) -> Ticket:
-        """:meth:`admit_batch`, pipelined where the ledger writes behind
-        (:class:`~mesh.ledger.store.WritesBehind`: PostgreSQL). The batch is decided while
-        the one begun before it is still being written — on a view read meanwhile, with
-        that batch's moves laid over its counters unless the view already holds its commit
-        (:meth:`AdmissionCore.on_top_of`) — then that one is finished, and this one's
-        writes are started and the call returns: its :class:`Ticket` has its ``result``
-        once :meth:`admit_finish` has waited for them. So the server writes one batch
-        while this thread decides the next, and nothing is answered before its commit.
-
-        A batch waits for the one before it to commit, and is decided as
-        :meth:`admit_batch` decides (``result`` set at once), when it names an admission
-        the other decides or releases, when the other's writes fail (it was decided on
-        counters that never came to be; the other is decided again first), and when it
-        takes anything back or needs external grants (evictions, activations: its writes
-        are more than one statement). The answers are the ones :meth:`admit_batch` would
-        give; what differs is when a batch's decisions are made."""
-        ticket = Ticket(list(requests), now, live, list(releases))
-        if not ticket.requests or not isinstance(self.ledger, WritesBehind):
-            ticket.result = self.admit_batch(ticket.requests, now, live, ticket.releases)
-            return ticket
-        below = self._behind
-        on_top = below is None or _apart(ticket, below)
-        decided = on_top and self._decide_behind(self.ledger, ticket, below)
-        if below is not None:
-            decided = self._finish_behind(ticket if decided else None)
-        if not decided:
-            ticket.result = self.admit_batch(ticket.requests, now, live, ticket.releases)
-            return ticket
-        assert ticket.batch is not None
-        ticket.written = self.ledger.write_behind(ticket.batch.ops, ticket.releases, now)
-        self._behind = ticket
-        return ticket
-
-    def admit_at_once(
-        self,
-        requests: Sequence[tuple[AdmissionRequest, str]],
-        now: float,
-        live: LiveCapacity | None = None,
-        releases: Sequence[tuple[str, int]] = (),
-    ) -> Ticket:
-        """:meth:`admit_begin` without writing behind: :meth:`admit_batch`'s result, as a
-        ticket that has it."""
-        ticket = Ticket(list(requests), now, live, list(releases))
-        ticket.result = self.admit_batch(ticket.requests, now, live, ticket.releases)
-        return ticket
-
-    def admit_finish(self, ticket: Ticket) -> Admitted:
-        """The result of a batch :meth:`admit_begin` began: at once if it has it, else once
-        its writes are done (this waits for them)."""
-        if ticket.result is None:
-            if self._behind is not ticket:
-                raise LocalProtocolError("admit_finish: this ticket is not the batch in flight")
-            self._finish_behind(None)
-        assert ticket.result is not None
-        return ticket.result
-
-    def _decide_behind(self, ledger: WritesBehind, ticket: Ticket, below: Ticket | None) -> bool:
-        """Decide ``ticket`` on a view read now, on top of ``below`` if it is being written;
-        ``False`` (nothing kept of it) if its writes cannot go behind (see admit_begin)."""
-        ids = [request.admission_id for request, _ in ticket.requests]
-        witness = below.witness if below is not None else None
-        try:
-            view, seen = ledger.read_view_after(ids, len(ids), witness)
-        except StoreError:
-            return False  # admit_batch decides it, and says what failed
-        if below is not None:
-            assert below.batch is not None
-            if not seen:
-                view = self.core.on_top_of(view, below.batch, below.releases)
-            below.ended_early = self.core.end_early(below.releases, below.now)
-        self.stored_epochs = view.epochs
-        batch = self.core.decide(ticket.requests, view, ticket.now, ticket.live)
-        fresh = next((a for a in batch.decided if a not in view.decisions), None)
-        takes_back = any(isinstance(op, Release | Activate) for op in batch.ops)
-        if batch.pending or takes_back or fresh is None:
-            self.core.abandoned(batch, ticket.now)
-            return False
-        batch.line_ends = {pool: self.core.lines[pool].mark() for pool in batch.line_marks}
-        ticket.batch, ticket.witness = batch, fresh
-        return True
-
-    def _finish_behind(self, on_top: Ticket | None) -> bool:
-        """Wait for the batch being written, if any, and give it its result. ``on_top``: a
-        batch decided on top of it, abandoned (``False``) if that one's writes failed, or if
-        its result needs a batch decided in between (a descriptor stored meanwhile by
-        another manager); ``True`` if ``on_top`` still stands."""
-        below, self._behind = self._behind, None
-        if below is None:
-            return on_top is not None
-        assert below.batch is not None and below.written is not None
-        try:
-            written = below.written.result()
-        except StoreError as exc:
-            if on_top is not None:
-                assert on_top.batch is not None
-                self.core.abandoned(on_top.batch, on_top.now)
-            self.core.restore_ended(below.ended_early, below.now)
-            self.core.abandoned(below.batch, below.now)
-            log.info("a batch written behind was not kept; deciding it again",
-                     extra={"error": str(exc), "batch": len(below.requests)})  # fmt: skip
-            below.result = self.admit_batch(below.requests, below.now, below.live, below.releases)
-            return False
-        self.core.committed(below.batch)
-        decisions = below.batch.final()
-        if on_top is not None and self._decides_again(decisions):
-            assert on_top.batch is not None
-            self.core.abandoned(on_top.batch, on_top.now)
-            on_top = None
-        released: list[Reservation | Refused] | StoreError | None = None
-        if below.releases:
-            try:
-                released = self.ledger_behind.release_answers(below.releases, written, below.now)
-            except StoreError as exc:  # kept, but their outcomes could not be read
-                released = exc
-        below.result = self._admitted(
-            below.requests, decisions, released, below.now, below.live, below.releases
-        )
-        return on_top is not None
-
-    @property
-    def ledger_behind(self) -> WritesBehind:
-        assert isinstance(self.ledger, WritesBehind)
-        return self.ledger
-
-    def _decides_again(self, decisions: Sequence[AdmissionDecision]) -> bool:
-        """Whether :meth:`_admitted` will decide some of ``decisions`` again."""
-        unknown = any(d.reason is AdmissionReason.NO_ELIGIBLE_POOL for d in decisions)
-        return unknown and self._newer_stored()
 
     def observe(
         self,
@@ -608,7 +421,6 @@ class Admitter:
         live: LiveCapacity | None,
         releases: Sequence[tuple[str, int]] = (),
     ) -> tuple[list[AdmissionDecision], list[Reservation | Refused] | None]:
-        self._finish_behind(None)  # its view must show the batch written behind
         taken: list[tuple[ExternalGrantor, str, str]] = []  # every external grant, to undo
         decided: list[Batch] = []
 

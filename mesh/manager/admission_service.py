@@ -48,9 +48,8 @@ from mesh.manager.admission import (
     DecisionRecord,
     Eviction,
     ExternalGrantor,
-    Ticket,
 )
-from mesh.manager.batching import GroupCommit, Later
+from mesh.manager.batching import GroupCommit
 from mesh.manager.settings import open_ledger
 from mesh.topology import names
 from mesh.transport.delivery import Delivery
@@ -118,8 +117,6 @@ class AdmissionService:
         self._pool_slots: dict[str, int] = {}  # the model slots each pool's policy bounds at
         self._pool_queues_polled_at = float("-inf")  # monotonic
         self._usage: Usage | None = None  # the ledger's counters as the last tick read them
-        # The last batch still being answered (written behind): the next is answered after it.
-        self._finishing: asyncio.Future[list[_LedgerResult]] | None = None
         # Admissions and releases, in one queue: each batch is one ledger transaction.
         self._batches: GroupCommit[_LedgerItem, _LedgerResult] = GroupCommit(
             self._ledger_batch,
@@ -280,14 +277,9 @@ class AdmissionService:
         tenant = None if record is None else record.tenant
         return tenant is None or user_id in (tenant, self.settings.operator_user)
 
-    async def _ledger_batch(
-        self, items: list[_LedgerItem]
-    ) -> list[_LedgerResult] | Later[_LedgerResult]:
+    async def _ledger_batch(self, items: list[_LedgerItem]) -> list[_LedgerResult]:
         """Decide every admission and settle every release that queued up meanwhile: one
-        ledger transaction, one thread hand-off and one journal commit for the lot. With a
-        ledger that writes behind (PostgreSQL) the batch's results come later, once its
-        writes are kept — meanwhile the next batch is decided (``Admitter.admit_begin``);
-        each batch is answered and journaled after the one before it."""
+        ledger transaction, one thread hand-off and one journal commit for the lot."""
         admitter = self.admitter
         if admitter is None:
             raise LocalProtocolError("the manager is not started")
@@ -295,55 +287,9 @@ class AdmissionService:
         releases = [(item.admission_id, item.fence) for item in items if isinstance(item, _Release)]
         at = self.clock.now()
         live = self._live(at) if requests else None  # a batch of releases alone decides nothing
-        if self.settings.admission_write_behind:
-            begin = partial(admitter.admit_begin, releases=releases)
-        else:
-            begin = partial(admitter.admit_at_once, releases=releases)
-        ticket = await self._on_ledger(begin, requests, at.wall, live)
-        before = self._finishing
-        if ticket.result is not None and before is None:
-            return await self._answers(items, requests, releases, ticket.result, at)
-        if ticket.written is not None:
-            self.counters["admission_batches_behind"] += 1  # decided while one was written
-        written = None if ticket.written is None else asyncio.wrap_future(ticket.written)
-        finishing = asyncio.ensure_future(self._after(before, ticket, written, items, at))
-        self._finishing = finishing
-        return Later(finishing, written)
-
-    async def _after(
-        self,
-        before: asyncio.Future[list[_LedgerResult]] | None,
-        ticket: Ticket,
-        written: asyncio.Future[Any] | None,
-        items: list[_LedgerItem],
-        at: Instant,
-    ) -> list[_LedgerResult]:
-        """A batch's answers once the batch before it is answered and its writes are kept."""
-        this = asyncio.current_task()
-        try:
-            if before is not None and not before.done():
-                await asyncio.wait([before])  # its failure is its own callers'
-            if written is not None:
-                await asyncio.wait([written])
-            assert self.admitter is not None
-            batch = ticket.result  # set once the next batch's begin finished it (commonly)
-            if batch is None:
-                batch = await self._on_ledger(self.admitter.admit_finish, ticket)
-            releases = [(i.admission_id, i.fence) for i in items if isinstance(i, _Release)]
-            return await self._answers(items, ticket.requests, releases, batch, at)
-        finally:
-            if self._finishing is this:
-                self._finishing = None
-
-    async def _answers(
-        self,
-        items: list[_LedgerItem],
-        requests: list[tuple[AdmissionRequest, str]],
-        releases: list[tuple[str, int]],
-        batch: Admitted,
-        at: Instant,
-    ) -> list[_LedgerResult]:
-        """Each item's answer from the committed batch (the decisions journaled first)."""
+        batch = await self._on_ledger(
+            partial(admitter.admit_batch, releases=releases), requests, at.wall, live
+        )
         if releases:
             self.counters["release_batches"] += 1
         settled = batch.settled  # each release's outcome, or the one error all of them get

@@ -9,11 +9,6 @@ batch (a thread hand-off, a transaction, an fsync) is shared by everyone who wai
 
 Results go back to each caller in submission order. If ``run`` raises, every caller of that
 batch gets the exception; the next batch is unaffected.
-
-A batch may finish later: ``run`` returns :class:`Later` (its results still to come, e.g.
-while the ledger writes it) and the next batch starts at once; its callers get their results
-when ``Later.results`` is done. Whoever returns ``Later`` keeps the batches' order (the
-admission service finishes each batch after the one before it).
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from mesh.errors import LocalProtocolError
 
@@ -29,24 +24,12 @@ I = TypeVar("I")  # noqa: E741 - the item type
 O = TypeVar("O")  # noqa: E741 - the result type
 
 
-class Later(Generic[O]):
-    """What ``run`` returns for a batch whose results come later (see the module docstring).
-    ``written``: done once the batch no longer holds the next one back (its writes are
-    kept); until then the next batch waits to grow as large as this one."""
-
-    def __init__(
-        self, results: asyncio.Future[list[O]], written: asyncio.Future[Any] | None = None
-    ) -> None:
-        self.results = results
-        self.written = written
-
-
 class GroupCommit(Generic[I, O]):
     """Coalesce concurrent ``submit`` calls into calls of ``run(items) -> results``."""
 
     def __init__(
         self,
-        run: Callable[[list[I]], Awaitable[list[O] | Later[O]]],
+        run: Callable[[list[I]], Awaitable[list[O]]],
         *,
         max_batch: int = 64,
         max_yields: int = 4,
@@ -65,8 +48,6 @@ class GroupCommit(Generic[I, O]):
         self._last_batch_end = float("-inf")  # loop time
         self._queue: list[tuple[I, asyncio.Future[O]]] = []
         self._drainer: asyncio.Task[None] | None = None
-        self._later: set[asyncio.Task[None]] = set()  # batches whose results are to come
-        self._grew = asyncio.Event()  # set by every submit
         self.batches = 0  # batches run so far
         self.items = 0  # items decided so far
         self.largest = 0  # the largest batch so far
@@ -74,7 +55,6 @@ class GroupCommit(Generic[I, O]):
     async def submit(self, item: I) -> O:
         future: asyncio.Future[O] = asyncio.get_running_loop().create_future()
         self._queue.append((item, future))
-        self._grew.set()
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain(), name="group-commit")
         return await future
@@ -103,8 +83,6 @@ class GroupCommit(Generic[I, O]):
         if self._drainer is not None:
             with contextlib.suppress(Exception):
                 await self._drainer
-        while self._later:
-            await asyncio.wait(set(self._later))
 
     async def _drain(self) -> None:
         while self._queue:
@@ -116,61 +94,19 @@ class GroupCommit(Generic[I, O]):
             self.largest = max(self.largest, len(batch))
             try:
                 results = await self._run([item for item, _ in batch])
-                if isinstance(results, Later):
-                    task = asyncio.create_task(self._deliver(batch, results.results))
-                    self._later.add(task)
-                    task.add_done_callback(self._later.discard)
-                    await self._grow_behind(results, len(batch))
-                    continue
-                _check(batch, results)
+                if len(results) != len(batch):
+                    raise LocalProtocolError(
+                        f"a batch of {len(batch)} items returned {len(results)} results"
+                    )
             except BaseException as exc:
-                _fail(batch, exc)
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 continue
             finally:
                 self._last_batch_end = asyncio.get_running_loop().time()
-            _succeed(batch, results)
-
-    async def _grow_behind(self, later: Later[O], size: int) -> None:
-        """While a batch is being written, let the next one grow: it starts once those
-        writes are done or as many items wait as that batch had. (Started at once, it
-        would be decided and then wait for the writes anyway, with fewer items to share
-        its view and its commit.)"""
-        written = later.written
-        while written is not None and not written.done() and len(self._queue) < size:
-            self._grew.clear()
-            grew = asyncio.ensure_future(self._grew.wait())
-            await asyncio.wait([written, grew], return_when=asyncio.FIRST_COMPLETED)
-            grew.cancel()
-
-    @staticmethod
-    async def _deliver(
-        batch: list[tuple[I, asyncio.Future[O]]], later: asyncio.Future[list[O]]
-    ) -> None:
-        try:
-            results = await later
-            _check(batch, results)
-        except BaseException as exc:
-            _fail(batch, exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
-        _succeed(batch, results)
-
-
-def _check(batch: list[tuple[I, asyncio.Future[O]]], results: list[O]) -> None:
-    if len(results) != len(batch):
-        raise LocalProtocolError(f"a batch of {len(batch)} items returned {len(results)} results")
-
-
-def _fail(batch: list[tuple[I, asyncio.Future[O]]], exc: BaseException) -> None:
-    for _, future in batch:
-        if not future.done():
-            future.set_exception(exc)
-
-
-def _succeed(batch: list[tuple[I, asyncio.Future[O]]], results: list[O]) -> None:
-    for (_, future), result in zip(batch, results, strict=True):
-        if not future.done():  # its caller may have been cancelled meanwhile
-            future.set_result(result)
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():  # its caller may have been cancelled meanwhile
+                    future.set_result(result)

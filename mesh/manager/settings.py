@@ -42,13 +42,6 @@ class ManagerSettings:
     # Under load (batches back to back) a batch waits this long for company before it is
     # decided; an idle manager decides a lone request at once. 0 turns lingering off.
     admission_linger_s: float = 0.002
-    # PostgreSQL: decide each admission batch while the server writes the one before it
-    # (``Admitter.admit_begin``: a second connection and a writer thread). It raises what the
-    # ledger can decide (bench/admission.py part B) where the ledger's round trips bound the
-    # rate — a database across a network, a busy server — but costs the manager CPU (two
-    # more thread hand-offs a batch); where the manager's own CPU is the bound, as on one
-    # small host, it does not pay (bench/managers.py), hence off by default.
-    admission_write_behind: bool = False
     # Decide admissions on the event loop itself instead of a worker thread. ``None``: yes for
     # an SQLite ledger (a batch is a short local transaction, and a thread would fight the
     # loop for the GIL on every statement), no for PostgreSQL (network round trips).

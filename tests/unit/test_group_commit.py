@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from mesh.errors import LocalProtocolError
-from mesh.manager.batching import GroupCommit, Later
+from mesh.manager.batching import GroupCommit
 
 
 class Recorder:
@@ -147,53 +147,3 @@ def test_negative_linger_is_refused() -> None:
 
     with pytest.raises(LocalProtocolError):
         GroupCommit(run, linger_s=-1)
-
-
-async def test_a_batch_that_finishes_later_lets_the_next_batch_start() -> None:
-    # The admission service's pipeline: a batch's run returns once it is decided, its
-    # results come when its writes are kept; meanwhile the next batch runs.
-    loop = asyncio.get_running_loop()
-    pending: list[asyncio.Future[list[int]]] = []
-    runs: list[list[int]] = []
-
-    async def run(items: list[int]) -> Later[int]:
-        runs.append(list(items))
-        pending.append(loop.create_future())
-        return Later(pending[-1])
-
-    commit = GroupCommit(run)
-    first = asyncio.create_task(commit.submit(1))
-    for _ in range(5):
-        await asyncio.sleep(0)
-    second = asyncio.create_task(commit.submit(2))
-    for _ in range(5):
-        await asyncio.sleep(0)
-
-    assert runs == [[1], [2]] and not first.done()  # the second ran before the first's results
-    pending[1].set_exception(LocalProtocolError("not kept"))
-    pending[0].set_result([10])
-    assert await first == 10
-    with pytest.raises(LocalProtocolError, match="not kept"):
-        await second
-    await asyncio.wait_for(commit.close(), timeout=5)
-
-
-async def test_closing_waits_for_batches_whose_results_come_later() -> None:
-    loop = asyncio.get_running_loop()
-    later: asyncio.Future[list[int]] = loop.create_future()
-
-    async def run(items: list[int]) -> Later[int]:
-        return Later(later)
-
-    commit = GroupCommit(run)
-    caller = asyncio.create_task(commit.submit(1))
-    for _ in range(5):
-        await asyncio.sleep(0)
-    closing = asyncio.create_task(commit.close())
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert not closing.done()
-
-    later.set_result([10])
-    await asyncio.wait_for(closing, timeout=5)
-    assert caller.done() and caller.result() == 10

@@ -89,24 +89,6 @@ def test_undo_puts_the_line_back_as_it_was() -> None:
     assert line.ahead("b", "t", "interactive", T0 + 3) == 1
 
 
-def test_keeping_a_batch_leaves_the_batch_decided_on_top_of_it_undoable() -> None:
-    # A batch decided while the one before it is still being written: the first is kept up
-    # to where it ended, the second can still be undone on its own.
-    line = PoolLine()
-    first = line.mark()
-    line.join("a", "t", "interactive", T0, T0 + 9)
-    first_end = second = line.mark()
-    line.join("b", "t", "interactive", T0 + 1, T0 + 9)
-    line.leave("a")
-
-    line.forget_undo(first_end)
-    line.undo(second)
-
-    assert "a" in line and "b" not in line
-    line.undo(first)  # what was kept stays kept
-    assert "a" in line and line.mark() == first_end
-
-
 # ---- the admission core keeps the line ------------------------------------------------------
 class Pool:
     """An admission core and a ledger view it writes through (the store, played by a dict):
