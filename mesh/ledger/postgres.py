@@ -37,8 +37,7 @@ functions are created with CREATE OR REPLACE each time the store opens, so a sch
 an earlier version gains them on its first open; tables and rows stay as they are.
 
 Fences come from a SEQUENCE: strictly increasing across all managers; a rolled-back
-``prepare`` leaves a gap, which is harmless. A batch's view draws them in blocks
-(``FENCE_BLOCK``) and the next batches take theirs from the block. Tables live in their own schema (``schema=``), so
+``prepare`` leaves a gap, which is harmless. Tables live in their own schema (``schema=``), so
 tests and deployments can keep ledgers apart; it is created idempotently under an advisory
 lock, so managers starting together do not trip over each other's DDL.
 """
@@ -46,7 +45,6 @@ lock, so managers starting together do not trip over each other's DDL.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import re
 import sys
@@ -82,16 +80,6 @@ T = TypeVar("T")
 DEFAULT_SCHEMA: Final = "mesh_ledger"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _RETRYABLE = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)
-
-FENCE_BLOCK: Final = 256
-"""Fences a batch's view draws at once when the block it keeps runs out, for this batch and
-the next ones. A view that calls ``nextval`` writes WAL (every 32 values), so it must flush
-that WAL before it answers (an fdatasync, waiting behind any other commit's); drawing 16 a
-batch, every other view did. Handing out fences drawn a little earlier keeps what fences
-promise: each is used once, a batch's are ascending, and a fence that supersedes a grant's
-(its expiry, its eviction) is drawn later from the sequence, so it is higher; grants of
-different admissions need no order between them. Unused ones are gaps, as a batch's unused
-fences always were."""
 # Raised by the ledger's own functions (a class of SQLSTATE no PostgreSQL error uses):
 _STALE_SQLSTATE: Final = "ML001"  # a batch's view no longer holds: StaleView
 _SHORT_SQLSTATE: Final = "ML002"  # a counter holds less than is given back: StoreError
@@ -494,7 +482,6 @@ class PostgresLedger(SqlLedger):
         self._fences_sql = f"SELECT nextval('\"{schema}\".ledger_fence') FROM generate_series(1, ?)"
         self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
         self._lazy: _LazyBatch | None = None  # while an unplanned batch runs
-        self._fence_block: list[int] = []  # drawn by a view, not yet handed to a batch
         q = f'"{schema}"'
         self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
         self._release_sql = f"SELECT {q}.ledger_release(?, ?, ?)"
@@ -668,30 +655,15 @@ class PostgresLedger(SqlLedger):
 
     def read_for_decision(self, admission_ids: Sequence[str], fences: int) -> LedgerView:
         ids = _text_array(dict.fromkeys(admission_ids))
-        if self._not_begun() is not None:  # (``batch`` holds the lock)
-            params = (ids, ids, self._drawing(fences))
+        params = (ids, ids, fences)
+        if self._not_begun() is not None:
             view = self._one_statement(self._view_sql, params, retry=False)
-            return self._with_fences(self._parsed_view(view), fences)
-        if (db := self._open_batch()) is not None:
+        elif (db := self._open_batch()) is not None:
             self._settle_plan(db, forget=fences > 0)
-            return self._parsed_view(self._in_batch(db, self._view_sql, (ids, ids, fences)))
-        with self._lock:
-            view = self._one_statement(self._view_sql, (ids, ids, self._drawing(fences)))
-            return self._with_fences(self._parsed_view(view), fences)
-
-    def _drawing(self, wanted: int) -> int:
-        """How many fences a view must draw for a batch that wants ``wanted``: none while
-        the block drawn before holds them, else a block (the caller holds ``self._lock``)."""
-        return 0 if wanted <= len(self._fence_block) else max(wanted, FENCE_BLOCK)
-
-    def _with_fences(self, view: LedgerView, wanted: int) -> LedgerView:
-        """``view`` with the batch's ``wanted`` fences, the lowest of the block and what the
-        view drew (later values of the sequence: the block stays ascending)."""
-        self._fence_block += view.fences
-        taken, self._fence_block = self._fence_block[:wanted], self._fence_block[wanted:]
-        return dataclasses.replace(view, fences=tuple(taken))
-
-    def _parsed_view(self, view: str) -> LedgerView:
+            view = self._in_batch(db, self._view_sql, params)
+        else:
+            with self._lock:
+                view = self._one_statement(self._view_sql, params)
         counters, reservations, decisions, drawn, epochs = orjson.loads(view)
         return LedgerView(
             counters={(str(p), str(r)): (int(u), int(c)) for p, r, u, c in counters},
