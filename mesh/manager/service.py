@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -134,6 +135,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# An acquire for a capability nobody offers while shards change hands is asked again every
+# SETTLING_RETRY_S for at most a lease period, capped here below producers' usual timeouts.
+SETTLING_RETRY_S = 0.1
+MAX_SETTLING_HOLD_S = 5.0
 _FENCE_ATTEMPTS = 4
 _FENCE_RETRY_S = 2.0  # 4 attempts over 6 s: past one statistics round of the management API
 T = TypeVar("T")
@@ -1007,22 +1012,34 @@ class ManagerService:
         find = FindRequest(
             capability=request.capability, version_spec=request.version_spec, limit=limit
         )
-        found = await self._candidates(find)
         answer: Message | None = None
-        if not isinstance(found, Refusal):
-            for agent, queue in found[:limit]:
-                named = request.model_copy(update={"agent_id": agent.agent_id})
-                if queue is None:
-                    answer = await self._answer_here(AcquireRequested(named, lease_id, holder))
-                else:
-                    answer = await self.peers.ask(
-                        queue,
-                        named,
-                        headers=self._forward_headers(holder, **{c.H_LEASE_ID: lease_id}),
-                        timeout_s=self.settings.peer_timeout_s,
-                    )
-                if isinstance(answer, LeaseGranted):
-                    break
+        hold_until = time.monotonic() + self._settling_hold_s()
+        while True:
+            found = await self._candidates(find)
+            if not isinstance(found, Refusal):
+                for agent, queue in found[:limit]:
+                    named = request.model_copy(update={"agent_id": agent.agent_id})
+                    if queue is None:
+                        answer = await self._answer_here(AcquireRequested(named, lease_id, holder))
+                    else:
+                        answer = await self.peers.ask(
+                            queue,
+                            named,
+                            headers=self._forward_headers(holder, **{c.H_LEASE_ID: lease_id}),
+                            timeout_s=self.settings.peer_timeout_s,
+                        )
+                    if isinstance(answer, LeaseGranted):
+                        break
+            if (
+                isinstance(answer, LeaseGranted)
+                or found
+                or not self._unknown_while_moving(request.capability, hold_until)
+            ):
+                break
+            # Nobody offers it while shards change hands: its agents may be registering
+            # again with a new owner. Ask again shortly rather than answer that nobody does.
+            self.counters["acquires_held_while_shards_move"] += 1
+            await asyncio.sleep(SETTLING_RETRY_S)
         if not isinstance(answer, LeaseGranted):
             # Nobody had room: the refusal this registry gives (it records the miss for the
             # scale planner and says when to retry).
@@ -1031,6 +1048,22 @@ class ManagerService:
         if not delivered and isinstance(answer, LeaseGranted):
             self.counters["leases_released_unclaimed"] += 1
             await self._elsewhere(ReleaseRequest(lease_id=answer.lease.lease_id), holder)
+
+    def _settling_hold_s(self) -> float:
+        """How long an acquire for a capability nobody offers is held while shards move:
+        a lease period (a dead owner's shards are taken within it, and their agents asked to
+        register again), at most ``MAX_SETTLING_HOLD_S`` (producers' own timeouts)."""
+        return min(self.settings.shard_lease_s, MAX_SETTLING_HOLD_S)
+
+    def _unknown_while_moving(self, capability: str, hold_until: float) -> bool:
+        """Whether no registry offers ``capability`` only because shards are moving (and the
+        request may still be held)."""
+        assert self.shards is not None
+        return (
+            capability not in self.core.index
+            and self.shards.moving()
+            and time.monotonic() < hold_until
+        )
 
     async def _elsewhere(
         self, request: Message, publisher: str | None, lease_id: str | None = None

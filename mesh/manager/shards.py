@@ -66,6 +66,8 @@ class ShardOwnership:
         self._valid_until: dict[int, float] = {}
         self._stepping = asyncio.Lock()  # the periodic step and one run on demand
         self.taken_at: dict[int, float] = {}  # held shard -> monotonic time this tenure began
+        # The monotonic time a step last saw shards change hands (see ``moving``).
+        self.moved_at = float("-inf")
 
     def lapsed(self) -> list[int]:
         """The shards this manager still counts as held though their leases may have run
@@ -131,8 +133,19 @@ class ShardOwnership:
             log.warning("shard leases lost", extra={"shards": list(lost)})
             await self._log([("lost", shard, None) for shard in lost])
 
+    def moving(self) -> bool:
+        """Whether shards may be changing hands: a shard without a live lease (its owner
+        gone, nobody has taken it yet), or owners that changed within the last lease period
+        (a new owner's agents are still registering again with it)."""
+        view = self.last_view
+        if view is None or len(view.leases) < self.leases.shard_count:
+            return True
+        return time.monotonic() - self.moved_at < self.lease_s
+
     async def _rebalance(self) -> None:
         view: ShardView = await self._run(self.leases.view)
+        if self.last_view is None or view.owners() != self.last_view.owners():
+            self.moved_at = time.monotonic()
         self.last_view = view
         moves = self.keeper.plan(view.managers, view.owners())
         changes: list[tuple[Change, int, int | None]] = []
@@ -151,6 +164,7 @@ class ShardOwnership:
                 self.taken_at[shard] = time.monotonic()
                 changes.append(("taken", shard, fence))
         if changes:
+            self.moved_at = time.monotonic()
             self.counters["shards_taken"] += sum(1 for c in changes if c[0] == "taken")
             self.counters["shards_given_back"] += sum(1 for c in changes if c[0] == "given_back")
             await self._log(changes)
