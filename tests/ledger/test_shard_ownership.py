@@ -149,3 +149,28 @@ async def test_a_manager_paused_past_its_lease_learns_it_lost_its_shards_before_
     await settle(m1, m2)
     owned = assert_partition(m1, m2)
     assert sorted(len(s) for s in owned.values()) == [3, 3]
+
+
+async def test_shards_are_moving_while_a_dead_owners_leases_run_out_and_one_lease_after(
+    make_manager: MakeManager,
+) -> None:
+    # What the lease path holds an acquire on (a capability nobody offers while shards move:
+    # its agents may be registering again with a new owner) — and only then.
+    m1, m2 = make_manager("m1"), make_manager("m2")
+    await settle(m1, m2)
+    for _ in range(4):  # both renewing, nothing moves for longer than a lease
+        await asyncio.sleep(LEASE_S / 3)
+        await settle(m1, m2, rounds=1)
+    assert not m1.moving()
+
+    await m2.stop(give_back=False)  # a crash: its leases run out, nobody gives them back
+    await asyncio.sleep(LEASE_S * 1.2)
+    await m1.step()  # the view lacks live leases for m2's shards; m1 takes them
+    assert m1.moving() and len(m1.owned()) == SHARDS
+    await m1.step()  # every lease live again, but held by a new owner a moment ago
+    assert m1.last_view is not None and len(m1.last_view.leases) == SHARDS
+    assert m1.moving()
+    for _ in range(4):  # the same owners, step after step, for longer than a lease
+        await asyncio.sleep(LEASE_S / 3)
+        await m1.step()
+    assert not m1.moving()
