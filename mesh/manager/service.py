@@ -1014,6 +1014,7 @@ class ManagerService:
         )
         answer: Message | None = None
         hold_until = time.monotonic() + self._settling_hold_s()
+        held = False
         while True:
             found = await self._candidates(find)
             if not isinstance(found, Refusal):
@@ -1030,15 +1031,18 @@ class ManagerService:
                         )
                     if isinstance(answer, LeaseGranted):
                         break
+            nobody_offers = not isinstance(found, Refusal) and not found
             if (
                 isinstance(answer, LeaseGranted)
-                or found
+                or not nobody_offers
                 or not self._unknown_while_moving(request.capability, hold_until)
             ):
                 break
             # Nobody offers it while shards change hands: its agents may be registering
             # again with a new owner. Ask again shortly rather than answer that nobody does.
-            self.counters["acquires_held_while_shards_move"] += 1
+            if not held:
+                held = True
+                self.counters["acquires_held_while_shards_move"] += 1
             await asyncio.sleep(SETTLING_RETRY_S)
         if not isinstance(answer, LeaseGranted):
             # Nobody had room: the refusal this registry gives (it records the miss for the
