@@ -64,6 +64,22 @@ from mesh.wire.codec import encode
 from mesh.wire.models import Message
 
 log = logging.getLogger(__name__)
+
+WRITE_QUEUE_FRAMES = 1024
+"""How many frames an aiormq connection queues for its writer task (aiormq's default: 10).
+
+A publish puts its frames on that queue *while holding its channel's lock*, and the writer
+task empties it once per event-loop turn. With ten, a burst of more than ten publishes on one
+channel — a batch's replies, a producer's next requests after a batch of answers — queues on
+the lock and goes out one loop turn per publish: with 64 admissions in flight, ~55 publishes
+waited there at any moment, and admissions ran at ~0.6x the raw aiormq echo; with 1,024, at
+~0.77x (``bench/admission.py``). The writer never waits for the socket (asyncio's transport
+buffers), so the small queue held nothing back but the loop; publishers still wait for their
+confirms, so the bound on work in flight is theirs. Process-wide: aiormq reads it as a class
+attribute when it opens a connection, so every aiormq connection in the process gets it —
+the benchmark's raw aiormq echo included, which keeps that comparison fair."""
+aiormq.Connection.FRAME_BUFFER_SIZE = max(aiormq.Connection.FRAME_BUFFER_SIZE, WRITE_QUEUE_FRAMES)
+
 _FAST_PROPERTIES = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
 _FAST_MARSHALLED = _FAST_PROPERTIES.marshal()
 _CONTROL_TIMEOUT_S = 5.0  # bound on channel operations that are not publishes
