@@ -122,6 +122,7 @@ class AdmissionService:
             self._ledger_batch,
             max_batch=settings.admission_batch,
             linger_s=settings.admission_linger_s,
+            quiet_s=settings.admission_linger_quiet_s,
         )
 
     @property

@@ -39,9 +39,12 @@ class ManagerSettings:
     # At most this many admissions are decided in one ledger transaction (group commit); a
     # batch holds what arrived while the previous one ran, so it never waits to fill up.
     admission_batch: int = 64
-    # Under load (batches back to back) a batch waits this long for company before it is
-    # decided; an idle manager decides a lone request at once. 0 turns lingering off.
+    # Under load (batches back to back) a batch waits up to this long for company before it
+    # is decided, while requests keep arriving (it stops at the first quiet step of
+    # ``admission_linger_quiet_s`` with none); an idle manager decides a lone request at
+    # once. 0 turns lingering off.
     admission_linger_s: float = 0.002
+    admission_linger_quiet_s: float = 0.0001
     # Decide admissions on the event loop itself instead of a worker thread. ``None``: yes for
     # an SQLite ledger (a batch is a short local transaction, and a thread would fight the
     # loop for the GIL on every statement), no for PostgreSQL (network round trips).

@@ -130,7 +130,7 @@ async def test_an_idle_group_commit_never_lingers() -> None:
 
 async def test_under_load_a_batch_lingers_for_company() -> None:
     recorder = Recorder()
-    commit = GroupCommit(recorder.run, linger_s=0.3, busy_gap_s=60.0)
+    commit = GroupCommit(recorder.run, linger_s=0.3, quiet_s=0.1, busy_gap_s=60.0)
     await commit.submit(0)  # a batch just ended: the next one is "under load"
 
     first = asyncio.create_task(commit.submit(1))
@@ -139,6 +139,32 @@ async def test_under_load_a_batch_lingers_for_company() -> None:
 
     assert await asyncio.wait_for(asyncio.gather(first, second), timeout=5) == [10, 20]
     assert recorder.batches == [[0], [1, 2]]
+
+
+async def test_under_load_a_batch_stops_lingering_when_company_stops_coming() -> None:
+    recorder = Recorder()
+    commit = GroupCommit(recorder.run, linger_s=5.0, quiet_s=0.05, busy_gap_s=60.0)
+    await commit.submit(0)
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    burst = [asyncio.create_task(commit.submit(n)) for n in (1, 2, 3)]
+    assert await asyncio.wait_for(asyncio.gather(*burst), timeout=2) == [10, 20, 30]
+    assert recorder.batches == [[0], [1, 2, 3]]
+    assert loop.time() - started < 1.0  # one quiet step (0.05 s), not the 5 s linger
+
+
+async def test_under_load_a_batch_keeps_lingering_while_company_keeps_coming() -> None:
+    recorder = Recorder()
+    commit = GroupCommit(recorder.run, linger_s=5.0, quiet_s=0.2, busy_gap_s=60.0)
+    await commit.submit(0)
+
+    callers = []
+    for n in range(1, 6):  # one every 0.05 s: each quiet step of 0.2 s sees a newcomer
+        callers.append(asyncio.create_task(commit.submit(n)))
+        await asyncio.sleep(0.05)
+    assert await asyncio.wait_for(asyncio.gather(*callers), timeout=5) == [10, 20, 30, 40, 50]
+    assert recorder.batches == [[0], [1, 2, 3, 4, 5]]
 
 
 def test_negative_linger_is_refused() -> None:
