@@ -92,7 +92,7 @@ from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.producer import MeshClient
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import AmqpTransport, redact
+from mesh.transport.amqp import WRITE_QUEUE_FRAMES, AmqpTransport, redact
 from mesh.wire import (
     AdmissionRequest,
     AgentRegistration,
@@ -292,8 +292,11 @@ class AiormqEcho:
     with publisher confirms (``mandatory``, ``wait=False``: the confirm is the wait, as in
     :meth:`AmqpTransport.publish`), awaits the confirm, then acks. The client publishes with
     confirms, ``mandatory`` and ``user_id`` the same way, and consumes an exclusive reply queue
-    without acks, matching replies to futures by ``correlation_id``. Nothing is decoded:
-    everything ours does beyond this is the price of the feature.
+    without acks, matching replies to futures by ``correlation_id``. Its connections queue
+    up to ``WRITE_QUEUE_FRAMES`` frames for their writer, as ours do (aiormq's default of 10
+    queues a burst of publishes on the channel lock; mesh.transport.amqp raises it for every
+    aiormq connection in the process). Nothing is decoded: everything ours does beyond this
+    is the price of the feature.
     """
 
     label = "raw aiormq echo"
@@ -309,6 +312,7 @@ class AiormqEcho:
         self._reply_queue = ""
 
     async def start(self) -> None:
+        assert aiormq.Connection.FRAME_BUFFER_SIZE >= WRITE_QUEUE_FRAMES  # tuned as ours
         server = await aiormq.connect(
             self.url, client_properties={"connection_name": "bench-admission-aiormq-echo-server"}
         )

@@ -40,11 +40,14 @@ class ManagerSettings:
     # batch holds what arrived while the previous one ran, so it never waits to fill up.
     admission_batch: int = 64
     # Under load (batches back to back) a batch waits up to this long for company before it
-    # is decided, while requests keep arriving (it stops at the first quiet step of
-    # ``admission_linger_quiet_s`` with none); an idle manager decides a lone request at
-    # once. 0 turns lingering off.
+    # is decided; an idle manager decides a lone request at once. 0 turns lingering off.
     admission_linger_s: float = 0.002
-    admission_linger_quiet_s: float = 0.0001
+    # ... and stops waiting at the first step of this long in which no request arrived.
+    # ``None``: 0.1 ms where batches are decided on the event loop (SQLite, ``ledger_inline``:
+    # there the wait is idle time once a closed loop of producers has sent its burst), the
+    # whole linger otherwise (PostgreSQL: its batches are dearer, a wait costs the loop
+    # nothing, and the larger batches took less CPU per admission in bench/managers.py).
+    admission_linger_quiet_s: float | None = None
     # Decide admissions on the event loop itself instead of a worker thread. ``None``: yes for
     # an SQLite ledger (a batch is a short local transaction, and a thread would fight the
     # loop for the GIL on every statement), no for PostgreSQL (network round trips).

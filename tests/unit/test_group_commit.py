@@ -130,7 +130,7 @@ async def test_an_idle_group_commit_never_lingers() -> None:
 
 async def test_under_load_a_batch_lingers_for_company() -> None:
     recorder = Recorder()
-    commit = GroupCommit(recorder.run, linger_s=0.3, quiet_s=0.1, busy_gap_s=60.0)
+    commit = GroupCommit(recorder.run, linger_s=0.3, busy_gap_s=60.0)
     await commit.submit(0)  # a batch just ended: the next one is "under load"
 
     first = asyncio.create_task(commit.submit(1))
