@@ -389,10 +389,8 @@ class ManagerService:
         holds is left first (its consumers cancelled, its agents forgotten: they register
         with the new owner), then the new ones are joined."""
         left = {int(e.detail["shard"]): e.reason for e in entries if e.reason != "taken"}
-        forgotten = await self._leave_shards(set(left))
+        await self._leave_shards(set(left), {s for s, why in left.items() if why == "given_back"})
         await self.execute([AppendLog(e) for e in entries])
-        given_back = {shard for shard, why in left.items() if why == "given_back"}
-        await self._ask_to_register_again(forgotten, given_back)
         taken = {int(e.detail["shard"]) for e in entries if e.reason == "taken"}
         for shard in sorted(taken):
             if not self._stopping:
@@ -423,10 +421,15 @@ class ManagerService:
         ]
         log.info("consuming shard", extra={"shard": shard})
 
-    async def _leave_shards(self, shards: set[int]) -> dict[str, str]:
-        """Stop holding ``shards``; returns the agents forgotten with them (ID -> pool)."""
+    async def _leave_shards(self, shards: set[int], given_back: set[int] | None = None) -> None:
+        """Stop holding ``shards``. The agents of those this manager ``given_back`` (a clean
+        hand-over: its lease released, not lost) are asked to register again at once; their
+        registrations wait in the shard's announce queue for its next owner. Without it
+        they would register there only when the new owner hears their next heartbeat, up to
+        a heartbeat interval later, and meanwhile no manager offers what they can do. The
+        agents of a shard whose lease was lost are another owner's already: not told."""
         if not shards:
-            return {}
+            return
         # Their agents first, in one pass and before any await: a handler running meanwhile
         # (the consumers' cancels yield) must not find them here any more.
         forgotten: dict[str, str] = {}
@@ -440,21 +443,11 @@ class ManagerService:
             for consumer in self._shard_consumers.pop(shard, []):
                 with contextlib.suppress(Exception):  # the channel may be gone already
                     await consumer.cancel()
-        return forgotten
+        if count is not None and given_back:
+            again = [a for a, pool in forgotten.items() if shard_of(pool, count) in given_back]
+            await self._ask_to_register_again(again)
 
-    async def _ask_to_register_again(self, forgotten: dict[str, str], given_back: set[int]) -> None:
-        """Ask the ``forgotten`` agents of the shards this manager ``given_back`` (a clean
-        hand-over: its lease released, not lost) to register again at once; their
-        registrations wait in the shard's announce queue for its next owner. Without it
-        they would register there only when the new owner hears their next heartbeat, up to
-        a heartbeat interval later, and meanwhile no manager offers what they can do. The
-        agents of a shard whose lease was lost are another owner's already: not told. Nor
-        while the broker is away (the suspension gives shards back for that reason): the
-        new owner asks them at their next heartbeat, as after a crash."""
-        count = self.settings.shard_count
-        if count is None or not given_back or self._shard_suspension is not None:
-            return
-        agent_ids = [a for a, pool in forgotten.items() if shard_of(pool, count) in given_back]
+    async def _ask_to_register_again(self, agent_ids: list[str]) -> None:
         if not agent_ids:
             return
         reason = "its shard was handed over to another manager"
@@ -475,7 +468,7 @@ class ManagerService:
             await asyncio.gather(self._shard_step, return_exceptions=True)
             self._shard_step = None
         held = set(self._shard_consumers)  # handed over below: a clean stop gives them back
-        await self._ask_to_register_again(await self._leave_shards(held), given_back=held)
+        await self._leave_shards(held, given_back=held)
         if self.shared_live is not None:
             await self.shared_live.stop()
             self.shared_live = None

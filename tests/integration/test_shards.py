@@ -95,15 +95,6 @@ async def until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -
     return time.monotonic() - started
 
 
-async def two_managers_split_evenly(
-    started: Callable[[str], asyncio.Future[ManagerService]],
-) -> tuple[ManagerService, ManagerService]:
-    a = await started("manager-a")
-    b = await started("manager-b")
-    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
-    return a, b
-
-
 def shard_log(service: ManagerService) -> list[tuple[str, int]]:
     assert service.journal is not None
     return [
@@ -188,7 +179,9 @@ async def test_agents_register_with_their_shards_owner_and_move_with_their_shard
     started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
 ) -> None:
     assert [shard_of(pool, SHARDS) for pool in POOLS] == [0, 1, 2, 3]
-    a, b = await two_managers_split_evenly(started)
+    a = await started("manager-a")
+    b = await started("manager-b")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
     agents = [pool_agent(amqp_url, namespace, pool) for pool in POOLS]
     try:
         for agent in agents:  # each registers through the shared queue, whoever takes it
@@ -235,7 +228,9 @@ async def test_agents_register_with_their_shards_owner_and_move_with_their_shard
 async def test_any_manager_finds_acquires_and_releases_on_every_shard(
     started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
 ) -> None:
-    a, b = await two_managers_split_evenly(started)
+    a = await started("manager-a")
+    b = await started("manager-b")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
     agents = [pool_agent(amqp_url, namespace, pool) for pool in POOLS]
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
     everyone = {f"{pool}-1" for pool in POOLS}
@@ -441,7 +436,9 @@ async def test_admission_is_bounded_by_live_agents_whichever_manager_decides(
 async def test_a_clean_stop_asks_its_agents_to_register_again_so_their_capability_stays_offered(
     started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
 ) -> None:
-    a, b = await two_managers_split_evenly(started)
+    a = await started("manager-a")
+    b = await started("manager-b")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
     pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
     agent = pool_agent(amqp_url, namespace, pool)  # the only agent offering test.echo: b's
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
