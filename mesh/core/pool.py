@@ -973,13 +973,12 @@ class PoolCore:
         self.counters["terminated"] += 1
         return out
 
-    def hand_over(self, leaves: Callable[[str], bool]) -> dict[str, str]:
+    def hand_over(self, leaves: Callable[[str], bool]) -> int:
         """Forget every agent whose pool ``leaves`` (its shard is another manager's now):
         no lifecycle transition, no withdrawn capability, no fence — the agent is alive and
-        registers with the new owner; this registry just stops counting it. Its leases are
-        forgotten with it (their holders' releases are answered as unknown). Returns the
-        agents it forgot (agent ID -> pool), whom a manager handing its shard over asks to
-        register again. O(agents): handovers are rare."""
+        registers with the new owner, which asks it to; this registry just stops counting it.
+        Its leases are forgotten with it (their holders' releases are answered as unknown).
+        Returns how many agents it forgot. O(agents): handovers are rare."""
         gone = [agent for agent in self.agents.values() if leaves(agent.deployment)]
         for agent in gone:
             for slot in agent.slots.values():
@@ -998,7 +997,7 @@ class PoolCore:
         if gone:
             self._sorted_ids = None
             self.counters["handed_over"] += len(gone)
-        return {agent.agent_id: agent.deployment for agent in gone}
+        return len(gone)
 
     def _remember_finished(self, lease_id: str) -> None:
         self._finished_leases[lease_id] = None

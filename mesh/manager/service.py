@@ -122,7 +122,6 @@ from mesh.wire.models import (
     RegistrationAccepted,
     RegistrationRefused,
     ReleaseRequest,
-    ReRegisterRequest,
     Standing,
     StandingRequest,
     StatusReply,
@@ -387,9 +386,8 @@ class ManagerService:
         """Shards taken, given back or lost (``ShardOwnership``): journaled, and this
         manager consumes exactly the queues of the shards it holds. A shard it no longer
         holds is left first (its consumers cancelled, its agents forgotten: they register
-        with the new owner), then the new ones are joined."""
-        left = {int(e.detail["shard"]): e.reason for e in entries if e.reason != "taken"}
-        await self._leave_shards(set(left), {s for s, why in left.items() if why == "given_back"})
+        with the new owner when it asks), then the new ones are joined."""
+        await self._leave_shards({int(e.detail["shard"]) for e in entries if e.reason != "taken"})
         await self.execute([AppendLog(e) for e in entries])
         taken = {int(e.detail["shard"]) for e in entries if e.reason == "taken"}
         for shard in sorted(taken):
@@ -421,43 +419,19 @@ class ManagerService:
         ]
         log.info("consuming shard", extra={"shard": shard})
 
-    async def _leave_shards(self, shards: set[int], given_back: set[int] | None = None) -> None:
-        """Stop holding ``shards``. The agents of those this manager ``given_back`` (a clean
-        hand-over: its lease released, not lost) are asked to register again at once; their
-        registrations wait in the shard's announce queue for its next owner. Without it
-        they would register there only when the new owner hears their next heartbeat, up to
-        a heartbeat interval later, and meanwhile no manager offers what they can do. The
-        agents of a shard whose lease was lost are another owner's already: not told."""
+    async def _leave_shards(self, shards: set[int]) -> None:
         if not shards:
             return
         # Their agents first, in one pass and before any await: a handler running meanwhile
         # (the consumers' cancels yield) must not find them here any more.
-        forgotten: dict[str, str] = {}
-        count = self.settings.shard_count
-        if count is not None:
+        if self.settings.shard_count is not None:
+            count = self.settings.shard_count
             forgotten = self.core.hand_over(lambda pool: shard_of(pool, count) in shards)
-            log.info(
-                "left shards", extra={"shards": sorted(shards), "agents_forgotten": len(forgotten)}
-            )
+            log.info("left shards", extra={"shards": sorted(shards), "agents_forgotten": forgotten})
         for shard in shards:
             for consumer in self._shard_consumers.pop(shard, []):
                 with contextlib.suppress(Exception):  # the channel may be gone already
                     await consumer.cancel()
-        if count is not None and given_back:
-            again = [a for a, pool in forgotten.items() if shard_of(pool, count) in given_back]
-            await self._ask_to_register_again(again)
-
-    async def _ask_to_register_again(self, agent_ids: list[str]) -> None:
-        if not agent_ids:
-            return
-        reason = "its shard was handed over to another manager"
-        try:
-            await self._send_to_agents(
-                [(a, ReRegisterRequest(agent_id=a, reason=reason)) for a in agent_ids]
-            )
-        except TransportError as exc:  # they register again at their next heartbeat instead
-            log.warning("could not ask handed-over agents to register again: %s", exc)
-        self.counters["handed_over_asked_to_register"] += len(agent_ids)
 
     async def _stop_shards(self) -> None:
         if self._shard_suspension is not None:
@@ -467,8 +441,7 @@ class ManagerService:
         if self._shard_step is not None:
             await asyncio.gather(self._shard_step, return_exceptions=True)
             self._shard_step = None
-        held = set(self._shard_consumers)  # handed over below: a clean stop gives them back
-        await self._leave_shards(held, given_back=held)
+        await self._leave_shards(set(self._shard_consumers))
         if self.shared_live is not None:
             await self.shared_live.stop()
             self.shared_live = None

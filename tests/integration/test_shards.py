@@ -431,34 +431,3 @@ async def test_admission_is_bounded_by_live_agents_whichever_manager_decides(
     finally:
         await client.close()
         await agent.stop()
-
-
-async def test_a_clean_stop_asks_its_agents_to_register_again_so_their_capability_stays_offered(
-    started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
-) -> None:
-    a = await started("manager-a")
-    b = await started("manager-b")
-    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
-    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
-    agent = pool_agent(amqp_url, namespace, pool)  # the only agent offering test.echo: b's
-    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
-    try:
-        await agent.start()
-        assert registered(b) == {f"{pool}-1"} and registered(a) == set()
-
-        # b stops cleanly: it gives its shards back and asks their agents to register again
-        # at once (their registrations wait in the shard's queue for a). An acquire right
-        # after it gets the agent through a — not UNKNOWN_CAPABILITY for the heartbeat
-        # interval (5 s here) until a would have heard of the agent otherwise.
-        await b.stop()
-        asked_at = time.monotonic()
-        lease = await client.acquire("test.echo")
-        print(f"\nthe acquire was answered {time.monotonic() - asked_at:.2f} s after b stopped")
-        assert isinstance(lease, Lease) and lease.agent_id == f"{pool}-1", lease
-        assert b.counters["handed_over_asked_to_register"] == 1
-        assert agent.counters["registration_attempts"] == 2
-        assert isinstance(await client.release(lease.lease_id), Released)
-        assert lost_agents(a) == []
-    finally:
-        await client.close()
-        await agent.stop()
