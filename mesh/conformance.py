@@ -63,7 +63,7 @@ from mesh.wire import (
     decode,
 )
 from mesh.wire.admission import CapabilityDescriptor, local_descriptor
-from mesh.wire.models import AdmissionGrant, Task, TaskResult
+from mesh.wire.models import AdmissionGrant, Lease, Refusal, Task, TaskResult
 
 HEARTBEAT_S = 5.0  # what the agent is told to use: the least the protocol allows
 BELOW_MINIMUM_S = 1.0  # what the "refuses a short interval" check tells it
@@ -404,23 +404,43 @@ class Kit:
             submitted_at=time.time(),
             grant=grant,
         )
+        return await self._send(
+            task, names.pool_task_key(pool), {c.H_ADMISSION_ID: grant.admission_id}, f"pool {pool}"
+        )
+
+    async def send_leased(self, lease: Lease, payload: dict[str, Any]) -> TaskResult:
+        """A task under ``lease`` to its agent, as a producer sends it; its answer."""
+        task = Task(
+            task_id=uuid.uuid4().hex,
+            capability=lease.capability,
+            lease_id=lease.lease_id,
+            payload=payload,
+            deadline=time.time() + ANSWER_TIMEOUT_S,
+            submitted_at=time.time(),
+        )
+        return await self._send(
+            task, lease.agent_id, {c.H_LEASE_ID: lease.lease_id}, f"lease {lease.lease_id}"
+        )
+
+    async def _send(self, task: Task, key: str, headers: dict[str, Any], what: str) -> TaskResult:
+        assert self.raw is not None
         answer: asyncio.Future[TaskResult] = asyncio.get_running_loop().create_future()
         self.results[task.task_id] = answer
         try:
             await self.raw.publish(
                 self.topology.tasks_exchange,
-                names.pool_task_key(pool),
+                key,
                 task,
                 reply_to=self.reply_queue,
                 correlation_id=task.task_id,
-                headers={c.H_ADMISSION_ID: grant.admission_id},
+                headers=headers,
                 persistent=True,
             )
             try:
                 return await asyncio.wait_for(answer, ANSWER_TIMEOUT_S)
             except TimeoutError:
                 raise CheckFailed(
-                    f"no answer to a task within {ANSWER_TIMEOUT_S:g} s (pool {pool})"
+                    f"no answer to a task within {ANSWER_TIMEOUT_S:g} s ({what})"
                 ) from None
         finally:
             self.results.pop(task.task_id, None)
@@ -594,6 +614,45 @@ async def reregisters_when_asked(kit: Kit) -> str:
     return f"registered again {took:.1f} s after the request, Ready"
 
 
+async def keeps_leases_when_handed_over(kit: Kit) -> str:
+    """Its shard moved to another manager (``leases_kept``, the ``hand-over`` feature): it
+    registers again and still serves a task under a lease it was told of before, though the
+    registry it registers with does not know that lease — it was granted and stays valid.
+    The kit plays both managers with its one: it forgets the agent and its leases, as a
+    manager giving a shard back does, then asks. (An agent that forgets its leases here
+    refuses tasks granted just before a hand-over.)"""
+    assert kit.raw is not None and kit.client is not None and kit.manager is not None
+    manager = kit.manager
+    if c.FEATURE_HAND_OVER not in kit.watch.registrations[-1].features:
+        raise CheckFailed(f"the agent does not list the {c.FEATURE_HAND_OVER!r} feature")
+    lease = await kit.client.acquire(kit.s.capability)
+    if isinstance(lease, Refusal):
+        raise CheckFailed(f"the kit could not lease a slot: {lease.reason.value} {lease.detail}")
+    await asyncio.sleep(0.5)  # the lease notice's way to the agent
+    before = len(kit.watch.registrations)
+    pool = kit.watch.registrations[-1].deployment
+    manager.core.hand_over(lambda deployment: deployment == pool)
+    await kit.raw.publish(
+        kit.topology.agents_exchange,
+        kit.agent_id,
+        ReRegisterRequest(
+            agent_id=kit.agent_id, reason="conformance kit: shard handed over", leases_kept=True
+        ),
+    )
+    await kit.watch.until(
+        lambda: len(kit.watch.registrations) > before, 3 * HEARTBEAT_S, "registration again"
+    )
+    await kit.until_live(START_TIMEOUT_S)
+    expect(lease.lease_id not in manager.core.leases, "the kit's manager still knows the lease")
+    result = await kit.send_leased(lease, kit.s.payload)
+    expect(
+        result.status == "ok",
+        f"a task under a lease granted before the hand-over was answered {result.status} "
+        f"{result.error.code.value if result.error else ''}",
+    )
+    return "registered again, and a task under a lease it was told of before ran"
+
+
 async def fences_itself_after_a_silence(kit: Kit) -> str:
     """Frozen (SIGSTOP) with a task running until the manager declares it lost, then woken:
     the result of the task it claimed before the silence must not be delivered (its work
@@ -700,6 +759,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("grants", "refuses foreign, expired and revoked grants", refuses_bad_grants),
     ("epochs", "refuses an older-epoch grant, honours the draining allowlist", judges_epochs),
     ("reregister", "registers again when the manager asks", reregisters_when_asked),
+    ("hand-over", "keeps its leases when handed to another manager", keeps_leases_when_handed_over),
     (
         "fence",
         "fences itself after a silence it was declared lost in",

@@ -37,12 +37,17 @@ FEATURE_POOL_EPOCH: Final = "pool-epoch"
 # adds it as the last word of its heartbeat and announce keys (all but ``register`` and
 # ``admission``), so they reach only the shard's owner.
 FEATURE_SHARDS: Final = "shards"
+# It takes ``leases_kept`` in reregister-request (a shard handed to another manager): it
+# registers again but keeps the leases it was told of, so tasks granted just before the
+# hand-over still run.
+FEATURE_HAND_OVER: Final = "hand-over"
 AGENT_FEATURES: Final = (  # what the SDK runtime implements
     FEATURE_DESCRIPTOR_EPOCHS,
     FEATURE_WORK_REPORTS,
     FEATURE_LEASE_NOTICES,
     FEATURE_POOL_EPOCH,
     FEATURE_SHARDS,
+    FEATURE_HAND_OVER,
 )
 AGENT_ANNOUNCE_VERBS: Final = (
     "register",

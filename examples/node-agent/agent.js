@@ -224,7 +224,7 @@ function registrationMessage() {
     deployment: POOL,
     capabilities: [CAPABILITY],
     heartbeat_interval_s: HEARTBEAT_S,
-    features: ["descriptor-epochs", "lease-notices", "pool-epoch", "shards"],
+    features: ["descriptor-epochs", "lease-notices", "pool-epoch", "shards", "hand-over"],
     metadata: { language: "javascript", client: "amqplib" },
   };
 }
@@ -287,6 +287,15 @@ function handleControl(m) {
       if (m.incarnation === INCARNATION && standingWaiter) standingWaiter(m);
       return;
     case "mesh.reregister-request.v1":
+      if (m.leases_kept) {
+        // Our shard moved to another manager: the leases we were told of stay valid (a
+        // task under one may be on its way). Mid-drain the drain is not over: the new
+        // owner, not knowing us, says so at our next heartbeat.
+        if (draining || !registered || registration) return;
+        log("registering with our shard's new manager", {});
+        register().catch((err) => fail(err));
+        return;
+      }
       forgottenAt = performance.now();
       leases.clear(); // the manager forgot that registration, and the leases it told us of
       if (draining) {

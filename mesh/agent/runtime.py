@@ -662,16 +662,30 @@ class AgentRuntime:
         pending.set_result(reply)
 
     def _on_reregister_request(self, request: ReRegisterRequest) -> None:
-        if self._draining:
+        if self._draining and request.leases_kept:
+            # Handed to another manager mid-drain: our leases stay valid and a task under
+            # one may still be on its way, so the drain is not over; the new owner, not
+            # knowing us, says so at our next heartbeat.
+            log.info("shard handed over while draining", extra=self._extra())
+        elif self._draining:
             # The manager holds no leases on an agent it does not know: the drain is complete.
             log.info("manager forgot us while draining", extra=self._extra(reason=request.reason))
             self._drain_complete.set()
         elif self.core.phase != "running" or self._registering():
             log.debug("re-register request ignored: registration in progress", extra=self._extra())
         else:
-            self._forgotten_at = time.monotonic()
-            self._forget_leases("the manager does not know us")
-            log.warning("manager asked us to re-register", extra=self._extra(reason=request.reason))
+            if request.leases_kept:
+                # Our shard moved to another manager: the leases we were told of were
+                # granted and stay valid (a task under one may still be on its way); only
+                # the registry that counts us changes.
+                self.counters["handed_over"] += 1
+                log.info("registering with our shard's new manager", extra=self._extra())
+            else:
+                self._forgotten_at = time.monotonic()
+                self._forget_leases("the manager does not know us")
+                log.warning(
+                    "manager asked us to re-register", extra=self._extra(reason=request.reason)
+                )
             self._ready.clear()
             self._reregistration = self._spawn(self._reregister(), "re-register")
 

@@ -151,6 +151,7 @@ class AgentRecord:
     hears_leases: bool = False  # it is told of each lease on it (lease-notices)
     takes_pool_epoch: bool = False  # its acceptance may carry its pool's epoch (pool-epoch)
     takes_shard: bool = False  # its acceptance may carry its shard (shards)
+    keeps_leases: bool = False  # asked to register elsewhere, it keeps its leases (hand-over)
     reported_draining: bool = False  # its last heartbeat said it takes no more pool tasks
     drain_confirmed: bool = False  # the manager has journaled that, for this drain
     last_heartbeat_seq: int = -1
@@ -310,6 +311,7 @@ class PoolCore:
             hears_leases=c.FEATURE_LEASE_NOTICES in reg.features,
             takes_pool_epoch=c.FEATURE_POOL_EPOCH in reg.features,
             takes_shard=c.FEATURE_SHARDS in reg.features,
+            keeps_leases=c.FEATURE_HAND_OVER in reg.features,
         )
         out += self._transition(agent, Trigger.REGISTER, now, "registration received")
         if reg.heartbeat_interval_s < self.settings.min_heartbeat_interval_s:
@@ -973,12 +975,13 @@ class PoolCore:
         self.counters["terminated"] += 1
         return out
 
-    def hand_over(self, leaves: Callable[[str], bool]) -> int:
+    def hand_over(self, leaves: Callable[[str], bool]) -> list[AgentRecord]:
         """Forget every agent whose pool ``leaves`` (its shard is another manager's now):
         no lifecycle transition, no withdrawn capability, no fence — the agent is alive and
-        registers with the new owner, which asks it to; this registry just stops counting it.
-        Its leases are forgotten with it (their holders' releases are answered as unknown).
-        Returns how many agents it forgot. O(agents): handovers are rare."""
+        registers with the new owner (the manager asks it to, at once where the agent keeps
+        its leases meanwhile, else at its next heartbeat); this registry just stops counting
+        it. Its leases are forgotten here (their holders' releases are answered as unknown).
+        Returns the agents it forgot. O(agents): handovers are rare."""
         gone = [agent for agent in self.agents.values() if leaves(agent.deployment)]
         for agent in gone:
             for slot in agent.slots.values():
@@ -997,7 +1000,7 @@ class PoolCore:
         if gone:
             self._sorted_ids = None
             self.counters["handed_over"] += len(gone)
-        return len(gone)
+        return gone
 
     def _remember_finished(self, lease_id: str) -> None:
         self._finished_leases[lease_id] = None

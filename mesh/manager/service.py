@@ -64,7 +64,7 @@ from mesh.core.events import (
     SendToAgent,
     Tick,
 )
-from mesh.core.pool import PoolCore
+from mesh.core.pool import AgentRecord, PoolCore
 from mesh.core.ranking import rank
 from mesh.core.shards import shard_of
 from mesh.errors import (
@@ -122,6 +122,7 @@ from mesh.wire.models import (
     RegistrationAccepted,
     RegistrationRefused,
     ReleaseRequest,
+    ReRegisterRequest,
     Standing,
     StandingRequest,
     StatusReply,
@@ -387,8 +388,12 @@ class ManagerService:
         manager consumes exactly the queues of the shards it holds. A shard it no longer
         holds is left first (its consumers cancelled, its agents forgotten: they register
         with the new owner when it asks), then the new ones are joined."""
-        await self._leave_shards({int(e.detail["shard"]) for e in entries if e.reason != "taken"})
+        left = await self._leave_shards(
+            {int(e.detail["shard"]) for e in entries if e.reason != "taken"}
+        )
         await self.execute([AppendLog(e) for e in entries])
+        given_back = {int(e.detail["shard"]) for e in entries if e.reason == "given_back"}
+        await self._ask_to_register_again(left, given_back)
         taken = {int(e.detail["shard"]) for e in entries if e.reason == "taken"}
         for shard in sorted(taken):
             if not self._stopping:
@@ -419,21 +424,55 @@ class ManagerService:
         ]
         log.info("consuming shard", extra={"shard": shard})
 
-    async def _leave_shards(self, shards: set[int]) -> None:
+    async def _leave_shards(self, shards: set[int]) -> list[AgentRecord]:
+        """Stop consuming ``shards``' queues and forget their agents (returned)."""
         if not shards:
-            return
+            return []
         # Their agents first, in one pass and before any await: a handler running meanwhile
         # (the consumers' cancels yield) must not find them here any more.
+        forgotten: list[AgentRecord] = []
         if self.settings.shard_count is not None:
             count = self.settings.shard_count
             forgotten = self.core.hand_over(lambda pool: shard_of(pool, count) in shards)
-            log.info("left shards", extra={"shards": sorted(shards), "agents_forgotten": forgotten})
+            log.info(
+                "left shards",
+                extra={"shards": sorted(shards), "agents_forgotten": len(forgotten)},
+            )
         for shard in shards:
             for consumer in self._shard_consumers.pop(shard, []):
                 with contextlib.suppress(Exception):  # the channel may be gone already
                     await consumer.cancel()
+        return forgotten
+
+    async def _ask_to_register_again(self, agents: list[AgentRecord], given_back: set[int]) -> None:
+        """Agents of shards this manager gave back (journaled by now) are asked to register
+        with the new owner at once, keeping their leases: otherwise they would be nobody's
+        until their next heartbeat, and an acquire meanwhile would find no agent offering
+        what they offer. Only agents that keep their leases when asked (``hand-over``): an
+        older agent would forget them and refuse tasks granted just before; it registers
+        again at its next heartbeat, as before. Not for a shard whose lease was lost (its
+        new owner may already hold the agent) nor while the broker is away (nothing can be
+        sent; the new owner asks at the next heartbeat)."""
+        why = "shard handed over to another manager"
+        count = self.settings.shard_count
+        if count is None or self._shard_suspension is not None:
+            return
+        asked: list[tuple[str, Message]] = [
+            (a.agent_id, ReRegisterRequest(agent_id=a.agent_id, reason=why, leases_kept=True))
+            for a in agents
+            if a.keeps_leases and shard_of(a.deployment, count) in given_back
+        ]
+        if not asked:
+            return
+        try:
+            await self._send_to_agents(asked)
+        except TransportError as exc:
+            log.info("hand-over requests not sent", extra={"error": str(exc)})
+            return
+        self.counters["handed_over_asked"] += len(asked)
 
     async def _stop_shards(self) -> None:
+        broker_away = self._shard_suspension is not None
         if self._shard_suspension is not None:
             self._shard_suspension.cancel()
             await asyncio.gather(self._shard_suspension, return_exceptions=True)
@@ -441,7 +480,7 @@ class ManagerService:
         if self._shard_step is not None:
             await asyncio.gather(self._shard_step, return_exceptions=True)
             self._shard_step = None
-        await self._leave_shards(set(self._shard_consumers))
+        left = await self._leave_shards(set(self._shard_consumers))
         if self.shared_live is not None:
             await self.shared_live.stop()
             self.shared_live = None
@@ -449,7 +488,10 @@ class ManagerService:
             await self.peers.close()
             self.peers = None
         if self.shards is not None:
+            held = set(self.shards.keeper.held)
             await self.shards.stop(give_back=True)
+            if not broker_away:  # the shards given back are journaled by now
+                await self._ask_to_register_again(left, held - set(self.shards.keeper.held))
             self.shards.leases.close()
             self.shards = None
         if self._shard_thread is not None:

@@ -346,12 +346,17 @@ class LeaseStateRequest(Message):
 
 
 class ReRegisterRequest(Message):
-    """Manager -> agent: I do not know you (I restarted, or you were declared lost)."""
+    """Manager -> agent: I do not know you (I restarted, or you were declared lost).
+    ``leases_kept`` (several managers, to an agent with the ``hand-over`` feature): your
+    shard moved to another manager; register with it, but keep serving the leases you were
+    told of — they were granted and are still valid, only their bookkeeping moved."""
 
     TYPE = "mesh.reregister-request.v1"
+    ADDED_FIELDS = frozenset({"leases_kept"})
     type: Literal["mesh.reregister-request.v1"] = "mesh.reregister-request.v1"
     agent_id: AgentId
     reason: str = ""
+    leases_kept: bool | None = None
 
 
 class DrainNotice(Message):

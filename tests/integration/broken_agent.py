@@ -6,7 +6,9 @@ Usage: ``python broken_agent.py DEFECT`` (the kit's environment names the agent 
 * ``seq``: every heartbeat carries ``seq`` 0 (it must increase);
 * ``revocations``: ``grant_revoked`` events are ignored (a revoked grant's task runs);
 * ``drain``: results of tasks still running when a drain begins are never sent (the tasks
-  are acked: lost for their producers).
+  are acked: lost for their producers);
+* ``hand-over``: asked to register again with its shard's new manager, it forgets the leases
+  it was told of (tasks granted just before the hand-over are refused).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from mesh.agent.core import AgentCore
 from mesh.agent.runtime import AgentRuntime
 from mesh.cli import main
-from mesh.wire import Heartbeat, OrchestrationEvent
+from mesh.wire import Heartbeat, OrchestrationEvent, ReRegisterRequest
 
 
 def heartbeats_without_seq() -> None:
@@ -50,10 +52,20 @@ def dropping_tasks_on_drain() -> None:
     AgentRuntime._send_result = send_result  # type: ignore[method-assign]
 
 
+def forgetting_leases_on_hand_over() -> None:
+    original = AgentRuntime._on_reregister_request
+
+    def on_reregister_request(self: AgentRuntime, request: ReRegisterRequest) -> None:
+        original(self, request.model_copy(update={"leases_kept": None}))
+
+    AgentRuntime._on_reregister_request = on_reregister_request  # type: ignore[method-assign]
+
+
 DEFECTS = {
     "seq": heartbeats_without_seq,
     "revocations": ignoring_revocations,
     "drain": dropping_tasks_on_drain,
+    "hand-over": forgetting_leases_on_hand_over,
 }
 
 if __name__ == "__main__":

@@ -225,6 +225,45 @@ async def test_agents_register_with_their_shards_owner_and_move_with_their_shard
             await agent.stop()
 
 
+async def test_a_clean_stop_hands_its_agents_over_at_once_and_their_leases_stay_valid(
+    started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
+) -> None:
+    # The only agent offering a capability is on b; b stops cleanly. Asked at once (not at
+    # its next heartbeat), the agent registers with a before an acquire right after the stop
+    # gives up, and a task under the lease b granted just before still runs.
+    a = await started("manager-a")
+    b = await started("manager-b")
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
+    agent = pool_agent(amqp_url, namespace, pool)
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    try:
+        await agent.start()
+        assert registered(b) == {f"{pool}-1"} and registered(a) == set()
+        held = await client.acquire("test.echo")
+        assert isinstance(held, Lease), held
+        await until(lambda: held.lease_id in agent._issued, "the agent told of the lease")
+
+        await b.stop()
+        stopped = time.monotonic()
+        lease = await client.acquire("test.echo")
+        took = time.monotonic() - stopped
+        print(f"\nacquired on the new owner {took:.2f} s after the old one stopped")
+        assert isinstance(lease, Lease) and lease.agent_id == f"{pool}-1", lease
+        assert took < HEARTBEAT_S / 2  # asked at once: a heartbeat (5 s) is not waited for
+        assert b.counters["handed_over_asked"] == 1 and agent.counters["handed_over"] == 1
+        assert agent.counters["leases_forgotten"] == 0
+        for granted in (held, lease):  # b's lease (a does not know it) and a's
+            result = await client._send_and_wait(
+                granted, {"message": "hi", "sleep_ms": 0}, time.time() + 10
+            )
+            assert result.status == "ok", result
+        assert lost_agents(a) == [] and a.core.counters["lost"] == 0
+    finally:
+        await client.close()
+        await agent.stop()
+
+
 async def test_any_manager_finds_acquires_and_releases_on_every_shard(
     started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
 ) -> None:

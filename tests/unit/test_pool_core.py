@@ -1055,7 +1055,9 @@ def test_a_handover_forgets_the_leaving_pools_agents_quietly_and_keeps_the_rest(
     live_before = pool.core.live_capacity(pool.clock.now())
     assert live_before.free("a", "calc.add") == 1
 
-    assert pool.core.hand_over(lambda deployment: deployment == "a") == 1
+    assert [a.agent_id for a in pool.core.hand_over(lambda deployment: deployment == "a")] == [
+        "calc-1"
+    ]
 
     assert set(pool.core.agents) == {"calc-2"}
     assert pool.found() == ["calc-2"]
@@ -1071,7 +1073,7 @@ def test_a_handover_forgets_the_leaving_pools_agents_quietly_and_keeps_the_rest(
         isinstance(cmd, SendToAgent) and isinstance(cmd.message, ReRegisterRequest)
         for cmd in pool.heartbeat("calc-1")
     )
-    assert pool.core.hand_over(lambda deployment: deployment == "a") == 0
+    assert pool.core.hand_over(lambda deployment: deployment == "a") == []
 
 
 # ---- version drift -----------------------------------------------------------------------------
