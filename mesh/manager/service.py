@@ -35,6 +35,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -136,10 +137,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True, slots=True)
+class _Candidates:
+    """Agents that may take an acquire, each with the owner's queue (``None``: this
+    registry), in rank order; ``silent``: owners asked that did not answer in time."""
+
+    found: list[tuple[AgentSummary, str | None]]
+    silent: int
+
+
 # An acquire for a capability nobody offers while shards change hands is asked again every
 # SETTLING_RETRY_S for at most a lease period, capped here below producers' usual timeouts.
 SETTLING_RETRY_S = 0.1
 MAX_SETTLING_HOLD_S = 5.0
+# Refusals that say nobody offers a capability: with several managers, only one registry's
+# word (``_refusal_everywhere``).
+_NOBODY_OFFERS = frozenset({Reason.UNKNOWN_CAPABILITY, Reason.CAPABILITY_NOT_OFFERED})
 _FENCE_ATTEMPTS = 4
 _FENCE_RETRY_S = 2.0  # 4 attempts over 6 s: past one statistics round of the management API
 T = TypeVar("T")
@@ -1004,27 +1018,28 @@ class ManagerService:
         """This registry's candidates and every other owner's, in the one order (cheapest
         cost class, then least loaded), cut at ``limit``. An owner that does not answer in
         time is left out (``peer_no_answer``): find is a view, acquire re-checks."""
-        found = await self._candidates(request)
-        if isinstance(found, Refusal):
-            return found
-        agents = [agent for agent, _ in found]
+        candidates = await self._candidates(request)
+        if isinstance(candidates, Refusal):
+            return candidates
+        agents = [agent for agent, _ in candidates.found]
         return FindReply(agents=agents if request.limit is None else agents[: request.limit])
 
-    async def _candidates(
-        self, request: FindRequest
-    ) -> list[tuple[AgentSummary, str | None]] | Refusal:
-        """Candidates from here (queue ``None``) and from each other owner (its queue)."""
+    async def _candidates(self, request: FindRequest) -> _Candidates | Refusal:
+        """Candidates from here (queue ``None``) and from each other owner (its queue), and
+        how many owners did not answer."""
         assert self.peers is not None
         here = await self._answer_here(FindRequested(request))
         if not isinstance(here, FindReply):
             return here if isinstance(here, Refusal) else Refusal(reason=Reason.NOT_FOUND)
         found: list[tuple[AgentSummary, str | None]] = [(a, None) for a in here.agents]
-        for queue, answer in await self.peers.ask_all(
-            self._peer_queues(),
+        queues = self._peer_queues()
+        answers = await self.peers.ask_all(
+            queues,
             request,
             headers=self._forward_headers(None),
             timeout_s=self.settings.peer_timeout_s,
-        ):
+        )
+        for queue, answer in answers:
             if isinstance(answer, FindReply):
                 found += [(agent, queue) for agent in answer.agents]
         found.sort(key=lambda pair: rank(pair[0].cost_class, pair[0].in_flight))
@@ -1034,7 +1049,7 @@ class ManagerService:
             if agent.agent_id not in seen:
                 seen.add(agent.agent_id)
                 unique.append((agent, via))
-        return unique
+        return _Candidates(unique, silent=len(queues) - len(answers))
 
     async def _acquire_everywhere(
         self, request: AcquireRequest, lease_id: str, holder: str | None, delivery: Delivery
@@ -1057,10 +1072,13 @@ class ManagerService:
         answer: Message | None = None
         hold_until = time.monotonic() + self._settling_hold_s()
         held = False
+        silent = 0
         while True:
-            found = await self._candidates(find)
-            if not isinstance(found, Refusal):
-                for agent, queue in found[:limit]:
+            candidates = await self._candidates(find)
+            found = candidates if isinstance(candidates, Refusal) else candidates.found
+            if not isinstance(candidates, Refusal):
+                silent = candidates.silent
+                for agent, queue in candidates.found[:limit]:
                     named = request.model_copy(update={"agent_id": agent.agent_id})
                     if queue is None:
                         answer = await self._answer_here(AcquireRequested(named, lease_id, holder))
@@ -1088,12 +1106,38 @@ class ManagerService:
             await asyncio.sleep(SETTLING_RETRY_S)
         if not isinstance(answer, LeaseGranted):
             # Nobody had room: the refusal this registry gives (it records the miss for the
-            # scale planner and says when to retry).
-            answer = await self._answer_here(AcquireRequested(request, lease_id, holder))
+            # scale planner and says when to retry), as the namespace's answer.
+            answer = self._refusal_everywhere(
+                await self._answer_here(AcquireRequested(request, lease_id, holder)), silent
+            )
         delivered = await self._reply(delivery, answer)
         if not delivered and isinstance(answer, LeaseGranted):
             self.counters["leases_released_unclaimed"] += 1
             await self._elsewhere(ReleaseRequest(lease_id=answer.lease.lease_id), holder)
+
+    def _refusal_everywhere(self, answer: Message, silent: int) -> Message:
+        """This registry's refusal as every manager's. "Nobody offers it"
+        (``_NOBODY_OFFERS``) is only this registry's word, so it is said only when no other
+        owner may hold such an agent: when an owner did not answer (dead or frozen, its
+        lease not yet run out) or shards changed hands within a (default) heartbeat interval
+        (their agents are registering again with the new owners), the answer is
+        ``NO_AGENT_AVAILABLE`` with a retry hint instead — a producer retries rather than
+        gives up on a capability that is there. Counted: ``acquires_refused_for_now.<reason>``."""
+        assert self.shards is not None
+        if not isinstance(answer, Refusal) or answer.reason not in _NOBODY_OFFERS:
+            return answer
+        if silent:
+            why = f"{silent} other manager(s) did not answer"
+        elif self.shards.settling(c.DEFAULT_HEARTBEAT_INTERVAL_S):
+            why = "shards changed hands just now and their agents are registering again"
+        else:
+            return answer
+        self.counters[f"acquires_refused_for_now.{answer.reason.value}"] += 1
+        return Refusal(
+            reason=Reason.NO_AGENT_AVAILABLE,
+            detail=f"{answer.detail} here, for now: {why}",
+            retry_after_ms=max(1, round(1000 * self._settling_hold_s())),
+        )
 
     def _settling_hold_s(self) -> float:
         """How long an acquire for a capability nobody offers is held while shards move:

@@ -137,10 +137,15 @@ class ShardOwnership:
         """Whether shards may be changing hands: a shard without a live lease (its owner
         gone, nobody has taken it yet), or owners that changed within the last lease period
         (a new owner's agents are still registering again with it)."""
+        return self.settling(self.lease_s)
+
+    def settling(self, window_s: float) -> bool:
+        """Whether shards may have changed hands within the last ``window_s``: agents of a
+        shard taken that recently may still be registering again with its new owner."""
         view = self.last_view
         if view is None or len(view.leases) < self.leases.shard_count:
             return True
-        return time.monotonic() - self.moved_at < self.lease_s
+        return time.monotonic() - self.moved_at < window_s
 
     async def _rebalance(self) -> None:
         view: ShardView = await self._run(self.leases.view)

@@ -6,6 +6,7 @@ moving with their shard), and a clear error without a PostgreSQL ledger."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -56,7 +57,7 @@ async def started(
     services: list[ManagerService] = []
 
     async def start(
-        manager_id: str, scaler: Any = None, capacity: str = "descriptor"
+        manager_id: str, scaler: Any = None, capacity: str = "descriptor", **overrides: Any
     ) -> ManagerService:
         scaling = tuple(ScalingPolicy(p, min_replicas=0) for p in POOLS) if scaler else ()
         settings = ManagerSettings(
@@ -73,6 +74,7 @@ async def started(
             operator_user="guest",  # the test publishes descriptors
             peer_timeout_s=10.0,  # these tests check merged answers, not a slow peer left out
         )
+        settings = dataclasses.replace(settings, **overrides)
         service = ManagerService(settings, scaler=scaler)
         services.append(service)
         await service.start()
@@ -259,6 +261,39 @@ async def test_a_clean_stop_hands_its_agents_over_at_once_and_their_leases_stay_
             )
             assert result.status == "ok", result
         assert lost_agents(a) == [] and a.core.counters["lost"] == 0
+    finally:
+        await client.close()
+        await agent.stop()
+
+
+async def test_an_owner_that_does_not_answer_makes_an_acquire_retryable_not_unknown(
+    started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
+) -> None:
+    # The only agent offering a capability is on b, and b stops answering while it still
+    # holds its shards (frozen or dying, its lease not yet run out: here its consumers are
+    # cancelled). An acquire that only a can take must not say nobody offers the capability:
+    # it is refused NO_AGENT_AVAILABLE with a hint of when to ask again.
+    a = await started("manager-a", peer_timeout_s=0.3)  # type: ignore[call-arg]
+    b = await started("manager-b", peer_timeout_s=0.3)  # type: ignore[call-arg]
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
+    agent = pool_agent(amqp_url, namespace, pool)
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    try:
+        await agent.start()
+        assert registered(b) == {f"{pool}-1"}
+        for consumer in [*b._consumers, *(c for cs in b._shard_consumers.values() for c in cs)]:
+            await consumer.cancel()
+
+        refused = await client.acquire("test.echo")
+        assert isinstance(refused, Refusal), refused
+        assert refused.reason is Reason.NO_AGENT_AVAILABLE, refused
+        assert refused.retry_after_ms is not None and refused.retry_after_ms > 0
+        assert "did not answer" in refused.detail
+        assert a.counters["acquires_refused_for_now.UNKNOWN_CAPABILITY"] == 1
+        # b may hold any capability while it is silent: even one nobody else offers.
+        other = await client.acquire("test.nothing")
+        assert isinstance(other, Refusal) and other.reason is Reason.NO_AGENT_AVAILABLE, other
     finally:
         await client.close()
         await agent.stop()

@@ -174,3 +174,5 @@ async def test_shards_are_moving_while_a_dead_owners_leases_run_out_and_one_leas
         await asyncio.sleep(LEASE_S / 3)
         await m1.step()
     assert not m1.moving()
+    # Settling over a longer window (a heartbeat interval: the agents' way back) still is.
+    assert m1.settling(LEASE_S * 10) and not m1.settling(LEASE_S)
