@@ -258,6 +258,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         shared_topology=args.shared_topology,
         lease_public_keys=tuple(Path(path) for path in args.lease_public_key),
         open_tasks=args.open_tasks,
+        manager_user=args.manager_user,
     )
 
     async def run() -> int:
@@ -1012,6 +1013,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run tasks that carry neither a grant nor a lease the manager issued to this "
         "agent (a mesh without admission and leases; env MESH_OPEN_TASKS; default: refused, "
         "NOT_AUTHORIZED)",
+    )
+    p.add_argument(
+        "--manager-user",
+        default=os.environ.get("MESH_MANAGER_USER") or None,
+        metavar="USER",
+        help="take control messages (drain notices, requests to register again, lease "
+        "notices, events) only from this broker user, the managers' (env MESH_MANAGER_USER; "
+        "default: the user that signed the acceptance of this agent's registration)",
     )
     _add_liveness_probe(p)
     p.add_argument(

@@ -57,6 +57,7 @@ from mesh.transport import AmqpTransport, Delivery
 from mesh.wire import (
     AgentRegistration,
     CapabilityRange,
+    DrainNotice,
     Heartbeat,
     ReRegisterRequest,
     TaskRequirements,
@@ -217,7 +218,9 @@ class Kit:
         self.client = await MeshClient.connect(
             self.s.amqp_url, namespace=self.namespace, name="conformance-producer"
         )
-        self.raw = await AmqpTransport.connect(self.s.amqp_url, name="conformance-watch")
+        # Signed as the managers' user (the kit's manager runs as the same): what the kit
+        # publishes to the agent in a manager's place is taken as the manager's.
+        self.raw = await AmqpTransport.connect(self.s.amqp_url, name="conformance-watch", sign=True)
         self.reply_queue = await self.raw.declare_reply_queue(
             names.reply_queue(self.namespace, "conformance", uuid.uuid4().hex[:8])
         )
@@ -653,6 +656,30 @@ async def keeps_leases_when_handed_over(kit: Kit) -> str:
     return "registered again, and a task under a lease it was told of before ran"
 
 
+async def takes_control_only_from_the_managers(kit: Kit) -> str:
+    """A drain notice that does not carry the managers' (RabbitMQ-validated) ``user_id`` —
+    anyone who may publish to the agents exchange could send one — is not obeyed: the agent
+    keeps taking its pool's tasks."""
+    assert kit.raw is not None
+    unsigned = await AmqpTransport.connect(kit.s.amqp_url, name="conformance-unsigned")
+    try:
+        await unsigned.publish(
+            kit.topology.agents_exchange,
+            kit.agent_id,
+            DrainNotice(agent_id=kit.agent_id, reason="conformance kit: not from a manager"),
+        )
+    finally:
+        await unsigned.close()
+    await asyncio.sleep(UNANSWERED_S)  # time to (wrongly) begin a drain
+    served = await kit.send_granted(await kit.grant(), kit.s.payload)
+    expect(
+        served.status == "ok",
+        f"after an unsigned drain notice a pool task was answered {served.status} "
+        f"{served.error.code.value if served.error else ''}",
+    )
+    return "an unsigned drain notice left it serving, not draining"
+
+
 async def fences_itself_after_a_silence(kit: Kit) -> str:
     """Frozen (SIGSTOP) with a task running until the manager declares it lost, then woken:
     the result of the task it claimed before the silence must not be delivered (its work
@@ -759,7 +786,16 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("grants", "refuses foreign, expired and revoked grants", refuses_bad_grants),
     ("epochs", "refuses an older-epoch grant, honours the draining allowlist", judges_epochs),
     ("reregister", "registers again when the manager asks", reregisters_when_asked),
-    ("hand-over", "keeps its leases when handed to another manager", keeps_leases_when_handed_over),
+    (
+        "hand-over",
+        "keeps its leases when handed to another manager",
+        keeps_leases_when_handed_over,
+    ),
+    (
+        "signed",
+        "takes control messages only from the managers' user",
+        takes_control_only_from_the_managers,
+    ),
     (
         "fence",
         "fences itself after a silence it was declared lost in",

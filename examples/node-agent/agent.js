@@ -3,7 +3,8 @@
 // primes are below a number (a segmented sieve that yields to the event loop between segments,
 // so heartbeats keep their time while it works). Section numbers (§) point into the protocol.
 //
-// Environment: MESH_AMQP_URL, MESH_NAMESPACE, AGENT_ID, MESH_POOL, HEARTBEAT_INTERVAL_S.
+// Environment: MESH_AMQP_URL, MESH_NAMESPACE, AGENT_ID, MESH_POOL, HEARTBEAT_INTERVAL_S,
+// MESH_MANAGER_USER.
 // SIGTERM drains: no new work, what runs finishes, then it deregisters and exits 0.
 "use strict";
 
@@ -16,6 +17,9 @@ const URL = env.MESH_AMQP_URL || "amqp://guest:guest@localhost:5672/";
 const NS = env.MESH_NAMESPACE || "mesh";
 const AGENT_ID = env.AGENT_ID || `primes-${crypto.randomBytes(3).toString("hex")}`;
 const POOL = env.MESH_POOL || "primes";
+// The managers' broker user: control messages only from it (§4.2). Unset: learned from the
+// signed acceptance of our registration.
+let managerUser = env.MESH_MANAGER_USER || null;
 const HEARTBEAT_S = Number(env.HEARTBEAT_INTERVAL_S || "10");
 const MIN_HEARTBEAT_S = 5; // §7 step 5: the least the manager accepts
 const INCARNATION = crypto.randomBytes(16).toString("hex"); // §7 step 1
@@ -269,6 +273,27 @@ function onControl(msg) {
   } catch (err) {
     deadLetter(msg, CONTROL_QUEUE, "MALFORMED_JSON", String(err));
     return;
+  }
+  const sender = msg.properties.userId || null;
+  if (managerUser === null) {
+    // The first signed acceptance of the registration we are waiting for names the managers'
+    // user (nobody else knows our incarnation yet).
+    if (
+      sender &&
+      message.type === "mesh.registration-accepted.v1" &&
+      message.incarnation === INCARNATION &&
+      registration
+    ) {
+      managerUser = sender;
+    }
+  } else if (sender !== managerUser) {
+    if (message.type === "mesh.reregister-request.v1" && sender === null) {
+      // Unsigned (an older manager): registering again cannot hurt; dropping leases could.
+      message = { ...message, leases_kept: true };
+    } else {
+      deadLetter(msg, CONTROL_QUEUE, "NOT_AUTHORIZED", `${message.type} not from the managers' user`);
+      return;
+    }
   }
   try {
     handleControl(message);

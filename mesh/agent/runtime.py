@@ -116,7 +116,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from mesh import constants as c
 from mesh.agent.base import Agent
@@ -251,6 +251,14 @@ class AgentSettings:
     """Run tasks that carry neither a grant nor a lease the manager issued to this agent — for
     a mesh without admission and leases (development). Off: such tasks are refused
     ``NOT_AUTHORIZED`` and dead-lettered (see the module doc; docs/security.md)."""
+    manager_user: str | None = None
+    """The managers' broker user. Control messages — answers to a registration, drain
+    notices, requests to register again, lease notices, events — are taken only with this
+    RabbitMQ-validated ``user_id`` (others are dead-lettered ``NOT_AUTHORIZED`` and counted:
+    ``control_not_from_manager``), so a broker user that may publish to the agents or events
+    exchange cannot drain an agent or make it drop its leases. None: the user that signed
+    the acceptance of this agent's first registration (answering the incarnation it had just
+    sent); if that acceptance is unsigned (an older manager), nothing is checked."""
     lease_notice_wait_s: float = 2.0
     """How long a lease-path task waits for the manager's word on its lease: the notice (sent
     before the producer gets the lease, so only a reordering makes one wait) or, from 0.25 s
@@ -289,7 +297,11 @@ class AgentRuntime:
         # On a connection of its own the agent signs what it says about itself with its
         # broker user (RabbitMQ validates user_id): a manager with agent identity on checks
         # that the user is the agent named. A transport handed in signs nothing.
-        self._user_id = urlsplit(self.settings.amqp_url).username if transport is None else None
+        self._user_id = (
+            unquote(urlsplit(self.settings.amqp_url).username or "") or None
+            if transport is None
+            else None
+        )
         self._incarnation = uuid.uuid4().hex
         self._rng = rng or random.Random()
         self._capabilities = agent.bind()
@@ -326,6 +338,7 @@ class AgentRuntime:
         self._registration: asyncio.Future[RegistrationReply] | None = None
         self._reregistration: asyncio.Task[None] | None = None
         self._forgotten_at = -math.inf  # monotonic: the manager last asked us to re-register
+        self._manager_user = self.settings.manager_user  # control messages only from it
         self._accepted = False  # the manager accepted a registration of this incarnation
         self._shard: int | None = None  # several managers: told in the acceptance
         self._standing: asyncio.Future[Standing] | None = None  # the answer awaited
@@ -858,8 +871,46 @@ class AgentRuntime:
             self.counters["control_dead_lettered"] += 1
             await self._dead_letter(delivery, self._control_queue, exc)
             return
-        self._dispatch_control(message)
+        sender = self._check_sender(message, delivery.user_id)
+        if sender is None:
+            self.counters["control_not_from_manager"] += 1
+            await self._dead_letter(
+                delivery,
+                self._control_queue,
+                MessageRejected(
+                    Reason.NOT_AUTHORIZED,
+                    f"{message.type} from {delivery.user_id or 'an unsigned publisher'!r}, "
+                    f"not the managers' user {self._manager_user!r}",
+                ),
+            )
+            return
+        self._dispatch_control(sender)
         await _ack(delivery, self._extra())
+
+    def _check_sender(self, message: Message, user_id: str | None) -> Message | None:
+        """``message`` if the managers' user sent it (or nothing is checked yet), else None.
+        An unsigned request to register again is taken as one that keeps the leases: doing
+        what it asks cannot hurt (an older manager's, mid-upgrade, must still be heard),
+        forgetting our leases on anyone's word could. The first signed acceptance of our
+        pending registration names the managers' user when the settings do not."""
+        expected = self._manager_user
+        if expected is None:
+            if (
+                isinstance(message, RegistrationAccepted)
+                and user_id is not None
+                and message.incarnation == self._incarnation
+                and self._registration is not None
+                and not self._registration.done()
+            ):
+                self._manager_user = user_id
+                log.info("the managers' user learned", extra=self._extra(manager_user=user_id))
+            return message
+        if user_id == expected:
+            return message
+        if isinstance(message, ReRegisterRequest) and user_id is None:
+            self.counters["control_unsigned_reregister"] += 1
+            return message.model_copy(update={"leases_kept": True})
+        return None
 
     def _check_addressee(self, message: Message) -> None:
         addressee = getattr(message, "agent_id", self.agent_id)

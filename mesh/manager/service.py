@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import ValidationError
 
@@ -230,7 +230,7 @@ class ManagerService:
         self._shard_suspension: asyncio.Task[None] | None = None  # the broker is away
         # The broker user managers publish as: a registration forwarded to its shard's owner
         # carries its agent's user in a header, trusted only from this user (validated).
-        self._manager_user = urlsplit(settings.amqp_url).username or None
+        self._manager_user = unquote(urlsplit(settings.amqp_url).username or "") or None
         self.observer = Observer(
             manager_id=settings.manager_id,
             namespace=settings.namespace,
@@ -301,6 +301,7 @@ class ManagerService:
                 name=f"manager:{s.manager_id}",
                 publish_timeout_s=s.publish_timeout_s,
                 liveness_probe_s=s.liveness_probe_s,
+                sign=True,  # agents take control messages only from the managers' user
             )
         if self._journal is None:
             self._journal = SqliteJournal(s.journal_path)

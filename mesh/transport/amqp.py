@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, cast
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import aio_pika
 import aiormq
@@ -289,6 +289,9 @@ class AmqpTransport:
         self.probes_unanswered = 0
         self._lean: LeanConnection | None = None  # heartbeats' consume-only connection
         self._message_ids = IdSequence()  # fresh per publish attempt
+        # The user every publish is signed with (``user_id``), or None (``connect(sign=)``).
+        self.signer: str | None = None
+        self._fast_marshalled = _FAST_MARSHALLED
         connection.reconnect_callbacks.add(self._reconnected)
         connection.close_callbacks.add(self._dropped)
 
@@ -301,8 +304,13 @@ class AmqpTransport:
         publish_timeout_s: float = c.DEFAULT_PUBLISH_TIMEOUT_S,
         connect_timeout_s: float = 10.0,
         liveness_probe_s: float | None = None,
+        sign: bool = False,
     ) -> AmqpTransport:
         """Connect, or raise :class:`BrokerUnavailable` with one sentence that says what to do.
+
+        ``sign``: every publish carries ``user_id`` = the URL's user (where the caller gives
+        none), which RabbitMQ validates — so a receiver can tell this process's messages from
+        anyone else's (agents take control messages only from the managers' user).
 
         ``liveness_probe_s``: also probe the broker twice every so many seconds and drop the
         connection (so it reconnects) when a probe gets no answer within that many seconds: a
@@ -322,6 +330,8 @@ class AmqpTransport:
         transport = cls(
             connection, channel, url=url, publish_timeout_s=publish_timeout_s, name=name
         )
+        if sign:
+            transport.sign_as(unquote(urlsplit(url).username or "guest"))
         if liveness_probe_s is not None:
             transport.watch(liveness_probe_s)
         return transport
@@ -558,6 +568,14 @@ class AmqpTransport:
         self._queues[name] = await self._declare_queue(self._publish_channel, spec)
         return name
 
+    def sign_as(self, user: str) -> None:
+        """Sign every publish from now on with ``user_id`` = ``user`` (the connection's
+        user: RabbitMQ refuses any other)."""
+        self.signer = user
+        self._fast_marshalled = aiormq.spec.Basic.Properties(
+            content_type=c.CONTENT_TYPE, user_id=user
+        ).marshal()
+
     # ---- publishing -----------------------------------------------------------------------
     async def publish(
         self,
@@ -584,7 +602,7 @@ class AmqpTransport:
             message_id=self._message_ids.next(),
             reply_to=reply_to,
             correlation_id=correlation_id,
-            user_id=user_id,
+            user_id=self.signer if user_id is None else user_id,
             headers=dict(headers) if headers else None,
             delivery_mode=2 if persistent else 1,
             # Whole seconds (AMQP's resolution): the management API reports the head message's
@@ -734,7 +752,7 @@ class AmqpTransport:
                     exchange,
                     routing_key,
                     encode(message),
-                    typed_properties(message.type, message_id),
+                    typed_properties(message.type, message_id, self.signer),
                     mandatory=True,
                     max_body=channel.max_content_size,
                 )
@@ -756,6 +774,7 @@ class AmqpTransport:
         ``user_id`` as for :meth:`publish` (RabbitMQ validates it: the manager may trust it)."""
         try:
             channel = await self._fast_underlay()
+            user_id = self.signer if user_id is None else user_id
             properties = (
                 _FAST_PROPERTIES
                 if user_id is None
@@ -800,7 +819,7 @@ class AmqpTransport:
                         exchange,
                         key,
                         body,
-                        _FAST_MARSHALLED,
+                        self._fast_marshalled,
                         mandatory=False,
                         max_body=size,
                     )

@@ -29,6 +29,7 @@ _CONTENT_TYPE = 0x8000
 _DELIVERY_MODE = 0x1000
 _MESSAGE_ID = 0x0080
 _TYPE = 0x0020
+_USER_ID = 0x0010
 
 
 def _shortstr(text: str) -> bytes:
@@ -41,16 +42,21 @@ def _shortstr(text: str) -> bytes:
 _JSON = _shortstr(c.CONTENT_TYPE)
 
 
-def typed_properties(message_type: str, message_id: str) -> bytes:
+def typed_properties(message_type: str, message_id: str, user_id: str | None = None) -> bytes:
     """The marshalled properties of a confirmed wire message: content type (JSON),
-    delivery mode 1 (transient), message ID and type — what pamqp writes for
-    ``Basic.Properties(content_type=…, message_type=…, message_id=…, delivery_mode=1)``."""
+    delivery mode 1 (transient), message ID, type and, if given, user ID — what pamqp writes
+    for ``Basic.Properties(content_type=…, message_type=…, message_id=…, delivery_mode=1,
+    user_id=…)``."""
+    flags = _CONTENT_TYPE | _DELIVERY_MODE | _MESSAGE_ID | _TYPE
+    if user_id is not None:
+        flags |= _USER_ID
     return (
-        (_CONTENT_TYPE | _DELIVERY_MODE | _MESSAGE_ID | _TYPE).to_bytes(2, "big")
+        flags.to_bytes(2, "big")
         + _JSON
         + b"\x01"
         + _shortstr(message_id)
         + _shortstr(message_type)
+        + (b"" if user_id is None else _shortstr(user_id))
     )
 
 

@@ -8,7 +8,8 @@ Usage: ``python broken_agent.py DEFECT`` (the kit's environment names the agent 
 * ``drain``: results of tasks still running when a drain begins are never sent (the tasks
   are acked: lost for their producers);
 * ``hand-over``: asked to register again with its shard's new manager, it forgets the leases
-  it was told of (tasks granted just before the hand-over are refused).
+  it was told of (tasks granted just before the hand-over are refused);
+* ``signed``: control messages are taken from anyone, not only from the managers' user.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from mesh.agent.core import AgentCore
 from mesh.agent.runtime import AgentRuntime
 from mesh.cli import main
-from mesh.wire import Heartbeat, OrchestrationEvent, ReRegisterRequest
+from mesh.wire import Heartbeat, Message, OrchestrationEvent, ReRegisterRequest
 
 
 def heartbeats_without_seq() -> None:
@@ -61,11 +62,19 @@ def forgetting_leases_on_hand_over() -> None:
     AgentRuntime._on_reregister_request = on_reregister_request  # type: ignore[method-assign]
 
 
+def trusting_any_sender() -> None:
+    def check_sender(self: AgentRuntime, message: Message, user_id: str | None) -> Message:
+        return message
+
+    AgentRuntime._check_sender = check_sender  # type: ignore[method-assign]
+
+
 DEFECTS = {
     "seq": heartbeats_without_seq,
     "revocations": ignoring_revocations,
     "drain": dropping_tasks_on_drain,
     "hand-over": forgetting_leases_on_hand_over,
+    "signed": trusting_any_sender,
 }
 
 if __name__ == "__main__":

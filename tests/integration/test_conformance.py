@@ -40,7 +40,12 @@ async def test_the_python_sample_agent_passes_every_check(
 
 @pytest.mark.parametrize(
     ("defect", "check"),
-    [("revocations", "grants"), ("drain", "drain"), ("hand-over", "hand-over")],
+    [
+        ("revocations", "grants"),
+        ("drain", "drain"),
+        ("hand-over", "hand-over"),
+        ("signed", "signed"),
+    ],
 )
 async def test_an_agent_with_a_defect_fails_its_check(
     amqp_url: str, namespace: str, tmp_path: Path, defect: str, check: str

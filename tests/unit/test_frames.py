@@ -63,6 +63,14 @@ def test_the_frames_are_pamqps(
         delivery_mode=1,
     )
     assert typed_properties(message_type, message_id) == typed.marshal()
+    signed = aiormq.spec.Basic.Properties(
+        content_type=c.CONTENT_TYPE,
+        message_type=message_type,
+        message_id=message_id,
+        delivery_mode=1,
+        user_id="mesh-manager",
+    )
+    assert typed_properties(message_type, message_id, "mesh-manager") == signed.marshal()
     for properties in (typed, aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)):
         ours = publish_frames(
             channel,
