@@ -46,7 +46,7 @@ from jsonschema import Draft202012Validator
 
 from mesh import constants as c
 from mesh.core.pool import PoolSettings
-from mesh.errors import MeshError
+from mesh.errors import MeshError, TopologyMissing
 from mesh.manager.admission import AdmissionPolicy
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
@@ -71,6 +71,9 @@ BELOW_MINIMUM_S = 1.0  # what the "refuses a short interval" check tells it
 START_TIMEOUT_S = 30.0
 UNANSWERED_S = 3.0  # how long the first registration goes unanswered (no manager yet)
 ANSWER_TIMEOUT_S = 15.0
+# How soon after its pool queue is back an agent must consume it again (the SDK looks at
+# doubling intervals up to 5 s).
+POOL_BACK_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,16 @@ class Watch:
             self.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), min(remaining, 0.5))
+
+    async def until_async(
+        self, check: Callable[[], Awaitable[bool]], timeout_s: float, what: str
+    ) -> None:
+        """:meth:`until` for a check that asks the broker (polled every 0.2 s)."""
+        deadline = time.monotonic() + timeout_s
+        while not await check():
+            if time.monotonic() >= deadline:
+                raise CheckFailed(f"no {what} within {timeout_s:g} s")
+            await asyncio.sleep(0.2)
 
 
 class AgentProcess:
@@ -680,6 +693,45 @@ async def takes_control_only_from_the_managers(kit: Kit) -> str:
     return "an unsigned drain notice left it serving, not draining"
 
 
+async def consumes_a_replaced_pool_queue(kit: Kit) -> str:
+    """The pool queue is deleted (an operator in the management UI) and declared again (as
+    the manager does when it finds it gone): the broker cancelled the agent's consumer, and
+    the agent must subscribe again — with no newer epoch to prompt it — and take the pool's
+    tasks."""
+    assert kit.raw is not None
+    raw = kit.raw
+    grant = await kit.grant()  # the pool is described: its queue exists
+    queue = kit.topology.pool_task_queue(grant.pool_id)
+    # Past any subscription the descriptor's announcement set off, so the one seen below is
+    # the one the deletion must end.
+    await asyncio.sleep(UNANSWERED_S)
+    await kit.watch.until_async(
+        lambda: _consumed(raw, queue), START_TIMEOUT_S, "consumer on the pool queue"
+    )
+    await raw.delete_queue(queue)
+    deleted = time.monotonic()
+    await asyncio.sleep(1.0)  # a while without the queue: a subscription now would fail
+    await raw.declare(kit.topology.pool(grant.pool_id))
+    await kit.watch.until_async(
+        lambda: _consumed(raw, queue), POOL_BACK_S, "consumer on the declared-again pool queue"
+    )
+    took = time.monotonic() - deleted
+    served = await kit.send_granted(await kit.grant(), kit.s.payload)
+    expect(
+        served.status == "ok",
+        f"a pool task after the queue came back was answered {served.status} "
+        f"{served.error.code.value if served.error else ''}",
+    )
+    return f"consumed the queue again {took:.1f} s after it was deleted; a task answered"
+
+
+async def _consumed(raw: AmqpTransport, queue: str) -> bool:
+    try:
+        return await raw.queue_consumers(queue) > 0
+    except TopologyMissing:
+        return False
+
+
 async def fences_itself_after_a_silence(kit: Kit) -> str:
     """Frozen (SIGSTOP) with a task running until the manager declares it lost, then woken:
     the result of the task it claimed before the silence must not be delivered (its work
@@ -795,6 +847,11 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
         "signed",
         "takes control messages only from the managers' user",
         takes_control_only_from_the_managers,
+    ),
+    (
+        "pool-queue",
+        "consumes its pool queue again once it is deleted and declared again",
+        consumes_a_replaced_pool_queue,
     ),
     (
         "fence",

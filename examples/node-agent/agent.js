@@ -578,8 +578,30 @@ async function consumePool() {
   }
   if (poolConsumer || draining) return;
   await ch.prefetch(MAX_CONCURRENCY);
-  const { consumerTag } = await ch.consume(POOL_QUEUE, (msg) => msg && onTask(msg, true));
-  poolConsumer = consumerTag;
+  let tag = null;
+  ({ consumerTag: tag } = await ch.consume(POOL_QUEUE, (msg) => {
+    if (msg) onTask(msg, true);
+    else poolQueueGone(tag);
+  }));
+  poolConsumer = tag;
+}
+
+// amqplib hands the consumer `null` when the broker cancels it: the pool queue was deleted.
+// Not subscribed any more; look for the queue again (the manager declares it again) at
+// 0.5 s, then at doubling intervals up to 5 s, until it is back (§9).
+function poolQueueGone(tag) {
+  if (poolConsumer !== tag) return;
+  poolConsumer = null;
+  log("our pool queue was deleted; subscribing again once it is back", { queue: POOL_QUEUE });
+  let delay = 500;
+  const retry = async () => {
+    if (poolConsumer || draining || stopping) return;
+    await consumePool().catch(() => {});
+    if (poolConsumer || draining || stopping) return;
+    delay = Math.min(2 * delay, 5000);
+    setTimeout(retry, delay);
+  };
+  setTimeout(retry, delay);
 }
 
 // ---- drain and exit (§7 steps 14-15) -------------------------------------------------------

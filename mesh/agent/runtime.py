@@ -114,6 +114,7 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -137,7 +138,7 @@ from mesh.leases import LeaseVerifier
 from mesh.logs import checked
 from mesh.topology import BindingSpec, Declarations, Topology, names
 from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery
-from mesh.transport.ports import Subscription
+from mesh.transport.ports import ReportsBrokerCancel, Subscription
 from mesh.transport.ports import Transport as AgentTransport
 from mesh.wire.codec import decode_as, encode
 from mesh.wire.events import OrchestrationEvent
@@ -182,6 +183,9 @@ _CONTROL_TYPES: tuple[type[Message], ...] = (
     AdmissionState,
 )
 _CONTROL_PREFETCH = 16
+# A deleted pool queue is looked for again after 0.5 s, then at doubling intervals up to 5 s.
+_POOL_BACK_FIRST_S = 0.5
+_POOL_BACK_MAX_S = 5.0
 ANSWERS_KEPT = 4096  # published results remembered for redeliveries of the same task
 # Results that are no answer to the task's work: a redelivery must run it after all.
 _NOT_DONE = frozenset({Reason.AGENT_SHUTDOWN, Reason.EVICTED, Reason.DEADLINE_EXCEEDED})
@@ -333,6 +337,7 @@ class AgentRuntime:
         self._control_consumer: Subscription | None = None
         self._task_consumer: Subscription | None = None
         self._pool_consumer: Subscription | None = None  # our pool's shared task queue
+        self._pool_return: asyncio.Task[None] | None = None  # waiting for it after a delete
         self._pool_epoch: int | None = None  # the newest descriptor epoch known when it began
         self._pool_lock = asyncio.Lock()
         self._registration: asyncio.Future[RegistrationReply] | None = None
@@ -478,8 +483,34 @@ class AgentRuntime:
                 await self._stop_pool_consumer()
                 return
             self._pool_epoch = self.core.active_epoch
+            if isinstance(self._pool_consumer, ReportsBrokerCancel):
+                self._pool_consumer.on_broker_cancel = partial(
+                    self._pool_queue_gone, self._pool_consumer
+                )
         self.counters["pool_subscriptions"] += 1
         log.info("taking tasks from the pool queue", extra=self._extra(queue=queue))
+
+    def _pool_queue_gone(self, consumer: Subscription) -> None:
+        """The broker cancelled our pool consumer: the pool queue was deleted (an operator in
+        the management UI, say). We are not subscribed any more, and try again until the
+        queue is back — the manager declares a described pool's queue again when it finds
+        it gone — rather than wait for a newer epoch that may never come."""
+        if self._pool_consumer is not consumer:
+            return
+        self._pool_consumer = None
+        self.counters["pool_queue_lost"] += 1
+        log.warning(
+            "our pool queue was deleted; subscribing again once it is back", extra=self._extra()
+        )
+        if self._pool_return is None or self._pool_return.done():
+            self._pool_return = self._spawn(self._pool_back(), "pool queue back")
+
+    async def _pool_back(self) -> None:
+        delay = _POOL_BACK_FIRST_S
+        while self._pool_consumer is None and not self._draining and self.core.phase == "running":
+            await asyncio.sleep(delay)
+            await self._consume_pool()
+            delay = min(2 * delay, _POOL_BACK_MAX_S)
 
     async def _stop_pool_consumer(self) -> None:
         consumer, self._pool_consumer = self._pool_consumer, None

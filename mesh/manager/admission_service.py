@@ -37,6 +37,7 @@ from mesh.core.pressure import StageChange
 from mesh.errors import (
     LocalProtocolError,
     StoreError,
+    TopologyMissing,
 )
 from mesh.leases import LeaseSigner
 from mesh.ledger.model import Reservation
@@ -536,11 +537,31 @@ class AdmissionService:
             queue = self.topology.pool_task_queue(pool_id)
             try:
                 depth = await self.host.transport.queue_depth(queue)
-            except Exception as exc:  # not declared yet, or the broker is away: next poll
+            except TopologyMissing:
+                await self._pool_queue_gone(admitter, pool_id)
+                continue
+            except Exception as exc:  # the broker is away: next poll
                 log.debug("pool queue depth unavailable", extra={"queue": queue, "error": str(exc)})
                 continue
             found[pool_id] = (depth, ages.get(queue))
         return found
+
+    async def _pool_queue_gone(self, admitter: Admitter, pool_id: str) -> None:
+        """A described pool's queue is gone (deleted in the management UI, say): declared
+        again at once, with its bound, so producers' tasks are routed again and the pool's
+        agents — which look for it again after the broker cancelled their consumers — take
+        them. Counted (``pool_queue_redeclared``)."""
+        descriptor = admitter.descriptors.get(pool_id)
+        if descriptor is None:
+            return
+        self._pool_declared.discard(pool_id)
+        self._pool_slots.pop(pool_id, None)
+        self.counters["pool_queue_redeclared"] += 1
+        log.warning(
+            "pool queue missing: declared again",
+            extra={"pool_id": pool_id, "queue": self.topology.pool_task_queue(pool_id)},
+        )
+        await self._ensure_pool_queues([descriptor])
 
     async def _journal_stage_changes(self, changes: list[StageChange]) -> None:
         entries = []

@@ -126,7 +126,7 @@ class PreconditionFailed(BrokerRefused):
     queue that holds messages."""
 
 
-class NotFound(BrokerRefused):
+class NotFound(BrokerRefused, TopologyMissing):
     """404: the exchange or queue does not exist."""
 
 
@@ -306,6 +306,7 @@ class _Consumer:
         self.tasks: set[asyncio.Task[None]] = set()
         self.epoch = 0  # bumped when the connection drops: older deliveries cannot settle
         self.cancelled = False
+        self.on_broker_cancel: Callable[[], None] | None = None  # its queue was deleted
 
     def has_room(self) -> bool:
         return self.limit is None or len(self.unacked) < self.limit
@@ -376,6 +377,15 @@ class InMemoryConsumer:
     @property
     def cancelled(self) -> bool:
         return self._consumer.cancelled
+
+    @property
+    def on_broker_cancel(self) -> Callable[[], None] | None:
+        """Called once if the broker cancels this consumer (its queue was deleted)."""
+        return self._consumer.on_broker_cancel
+
+    @on_broker_cancel.setter
+    def on_broker_cancel(self, callback: Callable[[], None] | None) -> None:
+        self._consumer.on_broker_cancel = callback
 
     async def cancel(self) -> None:
         self._broker._cancel(self._consumer)
@@ -529,6 +539,8 @@ class InMemoryBroker:
                 del bindings[pair]
         for consumer in list(queue.consumers):
             consumer.cancelled = True  # RabbitMQ cancels the consumers of a deleted queue
+            if consumer.on_broker_cancel is not None:
+                consumer.on_broker_cancel()
         queue.consumers.clear()
         queue.ready.clear()
 

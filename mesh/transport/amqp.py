@@ -217,6 +217,8 @@ class Consumer:
         self._no_ack = no_ack
         self._underlay: aiormq.abc.AbstractChannel | None = None
         self._tag: str | None = None
+        # Called once if the broker cancels this consumer (its queue was deleted).
+        self.on_broker_cancel: Callable[[], None] | None = None
         channel.reopen_callbacks.add(self._reopened)
 
     async def _reopened(self, *_: Any) -> None:
@@ -234,7 +236,22 @@ class Consumer:
 
         await underlay.basic_qos(prefetch_count=0 if no_ack else self._prefetch)
         ok = await underlay.basic_consume(self.queue_name, on_message, no_ack=no_ack)
+        if underlay is not self._underlay:
+            underlay.on_consumer_cancel_callbacks.add(self._cancelled_by_broker)
         self._underlay, self._tag = underlay, ok.consumer_tag
+
+    def _cancelled_by_broker(self, frame: aiormq.spec.Basic.Cancel) -> None:
+        """The broker ended this consumer (``basic.cancel``: its queue was deleted): it is
+        cancelled — nothing comes any more, a reopened channel does not consume again — and
+        ``on_broker_cancel`` says so, so the owner can subscribe again once the queue is
+        back."""
+        if frame.consumer_tag != self._tag or self.cancelled:
+            return
+        self.cancelled = True
+        self._tag = None  # the broker forgot it: nothing to cancel
+        log.warning("consumer cancelled by the broker", extra={"queue": self.queue_name})
+        if self.on_broker_cancel is not None:
+            self.on_broker_cancel()
 
     async def cancel(self) -> None:
         """Stop deliveries. Bounded: with the broker unreachable it gives up after a while
@@ -952,10 +969,15 @@ class AmqpTransport:
         return (await self._queue_counts(queue))[1]
 
     async def _queue_counts(self, queue: str) -> tuple[int, int]:
+        """``(ready, consumers)`` of ``queue``; :class:`TopologyMissing` if it does not
+        exist (not declared yet, or deleted)."""
         async with asyncio.timeout(_CONTROL_TIMEOUT_S):
             channel = await self._connection.channel()
             try:
                 q = await channel.declare_queue(queue, passive=True, robust=False)
+            except aiormq.exceptions.ChannelNotFoundEntity as exc:
+                raise TopologyMissing(f"no queue {queue!r}: {exc}") from None
+            try:
                 result = q.declaration_result
                 return int(result.message_count or 0), int(result.consumer_count or 0)
             finally:

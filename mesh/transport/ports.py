@@ -9,7 +9,7 @@ top. :class:`~mesh.transport.AmqpTransport` meets all three, and so does
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from mesh.errors import TransportError
 from mesh.topology.specs import Declarations
@@ -21,6 +21,15 @@ class Subscription(Protocol):
     """A running consumer."""
 
     async def cancel(self) -> None: ...
+
+
+@runtime_checkable
+class ReportsBrokerCancel(Protocol):
+    """A subscription that says when the broker cancelled it (its queue was deleted):
+    ``on_broker_cancel``, if set, is called once, and nothing is delivered after. Both
+    :class:`~mesh.transport.AmqpTransport`'s and the in-memory transport's consumers do."""
+
+    on_broker_cancel: Callable[[], None] | None
 
 
 class Transport(Protocol):

@@ -9,7 +9,9 @@ Usage: ``python broken_agent.py DEFECT`` (the kit's environment names the agent 
   are acked: lost for their producers);
 * ``hand-over``: asked to register again with its shard's new manager, it forgets the leases
   it was told of (tasks granted just before the hand-over are refused);
-* ``signed``: control messages are taken from anyone, not only from the managers' user.
+* ``signed``: control messages are taken from anyone, not only from the managers' user;
+* ``pool-queue``: the broker's cancel of its pool consumer (the queue was deleted) goes
+  unheeded: it still counts itself subscribed, and never consumes the queue declared again.
 """
 
 from __future__ import annotations
@@ -69,12 +71,20 @@ def trusting_any_sender() -> None:
     AgentRuntime._check_sender = check_sender  # type: ignore[method-assign]
 
 
+def deaf_to_pool_cancels() -> None:
+    def pool_queue_gone(self: AgentRuntime, consumer: Any) -> None:
+        return None
+
+    AgentRuntime._pool_queue_gone = pool_queue_gone  # type: ignore[method-assign]
+
+
 DEFECTS = {
     "seq": heartbeats_without_seq,
     "revocations": ignoring_revocations,
     "drain": dropping_tasks_on_drain,
     "hand-over": forgetting_leases_on_hand_over,
     "signed": trusting_any_sender,
+    "pool-queue": deaf_to_pool_cancels,
 }
 
 if __name__ == "__main__":

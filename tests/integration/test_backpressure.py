@@ -227,6 +227,37 @@ async def test_submit_admits_runs_on_the_pool_queue_and_settles(
         assert info["effective_policy_definition"]["max-length"] == 4
 
 
+async def test_a_deleted_pool_queue_is_declared_again_and_its_agents_take_tasks_from_it(
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
+) -> None:
+    # An operator deletes the pool queue (the management UI's "Delete"): RabbitMQ cancels the
+    # agents' consumers. The manager finds it gone at its next poll and declares it again,
+    # with its bound; the agents look for it until it is back, and tasks flow again.
+    async with pool_mesh(amqp_url, namespace, tmp_path, management_api, slots=4, agents=2) as mesh:
+        before = [r.counters["pool_subscriptions"] for r in mesh.agents]
+        management_api._delete(
+            f"/api/queues/{management_api._q(management_api.vhost)}/{mesh.queue}"
+        )
+        await eventually(
+            lambda: all(r.counters["pool_queue_lost"] == 1 for r in mesh.agents),
+            what="the agents told their consumers were cancelled",
+        )
+        await eventually(
+            lambda: mesh.manager.admission.counters["pool_queue_redeclared"] >= 1,
+            what="the manager declares the queue again",
+        )
+        await eventually(
+            lambda: all(
+                r.counters["pool_subscriptions"] == b + 1
+                for r, b in zip(mesh.agents, before, strict=True)
+            ),
+            what="the agents consume it again",
+        )
+        await wait_for_bound(management_api, mesh.queue, mesh.slots)
+        done = await mesh.producer.submit(echo_requirements(), {"message": "back", "sleep_ms": 0})
+        assert done.output == {"message": "back", "slept_ms": 0}
+
+
 async def test_a_full_pool_queue_nacks_the_producer_and_every_grant_is_given_back(
     amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
 ) -> None:

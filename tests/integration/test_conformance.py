@@ -45,6 +45,7 @@ async def test_the_python_sample_agent_passes_every_check(
         ("drain", "drain"),
         ("hand-over", "hand-over"),
         ("signed", "signed"),
+        ("pool-queue", "pool-queue"),
     ],
 )
 async def test_an_agent_with_a_defect_fails_its_check(

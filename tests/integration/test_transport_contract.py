@@ -17,11 +17,17 @@ from typing import Any, Protocol
 import pytest
 
 from mesh import constants as c
-from mesh.errors import PublishNacked, PublishUnroutable, TopologyMismatch, TransportError
+from mesh.errors import (
+    PublishNacked,
+    PublishUnroutable,
+    TopologyMismatch,
+    TopologyMissing,
+    TransportError,
+)
 from mesh.testing import InMemoryBroker, InMemoryTransport
 from mesh.topology import BindingSpec, Declarations, ExchangeSpec, QueueArguments, QueueSpec
 from mesh.transport import Delivery
-from mesh.transport.ports import ClientTransport
+from mesh.transport.ports import ClientTransport, ReportsBrokerCancel
 from mesh.wire.codec import encode
 from mesh.wire.models import Refusal
 from mesh.wire.reasons import Reason
@@ -433,6 +439,29 @@ async def test_an_auto_delete_queue_goes_when_its_last_consumer_is_cancelled(
         return not await queue_exists(await backend.transport("probe"), q)
 
     await eventually(gone, "the auto-delete queue to go")
+
+
+async def test_a_deleted_queues_consumer_is_told_and_its_depth_says_it_is_missing(
+    backend: Backend,
+) -> None:
+    t = await backend.transport()
+    q = backend.name("doomed")
+    await t.declare(Declarations(queues=(classic(q),)))
+    consumer = await t.consume(q, Inbox())
+    assert isinstance(consumer, ReportsBrokerCancel)
+    told: list[str] = []
+    consumer.on_broker_cancel = lambda: told.append(q)
+
+    await (await backend.transport("operator")).delete_queue(q)  # another connection's delete
+
+    async def told_once() -> bool:
+        return told == [q]
+
+    await eventually(told_once, "the consumer to be told")
+    with pytest.raises(TopologyMissing):
+        await t.queue_depth(q)
+    await consumer.cancel()  # nothing left to cancel: no error
+    assert told == [q]
 
 
 async def test_a_redeclaration_with_other_arguments_is_refused_as_a_precondition_failure(
