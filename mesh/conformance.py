@@ -605,11 +605,7 @@ async def judges_epochs(kit: Kit) -> str:
     stale = draining.model_copy(update={"admission_id": f"conformance-{uuid.uuid4().hex[:12]}"})
     refused = await _refused(kit, stale, "an older-epoch grant", draining.pool_id)
     served = await kit.send_granted(draining, kit.s.payload)
-    expect(
-        served.status == "ok",
-        f"a grant on the draining allowlist was answered {served.status} "
-        f"{served.error.code.value if served.error else ''}",
-    )
+    _expect_ok(served, "a grant on the draining allowlist was answered")
     return f"{refused}; a draining-allowlisted one of the old epoch served"
 
 
@@ -661,11 +657,7 @@ async def keeps_leases_when_handed_over(kit: Kit) -> str:
     await kit.until_live(START_TIMEOUT_S)
     expect(lease.lease_id not in manager.core.leases, "the kit's manager still knows the lease")
     result = await kit.send_leased(lease, kit.s.payload)
-    expect(
-        result.status == "ok",
-        f"a task under a lease granted before the hand-over was answered {result.status} "
-        f"{result.error.code.value if result.error else ''}",
-    )
+    _expect_ok(result, "a task under a lease granted before the hand-over was answered")
     return "registered again, and a task under a lease it was told of before ran"
 
 
@@ -685,11 +677,7 @@ async def takes_control_only_from_the_managers(kit: Kit) -> str:
         await unsigned.close()
     await asyncio.sleep(UNANSWERED_S)  # time to (wrongly) begin a drain
     served = await kit.send_granted(await kit.grant(), kit.s.payload)
-    expect(
-        served.status == "ok",
-        f"after an unsigned drain notice a pool task was answered {served.status} "
-        f"{served.error.code.value if served.error else ''}",
-    )
+    _expect_ok(served, "after an unsigned drain notice a pool task was answered")
     return "an unsigned drain notice left it serving, not draining"
 
 
@@ -717,12 +705,14 @@ async def consumes_a_replaced_pool_queue(kit: Kit) -> str:
     )
     took = time.monotonic() - deleted
     served = await kit.send_granted(await kit.grant(), kit.s.payload)
-    expect(
-        served.status == "ok",
-        f"a pool task after the queue came back was answered {served.status} "
-        f"{served.error.code.value if served.error else ''}",
-    )
+    _expect_ok(served, "a pool task after the queue came back was answered")
     return f"consumed the queue again {took:.1f} s after it was deleted; a task answered"
+
+
+def _expect_ok(result: TaskResult, what: str) -> None:
+    """``result`` is ok, else the check fails saying ``what`` was answered instead."""
+    code = result.error.code.value if result.error else ""
+    expect(result.status == "ok", f"{what} {result.status} {code}".rstrip())
 
 
 async def _consumed(raw: AmqpTransport, queue: str) -> bool:

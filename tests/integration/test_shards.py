@@ -106,6 +106,17 @@ def shard_log(service: ManagerService) -> list[tuple[str, int]]:
     ]
 
 
+async def split_evenly(
+    started: Callable[..., asyncio.Future[ManagerService]], *extra: Any, **settings: Any
+) -> tuple[ManagerService, ManagerService]:
+    """Managers a and b (each started with ``extra`` and ``settings``), once they hold half
+    the shards each."""
+    a = await started("manager-a", *extra, **settings)
+    b = await started("manager-b", *extra, **settings)
+    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    return a, b
+
+
 async def test_two_managers_split_the_shards_and_a_clean_stop_hands_them_over(
     started: Callable[[str], asyncio.Future[ManagerService]],
 ) -> None:
@@ -181,9 +192,7 @@ async def test_agents_register_with_their_shards_owner_and_move_with_their_shard
     started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
 ) -> None:
     assert [shard_of(pool, SHARDS) for pool in POOLS] == [0, 1, 2, 3]
-    a = await started("manager-a")
-    b = await started("manager-b")
-    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    a, b = await split_evenly(started)
     agents = [pool_agent(amqp_url, namespace, pool) for pool in POOLS]
     try:
         for agent in agents:  # each registers through the shared queue, whoever takes it
@@ -233,9 +242,7 @@ async def test_a_clean_stop_hands_its_agents_over_at_once_and_their_leases_stay_
     # The only agent offering a capability is on b; b stops cleanly. Asked at once (not at
     # its next heartbeat), the agent registers with a before an acquire right after the stop
     # gives up, and a task under the lease b granted just before still runs.
-    a = await started("manager-a")
-    b = await started("manager-b")
-    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    a, b = await split_evenly(started)
     pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
     agent = pool_agent(amqp_url, namespace, pool)
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
@@ -273,9 +280,7 @@ async def test_an_owner_that_does_not_answer_makes_an_acquire_retryable_not_unkn
     # holds its shards (frozen or dying, its lease not yet run out: here its consumers are
     # cancelled). An acquire that only a can take must not say nobody offers the capability:
     # it is refused NO_AGENT_AVAILABLE with a hint of when to ask again.
-    a = await started("manager-a", peer_timeout_s=0.3)  # type: ignore[call-arg]
-    b = await started("manager-b", peer_timeout_s=0.3)  # type: ignore[call-arg]
-    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    a, b = await split_evenly(started, peer_timeout_s=0.3)
     pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
     agent = pool_agent(amqp_url, namespace, pool)
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
@@ -302,9 +307,7 @@ async def test_an_owner_that_does_not_answer_makes_an_acquire_retryable_not_unkn
 async def test_any_manager_finds_acquires_and_releases_on_every_shard(
     started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
 ) -> None:
-    a = await started("manager-a")
-    b = await started("manager-b")
-    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    a, b = await split_evenly(started)
     agents = [pool_agent(amqp_url, namespace, pool) for pool in POOLS]
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
     everyone = {f"{pool}-1" for pool in POOLS}
@@ -453,9 +456,7 @@ async def test_admission_is_bounded_by_live_agents_whichever_manager_decides(
     it — at most the live agents' 8 slots though the descriptor allows 100; with no live
     agent left, either manager refuses NO_LIVE_AGENT. With ``descriptor`` capacity all 12
     would be granted."""
-    a = await started("manager-a", capacity="live")
-    b = await started("manager-b", capacity="live")
-    await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
+    a, b = await split_evenly(started, capacity="live")
     owner = a if shard_of("echo", SHARDS) in owned(a) else b
     agent = pool_agent(amqp_url, namespace, "echo")
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
