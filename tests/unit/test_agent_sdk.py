@@ -467,6 +467,7 @@ class FakeTransport:
     publish_error: Callable[[Published], Exception | None] = lambda p: None
     fast_error: Exception | None = None
     depth: int = 0
+    manager_user: str | None = None  # the user_id the manager's replies carry
     published: list[Published] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
     user_ids: list[str | None] = field(default_factory=list)  # the user_id of every publish
@@ -519,7 +520,9 @@ class FakeTransport:
         if isinstance(message, Message):
             for reply in self.manager(message):
                 control = next(q for q in self.consumers if q.endswith(".control"))
-                self.deliver(control, make_delivery(reply))
+                delivery = make_delivery(reply)
+                delivery.user_id = self.manager_user
+                self.deliver(control, delivery)
 
     async def publish_fast(
         self, exchange: str, routing_key: str, body: bytes, *, user_id: str | None = None
@@ -836,6 +839,38 @@ async def test_garbage_and_misaddressed_control_messages_are_dead_lettered() -> 
     ]
     assert settled(bad) == settled(other) == "ack"
     assert not runtime.draining
+    await runtime.stop()
+
+
+async def test_with_a_manager_user_set_control_messages_from_anyone_else_are_refused() -> None:
+    # AgentSettings.manager_user (mesh agent --manager-user): a drain notice signed by another
+    # user, or not signed, is dead-lettered NOT_AUTHORIZED and not obeyed; an unsigned request
+    # to register again is obeyed, but as one that keeps the leases.
+    transport = FakeTransport(manager=accepting, manager_user="mesh-manager")
+    runtime = runtime_with(transport, manager_user="mesh-manager")
+    await runtime.start()
+    runtime._issued["lease-1"] = asyncio.get_running_loop().time() + 60
+    control = "t.agent.toy-1.control"
+    for user_id in ("intruder", None):
+        forged = make_delivery(DrainNotice(agent_id="toy-1"))
+        forged.user_id = user_id
+        await transport.deliver(control, forged)
+    assert transport.dead_letters == [(control, "NOT_AUTHORIZED")] * 2
+    assert not runtime.draining and runtime.counters["control_not_from_manager"] == 2
+
+    await transport.deliver(control, make_delivery(ReRegisterRequest(agent_id="toy-1")))
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+        if runtime.ready.is_set():
+            break
+    assert len(transport.of_type(AgentRegistration)) == 2
+    assert runtime.counters["control_unsigned_reregister"] == 1
+    assert "lease-1" in runtime._issued and runtime.counters["leases_forgotten"] == 0
+
+    signed = make_delivery(DrainNotice(agent_id="toy-1"))
+    signed.user_id = "mesh-manager"
+    await transport.deliver(control, signed)
+    assert runtime.draining
     await runtime.stop()
 
 
