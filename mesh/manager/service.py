@@ -1076,7 +1076,6 @@ class ManagerService:
         silent = 0
         while True:
             candidates = await self._candidates(find)
-            found = candidates if isinstance(candidates, Refusal) else candidates.found
             if not isinstance(candidates, Refusal):
                 silent = candidates.silent
                 for agent, queue in candidates.found[:limit]:
@@ -1092,7 +1091,7 @@ class ManagerService:
                         )
                     if isinstance(answer, LeaseGranted):
                         break
-            nobody_offers = not isinstance(found, Refusal) and not found
+            nobody_offers = not isinstance(candidates, Refusal) and not candidates.found
             if (
                 isinstance(answer, LeaseGranted)
                 or not nobody_offers

@@ -308,6 +308,7 @@ class AmqpTransport:
         self._message_ids = IdSequence()  # fresh per publish attempt
         # The user every publish is signed with (``user_id``), or None (``connect(sign=)``).
         self.signer: str | None = None
+        self._fast_properties = _FAST_PROPERTIES  # signed by sign_as
         self._fast_marshalled = _FAST_MARSHALLED
         connection.reconnect_callbacks.add(self._reconnected)
         connection.close_callbacks.add(self._dropped)
@@ -589,9 +590,10 @@ class AmqpTransport:
         """Sign every publish from now on with ``user_id`` = ``user`` (the connection's
         user: RabbitMQ refuses any other)."""
         self.signer = user
-        self._fast_marshalled = aiormq.spec.Basic.Properties(
+        self._fast_properties = aiormq.spec.Basic.Properties(
             content_type=c.CONTENT_TYPE, user_id=user
-        ).marshal()
+        )
+        self._fast_marshalled = self._fast_properties.marshal()
 
     # ---- publishing -----------------------------------------------------------------------
     async def publish(
@@ -791,9 +793,8 @@ class AmqpTransport:
         ``user_id`` as for :meth:`publish` (RabbitMQ validates it: the manager may trust it)."""
         try:
             channel = await self._fast_underlay()
-            user_id = self.signer if user_id is None else user_id
             properties = (
-                _FAST_PROPERTIES
+                self._fast_properties
                 if user_id is None
                 else aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE, user_id=user_id)
             )
