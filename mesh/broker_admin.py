@@ -5,6 +5,8 @@ what the manager's ``--agent-identity on`` compares ``user_id`` with — and giv
 the permissions of :func:`mesh.topology.permissions.agent_permissions`. ``remove_agent``
 deletes the user: RabbitMQ closes its connections at once, the agent cannot reconnect, stops
 beating, and the manager declares it lost within its heartbeat window (revocation).
+``add_pool_agents`` makes one user for every agent of some pools, where agent IDs are not
+known in advance (a Kubernetes Deployment's pods): the same permissions for any agent ID.
 
 The API is called with the standard library (a handful of synchronous requests from a CLI);
 the management URL carries an administrator's credentials:
@@ -18,10 +20,15 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 from mesh.errors import MeshError
-from mesh.topology.permissions import AgentPermissions, agent_permissions
+from mesh.topology.permissions import (
+    AgentPermissions,
+    agent_permissions,
+    pool_agents_permissions,
+)
 
 DEFAULT_MANAGEMENT_URL = "http://guest:guest@127.0.0.1:15672"
 
@@ -51,10 +58,23 @@ class BrokerAdmin:
     ) -> AgentPermissions:
         """Create or update agent ``agent_id``'s user with its permissions; returns them."""
         permissions = agent_permissions(namespace, agent_id, pool_id)
-        self._request("PUT", f"/api/users/{_q(agent_id)}", {"password": password, "tags": ""})
+        self._set_user(agent_id, password, permissions)
+        return permissions
+
+    def add_pool_agents(
+        self, user: str, password: str, *, namespace: str, pool_ids: Sequence[str]
+    ) -> AgentPermissions:
+        """Create or update ``user``, shared by every agent of ``pool_ids`` (the pods of a
+        Deployment), with :func:`~mesh.topology.permissions.pool_agents_permissions`."""
+        permissions = pool_agents_permissions(namespace, pool_ids)
+        self._set_user(user, password, permissions)
+        return permissions
+
+    def _set_user(self, user: str, password: str, permissions: AgentPermissions) -> None:
+        self._request("PUT", f"/api/users/{_q(user)}", {"password": password, "tags": ""})
         self._request(
             "PUT",
-            f"/api/permissions/{_q(self.vhost)}/{_q(agent_id)}",
+            f"/api/permissions/{_q(self.vhost)}/{_q(user)}",
             {
                 "configure": permissions.configure,
                 "write": permissions.write,
@@ -62,17 +82,16 @@ class BrokerAdmin:
             },
         )
         try:  # an update replaces every topic permission the user had (another namespace's)
-            self._request("DELETE", f"/api/topic-permissions/{_q(self.vhost)}/{_q(agent_id)}")
+            self._request("DELETE", f"/api/topic-permissions/{_q(self.vhost)}/{_q(user)}")
         except BrokerAdminError as exc:
             if "HTTP 404" not in str(exc):
                 raise
         for topic in permissions.topics:
             self._request(
                 "PUT",
-                f"/api/topic-permissions/{_q(self.vhost)}/{_q(agent_id)}",
+                f"/api/topic-permissions/{_q(self.vhost)}/{_q(user)}",
                 {"exchange": topic.exchange, "write": topic.write, "read": topic.read},
             )
-        return permissions
 
     def remove_agent(self, agent_id: str) -> bool:
         """Delete the agent's user (its connections are closed); ``False`` if there was none."""

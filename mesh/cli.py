@@ -616,6 +616,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from mesh.broker_admin import BrokerAdmin, BrokerAdminError
 
     vhost = urllib.parse.unquote(urllib.parse.urlsplit(args.amqp_url).path[1:]) or "/"
+    pools = list(dict.fromkeys(args.pool or []))
     try:
         admin = BrokerAdmin(args.management_url, vhost=vhost)
         if args.action == "remove-agent":
@@ -624,8 +625,11 @@ def cmd_broker(args: argparse.Namespace) -> int:
             else:
                 print(f"{args.agent_id}: no such broker user")
             return 0
-        if not args.pool:
-            print("mesh: broker add-agent needs --pool POOL", file=sys.stderr)
+        if args.action == "add-agent" and len(pools) != 1:
+            print("mesh: broker add-agent needs one --pool POOL", file=sys.stderr)
+            return 2
+        if not pools:
+            print("mesh: broker add-pool-agents needs --pool POOL (one or more)", file=sys.stderr)
             return 2
         password, generated = os.environ.get(args.password_env or "", ""), False
         if args.password_env and not password:
@@ -633,13 +637,22 @@ def cmd_broker(args: argparse.Namespace) -> int:
             return 2
         if not password:
             password, generated = secrets.token_urlsafe(24), True
-        permissions = admin.add_agent(
-            args.agent_id, password, namespace=args.namespace, pool_id=args.pool
-        )
+        if args.action == "add-agent":
+            permissions = admin.add_agent(
+                args.agent_id, password, namespace=args.namespace, pool_id=pools[0]
+            )
+            print(f"{args.agent_id}: broker user with its own permissions on vhost {vhost!r}")
+        else:
+            permissions = admin.add_pool_agents(
+                args.agent_id, password, namespace=args.namespace, pool_ids=pools
+            )
+            print(
+                f"{args.agent_id}: broker user shared by the agents of {', '.join(pools)} on "
+                f"vhost {vhost!r} (they may speak for one another, never for the managers)"
+            )
     except BrokerAdminError as exc:
         print(f"mesh: {exc}", file=sys.stderr)
         return 1
-    print(f"{args.agent_id}: broker user with its own permissions on vhost {vhost!r}")
     print(f"  configure  {permissions.configure}")
     print(f"  write      {permissions.write}")
     print(f"  read       {permissions.read}")
@@ -650,7 +663,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
         netloc = f"{urllib.parse.quote(args.agent_id)}:{password}@{parts.hostname}"
         netloc += f":{parts.port}" if parts.port else ""
         print(
-            "  its AMQP URL (shown once; pass it as MESH_AMQP_URL with MESH_SHARED_TOPOLOGY=check):"
+            "  its AMQP URL (shown once; pass it as MESH_AMQP_URL with MESH_SHARED_TOPOLOGY=check"
+            " and MESH_MANAGER_USER=<the managers' broker user>):"
         )
         print(f"  {urllib.parse.urlunsplit(parts._replace(netloc=netloc))}")
     return 0
@@ -1207,16 +1221,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("broker", help="operators: broker users of agents (management API)")
     p.add_argument(
         "action",
-        choices=("add-agent", "remove-agent"),
-        help="create an agent's broker user with its permissions, or delete it",
+        choices=("add-agent", "add-pool-agents", "remove-agent"),
+        help="add-agent: create one agent's broker user with its permissions; "
+        "add-pool-agents: one user for every agent of the --pool(s) (a Deployment's pods, "
+        "whose IDs are not known in advance); remove-agent: delete a broker user",
     )
-    p.add_argument("agent_id", help="the agent's ID, which is also its broker user's name")
-    p.add_argument("--pool", help="add-agent: the pool (Deployment) whose task queue it reads")
+    p.add_argument(
+        "agent_id",
+        metavar="NAME",
+        help="the agent's ID, which is also its broker user's name (add-pool-agents: the "
+        "user's name)",
+    )
+    p.add_argument(
+        "--pool",
+        action="append",
+        help="the pool (Deployment) whose task queue its agents read; add-pool-agents takes "
+        "it more than once",
+    )
     p.add_argument(
         "--password-env",
         metavar="VAR",
-        help="add-agent: take the password from this environment variable (default: a new "
-        "random one, printed once in the agent's AMQP URL)",
+        help="take the password from this environment variable (default: a new random one, "
+        "printed once in the user's AMQP URL)",
     )
     p.add_argument(
         "--management-url",

@@ -19,11 +19,16 @@ exactly what it uses (see docs/security.md for the table and what each is for):
   refused by the broker (``ACCESS_REFUSED``).
 
 Names are matched whole (``^…$``) with every literal part escaped.
+
+Where agents' IDs are not known in advance (a Kubernetes Deployment names its pods),
+:func:`pool_agents_permissions` gives one user shared by the agents of some pools the same,
+with the agent ID matched by its form (:data:`AGENT_ID_WORD`) instead of spelled out.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mesh import constants as c
@@ -64,25 +69,56 @@ def _any_of(*literals: str) -> str:
     return "^(" + "|".join(literal(name) for name in literals) + ")$"
 
 
+AGENT_ID_WORD = "[A-Za-z0-9][A-Za-z0-9_-]{0,62}"
+"""Any agent ID, as a pattern: the wire's ``AgentId`` form (one routing-key word, no dots)."""
+
+_ANY_AGENT = "\x00any-agent\x00"
+"""Stands in for the agent ID while a pool user's names are built with the usual name
+functions, then replaced by :data:`AGENT_ID_WORD` in the escaped pattern (NUL: no real name
+holds it, so one agent's own ID can never be taken for it)."""
+
+
 def agent_permissions(namespace: str, agent_id: str, pool_id: str) -> AgentPermissions:
+    """One agent's user: what agent ``agent_id`` of pool ``pool_id`` uses, nothing else."""
+    return _permissions(namespace, agent_id, [pool_id], any_agent=False)
+
+
+def pool_agents_permissions(namespace: str, pool_ids: Sequence[str]) -> AgentPermissions:
+    """One user shared by every agent of ``pool_ids`` (the pods of a Deployment, whose IDs
+    are not known in advance): what :func:`agent_permissions` gives one agent, for any agent
+    ID — so these agents may speak for one another, and read one another's queues, but not
+    for the managers, nor read another pool's queue."""
+    if not pool_ids:
+        raise ValueError("a pool agents' user needs at least one pool")
+    return _permissions(namespace, _ANY_AGENT, pool_ids, any_agent=True)
+
+
+def _permissions(
+    namespace: str, agent_id: str, pool_ids: Sequence[str], *, any_agent: bool
+) -> AgentPermissions:
     own = (
         names.agent_control_queue(namespace, agent_id),
         names.agent_task_queue(namespace, agent_id),
     )
     announce = names.exchange(namespace, c.ANNOUNCE_EXCHANGE)
     heartbeat = names.exchange(namespace, c.HEARTBEAT_EXCHANGE)
+
+    def any_of(*literals: str) -> str:
+        pattern = _any_of(*literals)
+        return pattern.replace(_ANY_AGENT, AGENT_ID_WORD) if any_agent else pattern
+
     return AgentPermissions(
-        configure=_any_of(*own),
-        write=_any_of(
+        configure=any_of(*own),
+        write=any_of(
             *own,
             announce,
             heartbeat,
             names.exchange(namespace, c.DEAD_LETTER_EXCHANGE),
             "amq.default",
         ),
-        read=_any_of(
+        read=any_of(
             *own,
-            names.pool_task_queue(namespace, pool_id),
+            *(names.pool_task_queue(namespace, pool_id) for pool_id in pool_ids),
             names.exchange(namespace, c.AGENTS_EXCHANGE),
             names.exchange(namespace, c.TASKS_EXCHANGE),
             names.exchange(namespace, c.EVENTS_EXCHANGE),
@@ -91,14 +127,12 @@ def agent_permissions(namespace: str, agent_id: str, pool_id: str) -> AgentPermi
             TopicPermission(
                 announce,
                 write=_with_shard(
-                    _any_of(
-                        *(names.agent_announce_key(agent_id, v) for v in c.AGENT_ANNOUNCE_VERBS)
-                    )
+                    any_of(*(names.agent_announce_key(agent_id, v) for v in c.AGENT_ANNOUNCE_VERBS))
                 ),
                 read=NOTHING,
             ),
             TopicPermission(
-                heartbeat, write=_with_shard(_any_of(names.heartbeat_key(agent_id))), read=NOTHING
+                heartbeat, write=_with_shard(any_of(names.heartbeat_key(agent_id))), read=NOTHING
             ),
         ),
     )

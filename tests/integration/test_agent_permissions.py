@@ -15,13 +15,18 @@ would refuse the same again, but these messages never reach it.
   (``shared_topology="declare"``) cannot start.
 * Before the manager has declared the topology, a ``check`` agent fails with
   ``TopologyMissing`` and says what to do.
+* One user shared by a pool's agents (``mesh broker add-pool-agents``, for a Deployment's
+  pods): two agents under it register and serve; another pool's queue stays refused; and a
+  drain notice one of them forges for the other, signed with the shared user, is refused by
+  the other — it takes control messages only from the managers' user.
 """
 
 from __future__ import annotations
 
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,9 +38,10 @@ from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.topology import Topology, names
+from mesh.wire import DrainNotice
 from mesh.wire.models import Heartbeat
 
-from .harness import eventually, management_url
+from .harness import eventually, management_url, manager_settings, start_manager
 from .test_identity import connect, manager
 
 __all__ = ["connect", "manager"]  # fixtures, used by name
@@ -65,6 +71,31 @@ def agent_users(admin: BrokerAdmin, amqp_url: str, namespace: str) -> Iterator[C
     yield make
     for agent_id in made:
         admin.remove_agent(agent_id)
+
+
+@pytest.fixture
+async def open_manager(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> AsyncIterator[ManagerService]:
+    """A manager with agent identity off: where a pool's agents share a user, the user names
+    no agent (the manager cannot tell them apart by it)."""
+    service = await start_manager(
+        manager_settings(namespace, tmp_path / "journal.sqlite3", amqp_url=amqp_url)
+    )
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+def pool_user(admin: BrokerAdmin, amqp_url: str, namespace: str) -> Iterator[str]:
+    """A user for every agent of pool ``POOL``, as ``mesh broker add-pool-agents`` makes it;
+    its AMQP URL. Deleted afterwards."""
+    user = agent_name("pool")
+    admin.add_pool_agents(user, PASSWORD, namespace=namespace, pool_ids=[POOL])
+    parts = urllib.parse.urlsplit(amqp_url)
+    netloc = f"{user}:{PASSWORD}@{parts.hostname}:{parts.port or 5672}"
+    yield urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    admin.remove_agent(user)
 
 
 def agent_name(tag: str) -> str:
@@ -189,3 +220,48 @@ async def test_a_checking_agent_before_the_manager_fails_with_topology_missing(
     runtime = calc_runtime(name, agent_users(name), namespace)
     with pytest.raises(TopologyMissing, match="start it first"):
         await runtime.start()
+
+
+async def test_a_pools_agents_share_one_user_and_still_cannot_speak_for_the_managers(
+    open_manager: ManagerService, pool_user: str, amqp_url: str, connect: Any, namespace: str
+) -> None:
+    topology = Topology(namespace)
+    user = urllib.parse.unquote(urllib.parse.urlsplit(pool_user).username or "")
+    first, second = agent_name("calc-a"), agent_name("calc-b")
+    runtimes = [calc_runtime(name, pool_user, namespace) for name in (first, second)]
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="permissions-client")
+    try:
+        for runtime in runtimes:
+            await runtime.start()
+        assert {first, second} <= set(open_manager.core.agents)
+        outcome = await client.run_task("math.evaluate", {"expression": "6 * 7"})
+        assert outcome.output["value"] == 42 and outcome.lease.agent_id in (first, second)
+
+        owner = await connect(amqp_url, "queue-owner")  # another pool's queue exists
+        await owner.declare(topology.pool("search"))
+
+        async def ignore(_: Any) -> None:
+            return None
+
+        with pytest.raises(Exception, match="ACCESS_REFUSED"):
+            await (await connect(pool_user, user)).consume(
+                topology.pool_task_queue("search"), ignore
+            )
+
+        # The second agent's user forges a drain notice for the first, through amq.default
+        # by its control queue's name (which the shared user may write to): refused.
+        forger = await connect(pool_user, user)
+        await forger.publish(
+            "",
+            topology.agent_control_queue(first),
+            DrainNotice(agent_id=first, reason="forged"),
+            user_id=user,
+        )
+        await eventually(
+            lambda: runtimes[0].counters["control_not_from_manager"] == 1, what="the refusal"
+        )
+        assert not runtimes[0]._draining and first in open_manager.core.agents
+    finally:
+        await client.close()
+        for runtime in runtimes:
+            await runtime.stop()

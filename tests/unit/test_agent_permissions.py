@@ -12,7 +12,7 @@ import re
 import pytest
 
 from mesh.topology import Topology, names
-from mesh.topology.permissions import agent_permissions, literal
+from mesh.topology.permissions import agent_permissions, literal, pool_agents_permissions
 
 NS, AGENT, POOL = "prod-eu", "calc-1", "calc"
 P = agent_permissions(NS, AGENT, POOL)
@@ -91,3 +91,61 @@ def test_another_namespace_is_another_world() -> None:
 def test_a_literal_escapes_only_metacharacters() -> None:
     assert literal("prod-eu.agent.calc_1.tasks") == r"prod-eu\.agent\.calc_1\.tasks"
     assert allows(literal("a+b(c)"), "a+b(c)") and not allows(literal("a.b"), "axb")
+
+
+# ---- one user for every agent of some pools (a Deployment's pods) ----------------------------
+
+SHARED = pool_agents_permissions(NS, ["calc", "echo"])
+
+
+@pytest.mark.parametrize("agent", ["calc-7f9c4d-x2v8q", "a", "A_1", "x" * 63], ids=len)
+def test_a_pool_user_may_do_for_any_agent_id_what_one_agents_user_may(agent: str) -> None:
+    one = agent_permissions(NS, agent, "calc")
+    for name in (T.agent_control_queue(agent), T.agent_task_queue(agent)):
+        for shared, own in (
+            (SHARED.configure, one.configure),
+            (SHARED.write, one.write),
+            (SHARED.read, one.read),
+        ):
+            assert allows(shared, name) and allows(own, name)
+    announce, heartbeat = SHARED.topics
+    for shard in (None, 3):
+        assert allows(heartbeat.write, names.heartbeat_key(agent, shard))
+        for verb in ("register", "deregister", "drain", "standing", "admission"):
+            assert allows(announce.write, names.agent_announce_key(agent, verb, shard))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["a.b", "-a", "", "x" * 64, "a b", "a*"],
+    ids=repr,
+)
+def test_a_pool_user_gets_nothing_for_what_is_not_an_agent_id(name: str) -> None:
+    for pattern in (SHARED.configure, SHARED.write, SHARED.read):
+        assert not allows(pattern, T.agent_task_queue(name)), name
+    announce, heartbeat = SHARED.topics
+    assert not allows(heartbeat.write, names.heartbeat_key(name))
+    assert not allows(announce.write, names.agent_announce_key(name, "register"))
+
+
+def test_a_pool_user_reads_only_its_pools_queues_and_writes_nothing_of_the_managers() -> None:
+    for pool in ("calc", "echo"):
+        assert allows(SHARED.read, T.pool_task_queue(pool))
+    assert not allows(SHARED.read, T.pool_task_queue("search"))
+    for forbidden in (T.events_exchange, T.tasks_exchange, T.control_exchange, T.agents_exchange):
+        assert not allows(SHARED.write, forbidden), forbidden
+    for name in (*T.shared_exchanges(), T.dead_letter_queue, T.rpc_queue, T.announce_queue):
+        assert not allows(SHARED.configure, name), name
+    announce, _ = SHARED.topics
+    assert not allows(announce.write, names.agent_announce_key("calc-1", "anything"))
+
+
+def test_an_agent_id_like_the_placeholder_is_not_a_wildcard() -> None:
+    # One agent's own user never matches another agent, whatever its ID looks like.
+    sneaky = agent_permissions(NS, "any-agent", POOL)
+    assert not allows(sneaky.configure, T.agent_task_queue("calc-1"))
+
+
+def test_a_pool_user_needs_a_pool() -> None:
+    with pytest.raises(ValueError, match="at least one pool"):
+        pool_agents_permissions(NS, [])

@@ -25,6 +25,23 @@ def test_add_agent_needs_a_pool(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--pool" in capsys.readouterr().err
 
 
+def test_add_agent_takes_one_pool_and_add_pool_agents_one_or_more(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["broker", "add-agent", "calc-1", "--pool", "calc", "--pool", "echo"]) == 2
+    assert "one --pool" in capsys.readouterr().err
+    assert main(["broker", "add-pool-agents", "mesh-agents-calc"]) == 2
+    assert "--pool" in capsys.readouterr().err
+    args = build_parser().parse_args(
+        ["broker", "add-pool-agents", "mesh-agents", "--pool", "calc", "--pool", "echo"]
+    )
+    assert (args.action, args.agent_id, args.pool) == (
+        "add-pool-agents",
+        "mesh-agents",
+        ["calc", "echo"],
+    )
+
+
 def test_an_unset_password_variable_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
