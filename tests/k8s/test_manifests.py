@@ -27,6 +27,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -56,6 +57,7 @@ they must be: see ``test_agent_deployment_is_named_after_the_deployment_its_agen
 
 AGENT_HTTP_PORT = 8080
 SECRET_NAME, SECRET_KEY = "mesh-amqp", "url"
+MANAGER_USER_KEY = "manager-user"  # the managers' broker user, as agents are told it
 
 Doc = dict[str, Any]
 
@@ -196,13 +198,15 @@ def test_no_guest_credentials_in_any_manifest(path: Path) -> None:
     assert "guest" not in path.read_text().lower()
 
 
+def secret_ref(key: str) -> Doc:
+    return {"secretKeyRef": {"name": SECRET_NAME, "key": key}}
+
+
 def test_the_broker_url_comes_only_from_the_secret_by_reference() -> None:
     for name, deployment in deployments().items():
         env = env_of(container(deployment))
-        assert env["MESH_AMQP_URL"] == {
-            "name": "MESH_AMQP_URL",
-            "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": SECRET_KEY}},
-        }, name
+        key = SECRET_KEY if name == "mesh-manager" else f"agent-url-{name}"
+        assert env["MESH_AMQP_URL"] == {"name": "MESH_AMQP_URL", "valueFrom": secret_ref(key)}, name
         for var in env.values():
             assert "amqp://" not in str(var.get("value", "")), f"{name}: {var['name']}"
     for where, doc in DOCS:
@@ -216,8 +220,31 @@ def test_the_example_secret_shows_the_keys_the_manifests_read_with_placeholders_
     assert "data" not in secret, "stringData placeholders, no encoded values"
     url = secret["stringData"][SECRET_KEY]
     assert url.startswith("amqp://") and "REPLACE_WITH_PASSWORD" in url
-    for value in secret["stringData"].values():
-        assert "REPLACE_WITH_PASSWORD" in value
+    for key, value in secret["stringData"].items():
+        assert "REPLACE_WITH_PASSWORD" in value or key == MANAGER_USER_KEY, key
+    read = {
+        var["valueFrom"]["secretKeyRef"]["key"]
+        for deployment in deployments().values()
+        for var in env_of(container(deployment)).values()
+        if "secretKeyRef" in var.get("valueFrom", {})
+    }
+    assert read <= set(secret["stringData"]), read - set(secret["stringData"])
+
+
+def test_agents_have_broker_users_of_their_own_and_take_control_only_from_the_managers() -> None:
+    """No agent holds the managers' broker user (it could sign control messages as them):
+    each Deployment's agents read their pool's user, made by ``mesh broker add-pool-agents``,
+    which may not declare the shared topology (so they check it), and are told the managers'
+    user, which the example Secret keeps apart from every agent user."""
+    (secret,) = docs_of("Secret", path="secret.example.yaml")
+    data = secret["stringData"]
+    managers = urlsplit(data[SECRET_KEY]).username
+    assert data[MANAGER_USER_KEY] == managers
+    for name in AGENT_DEPLOYMENTS:
+        env = env_of(container(one("Deployment", name)))
+        assert env["MESH_MANAGER_USER"]["valueFrom"] == secret_ref(MANAGER_USER_KEY), name
+        assert env["MESH_SHARED_TOPOLOGY"]["value"] == "check", name
+        assert urlsplit(data[f"agent-url-{name}"]).username not in (None, managers), name
 
 
 # ---- agents -----------------------------------------------------------------------------------
