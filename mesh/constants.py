@@ -21,6 +21,9 @@ AGENTS_EXCHANGE: Final = "agents"  # manager -> one agent: acks, drain, re-regis
 TASKS_EXCHANGE: Final = "tasks"  # producer -> one agent: tasks
 DEAD_LETTER_EXCHANGE: Final = "dead-letter"
 
+AGENT_ID_WORD: Final = "[A-Za-z0-9][A-Za-z0-9_-]{0,62}"
+"""An agent ID (and a pool ID): one routing-key word, no dots — the wire's ``AgentId``."""
+
 # Routing-key prefixes.
 RK_AGENT: Final = "agent"  # agent.<agent_id>.<verb>, a verb of AGENT_ANNOUNCE_VERBS
 FEATURE_DESCRIPTOR_EPOCHS: Final = "descriptor-epochs"

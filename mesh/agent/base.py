@@ -45,7 +45,7 @@ __all__ = [
     "capability",
 ]
 
-AGENT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+AGENT_ID_PATTERN = re.compile(f"^{c.AGENT_ID_WORD}$")
 _DEPLOYMENT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,55}$")  # room for "-<6 hex>"
 _MARK = "__mesh_capability__"
 

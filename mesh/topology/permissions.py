@@ -22,7 +22,8 @@ Names are matched whole (``^…$``) with every literal part escaped.
 
 Where agents' IDs are not known in advance (a Kubernetes Deployment names its pods),
 :func:`pool_agents_permissions` gives one user shared by the agents of some pools the same,
-with the agent ID matched by its form (:data:`AGENT_ID_WORD`) instead of spelled out.
+with the agent ID matched by its form (:data:`mesh.constants.AGENT_ID_WORD`) instead of
+spelled out.
 """
 
 from __future__ import annotations
@@ -69,13 +70,10 @@ def _any_of(*literals: str) -> str:
     return "^(" + "|".join(literal(name) for name in literals) + ")$"
 
 
-AGENT_ID_WORD = "[A-Za-z0-9][A-Za-z0-9_-]{0,62}"
-"""Any agent ID, as a pattern: the wire's ``AgentId`` form (one routing-key word, no dots)."""
-
 _ANY_AGENT = "\x00any-agent\x00"
 """Stands in for the agent ID while a pool user's names are built with the usual name
-functions, then replaced by :data:`AGENT_ID_WORD` in the escaped pattern (NUL: no real name
-holds it, so one agent's own ID can never be taken for it)."""
+functions, then replaced by :data:`mesh.constants.AGENT_ID_WORD` in the escaped pattern
+(NUL: no real name holds it, so one agent's own ID can never be taken for it)."""
 
 
 def agent_permissions(namespace: str, agent_id: str, pool_id: str) -> AgentPermissions:
@@ -105,7 +103,7 @@ def _permissions(
 
     def any_of(*literals: str) -> str:
         pattern = _any_of(*literals)
-        return pattern.replace(_ANY_AGENT, AGENT_ID_WORD) if any_agent else pattern
+        return pattern.replace(_ANY_AGENT, c.AGENT_ID_WORD) if any_agent else pattern
 
     return AgentPermissions(
         configure=any_of(*own),

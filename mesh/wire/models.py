@@ -17,7 +17,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from mesh.constants import DEFAULT_HEARTBEAT_INTERVAL_S
+from mesh.constants import AGENT_ID_WORD, DEFAULT_HEARTBEAT_INTERVAL_S
 from mesh.wire.reasons import Reason
 
 _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)$")
@@ -34,7 +34,7 @@ CapabilityName = Annotated[
 AgentId = Annotated[
     str,
     Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$",
+        pattern=f"^{AGENT_ID_WORD}$",
         description="Agent identifier; usable as a routing-key word (no dots).",
         examples=["calc-7f9c"],
     ),
@@ -423,7 +423,7 @@ class InvocationLease(WireModel):
 PoolId = Annotated[
     str,
     Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$",  # the AgentId form: a routing-key word
+        pattern=f"^{AGENT_ID_WORD}$",  # the AgentId form: a routing-key word
         description="Pool identifier: the agent Deployment; usable as a routing-key word.",
         examples=["calc"],
     ),
