@@ -117,7 +117,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import unquote, urlsplit
 
 from mesh import constants as c
 from mesh.agent.base import Agent
@@ -138,6 +137,7 @@ from mesh.leases import LeaseVerifier
 from mesh.logs import checked
 from mesh.topology import BindingSpec, Declarations, Topology, names
 from mesh.transport import DEFAULT_EXCHANGE, AmqpTransport, Delivery
+from mesh.transport.amqp import url_user
 from mesh.transport.ports import ReportsBrokerCancel, Subscription
 from mesh.transport.ports import Transport as AgentTransport
 from mesh.wire.codec import decode_as, encode
@@ -301,11 +301,7 @@ class AgentRuntime:
         # On a connection of its own the agent signs what it says about itself with its
         # broker user (RabbitMQ validates user_id): a manager with agent identity on checks
         # that the user is the agent named. A transport handed in signs nothing.
-        self._user_id = (
-            unquote(urlsplit(self.settings.amqp_url).username or "") or None
-            if transport is None
-            else None
-        )
+        self._user_id = url_user(self.settings.amqp_url) if transport is None else None
         self._incarnation = uuid.uuid4().hex
         self._rng = rng or random.Random()
         self._capabilities = agent.bind()

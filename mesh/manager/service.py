@@ -38,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import unquote, urlsplit
 
 from pydantic import ValidationError
 
@@ -88,7 +87,7 @@ from mesh.manager.settings import ManagerSettings
 from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import AmqpTransport, with_heartbeat
+from mesh.transport.amqp import AmqpTransport, url_user, with_heartbeat
 from mesh.transport.delivery import DEFAULT_EXCHANGE, Delivery
 from mesh.transport.ports import ManagerTransport, Subscription
 from mesh.wire.admission import (
@@ -230,7 +229,7 @@ class ManagerService:
         self._shard_suspension: asyncio.Task[None] | None = None  # the broker is away
         # The broker user managers publish as: a registration forwarded to its shard's owner
         # carries its agent's user in a header, trusted only from this user (validated).
-        self._manager_user = unquote(urlsplit(settings.amqp_url).username or "") or None
+        self._manager_user = url_user(settings.amqp_url)
         self.observer = Observer(
             manager_id=settings.manager_id,
             namespace=settings.namespace,

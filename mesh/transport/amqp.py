@@ -136,6 +136,12 @@ def _why_not_connected(url: str, exc: BaseException) -> str:
     )
 
 
+def url_user(url: str) -> str | None:
+    """The broker user an AMQP URL logs in as (percent-decoded, as the client sends it), or
+    ``None`` if it names none (the client then logs in as ``guest``)."""
+    return unquote(urlsplit(url).username or "") or None
+
+
 def redact(url: str) -> str:
     """The URL with its password replaced, for messages and logs."""
     parts = urlsplit(url)
@@ -349,7 +355,7 @@ class AmqpTransport:
             connection, channel, url=url, publish_timeout_s=publish_timeout_s, name=name
         )
         if sign:
-            transport.sign_as(unquote(urlsplit(url).username or "guest"))
+            transport.sign_as(url_user(url) or "guest")
         if liveness_probe_s is not None:
             transport.watch(liveness_probe_s)
         return transport
