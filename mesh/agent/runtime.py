@@ -616,13 +616,14 @@ class AgentRuntime:
                         await asyncio.wait({answer}, timeout=self.settings.registration_timeout_s)
                     if answer.done():
                         break
-                    self._check_attempts(attempt, limit)
+                    hint = self._unanswered_hint()
+                    self._check_attempts(attempt, limit, hint)
                     delay = backoff_delay(
                         attempt - 1, rng=self._rng, cap_s=self.settings.registration_backoff_cap_s
                     )
                     log.warning(
                         "no answer to registration; retrying",
-                        extra=self._extra(attempt=attempt, retry_in_s=round(delay, 3)),
+                        extra=self._extra(attempt=attempt, retry_in_s=round(delay, 3), hint=hint),
                     )
                     await asyncio.wait({answer}, timeout=delay)
                 reply = answer.result()
@@ -659,12 +660,25 @@ class AgentRuntime:
                 )
             )
 
-    def _check_attempts(
-        self,
-        attempt: int,
-        limit: int | None,
-        why: str = "is `mesh manager` running on this namespace?",
-    ) -> None:
+    def _unanswered_hint(self) -> str:
+        """Why a registration may go unanswered. A manager run with ``--agent-identity on``
+        dead-letters (``NOT_AUTHORIZED``) a registration published by a broker user other
+        than the agent it names, and answers nothing: a refusal sent to the named agent would
+        let anyone who forges its registration stop it. So the agent says it here, where
+        its broker user is not its agent ID (a pool's shared user)."""
+        why = f"is `mesh manager` running on namespace {self.settings.namespace!r}?"
+        user = self._user_id
+        if user is None or user == self.agent_id:
+            return why
+        return (
+            f"{why} This agent logs in as broker user {user!r}, not as its agent ID: a manager "
+            "run with --agent-identity on dead-letters its registrations (NOT_AUTHORIZED). "
+            "Run the managers with identity off for a pool's shared user "
+            "(mesh broker add-pool-agents), or give each agent a user named as it "
+            "(mesh broker add-agent)."
+        )
+
+    def _check_attempts(self, attempt: int, limit: int | None, why: str) -> None:
         if limit is not None and attempt >= limit:
             raise RegistrationTimeoutError(
                 f"no manager accepted {self.agent_id} after {attempt} attempts; {why}"

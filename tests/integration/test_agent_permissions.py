@@ -19,6 +19,9 @@ would refuse the same again, but these messages never reach it.
   pods): two agents under it register and serve; another pool's queue stays refused; and a
   drain notice one of them forges for the other, signed with the shared user, is refused by
   the other — it takes control messages only from the managers' user.
+* Against a manager with ``--agent-identity on`` such an agent is refused in silence (the
+  registration is dead-lettered, not answered: a refusal would reach the agent it names);
+  the agent itself says why when it gives up: its user is not its agent ID.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import pytest
 
 from mesh.agent import AgentRuntime, AgentSettings
+from mesh.agent.errors import RegistrationTimeoutError
 from mesh.broker_admin import BrokerAdmin
 from mesh.errors import TopologyMissing, TransportError
 from mesh.manager.service import ManagerService
@@ -265,3 +269,20 @@ async def test_a_pools_agents_share_one_user_and_still_cannot_speak_for_the_mana
         await client.close()
         for runtime in runtimes:
             await runtime.stop()
+
+
+async def test_a_pool_user_agent_facing_an_identity_manager_says_why_nobody_answers(
+    manager: ManagerService, pool_user: str, namespace: str
+) -> None:
+    user = urllib.parse.unquote(urllib.parse.urlsplit(pool_user).username or "")
+    name = agent_name("calc")
+    runtime = calc_runtime(
+        name, pool_user, namespace, registration_timeout_s=0.5, max_registration_attempts=2
+    )
+    with pytest.raises(RegistrationTimeoutError) as caught:
+        await runtime.start()
+    message = str(caught.value)
+    assert f"broker user {user!r}, not as its agent ID" in message, message
+    assert "--agent-identity on" in message and "add-pool-agents" in message, message
+    assert name not in manager.core.agents
+    assert manager.counters["dead_lettered.NOT_AUTHORIZED"] >= 1
