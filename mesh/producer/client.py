@@ -35,7 +35,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from mesh import constants as c
 from mesh.errors import (
@@ -54,7 +53,7 @@ from mesh.errors import (
 from mesh.ids import IdSequence, new_admission_id
 from mesh.topology import names
 from mesh.topology.specs import Topology
-from mesh.transport.amqp import AmqpTransport
+from mesh.transport.amqp import AmqpTransport, url_user
 from mesh.transport.delivery import Delivery
 from mesh.transport.ports import ClientTransport, Subscription
 from mesh.wire.admission import (
@@ -217,7 +216,7 @@ class MeshClient:
         queue = names.reply_queue(namespace, name.replace(":", "-"), uuid.uuid4().hex[:8])
         client = cls(transport, topology, queue)
         client._owns_transport = owns
-        client.user_id = urlsplit(url).username if owns else user_id
+        client.user_id = url_user(url) if owns else user_id  # as RabbitMQ decodes it
         # Declared where it is read (over AMQP: the consume-only connection, which hands a
         # read's replies over at once instead of a task and pamqp objects for each).
         client._consumer = await transport.consume_replies(queue, client._on_replies)

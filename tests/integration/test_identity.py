@@ -12,6 +12,8 @@ message only when the agent it names is the user who published it.
 * Heartbeats for another agent are counted and dropped: they cannot keep a dead agent alive.
 * An SDK agent on its own user registers and serves a task.
 * A revoked user (deleted) is disconnected by the broker, and its agent is declared lost.
+* A producer whose user name the URL must escape (``team%40a`` for ``team@a``) signs its
+  requests with the name RabbitMQ decoded, and is the tenant of its admissions.
 
 The users are made for each test through the management API (all permissions on the vhost:
 topic permissions per agent are the next step) and deleted afterwards.
@@ -35,6 +37,7 @@ from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.topology import Topology
 from mesh.transport.amqp import AmqpTransport
+from mesh.wire import CapabilityRange, TaskRequirements
 from mesh.wire.reasons import Reason
 
 from .harness import FAST_POOL, RawAgent, eventually, manager_settings, start_manager
@@ -51,19 +54,23 @@ def broker_users(management_api: Any, amqp_url: str) -> Iterator[Callable[[str],
     vhost = management_api._q(management_api.vhost)
 
     def make(name: str) -> str:
-        management_api.request("PUT", f"/api/users/{name}", body={"password": PASSWORD, "tags": ""})
-        made.append(name)
+        quoted = management_api._q(name)  # a name may hold characters a URL escapes
+        management_api.request(
+            "PUT", f"/api/users/{quoted}", body={"password": PASSWORD, "tags": ""}
+        )
+        made.append(quoted)
         management_api.request(
             "PUT",
-            f"/api/permissions/{vhost}/{name}",
+            f"/api/permissions/{vhost}/{quoted}",
             body={"configure": ".*", "write": ".*", "read": ".*"},
         )
-        netloc = f"{name}:{PASSWORD}@{parts.hostname}:{parts.port or 5672}"
+        user = urllib.parse.quote(name, safe="")
+        netloc = f"{user}:{PASSWORD}@{parts.hostname}:{parts.port or 5672}"
         return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
     yield make
-    for name in made:
-        management_api._delete(f"/api/users/{name}")
+    for quoted in made:
+        management_api._delete(f"/api/users/{quoted}")
 
 
 @pytest.fixture
@@ -237,3 +244,30 @@ async def test_a_revoked_user_is_disconnected_and_its_agent_declared_lost(
     await agent.stop_heartbeats()
     connections = management_api.request("GET", "/api/connections")
     assert not [c for c in connections if c.get("user") == name], "still connected"
+
+
+async def test_a_producer_whose_user_name_is_escaped_in_the_url_signs_as_the_decoded_name(
+    manager: ManagerService, broker_users: Callable[[str], str], namespace: str
+) -> None:
+    name = f"perm-{uuid.uuid4().hex[:8]}@team a"  # '@' and ' ' are escaped in a URL
+    url = broker_users(name)
+    assert name not in url
+    client = await MeshClient.connect(url, namespace=namespace, name="escaped-producer")
+    try:
+        assert client.user_id == name
+        decision = await client.admit(
+            TaskRequirements(
+                capability=CapabilityRange(name="calc.nothing", version_spec=">=1"),
+                task_schema_version="1.0.0",
+                result_schema_version="1.0.0",
+                input_classifications=["internal"],
+                estimated_tokens=10,
+                estimated_duration_s=0.1,
+            ),
+            timeout_s=5,
+        )
+        assert decision.outcome == "rejected"  # nobody offers it; the point is the answer
+        explained = await client.explain(decision.admission_id)
+        assert explained.found and explained.tenant == name
+    finally:
+        await client.close()
