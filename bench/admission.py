@@ -83,7 +83,7 @@ from mesh import constants as c
 from mesh.core.capacity import LiveCapacity, LiveOffer
 from mesh.errors import BrokerUnavailable, StoreError
 from mesh.gc_tuning import tune_gc
-from mesh.ids import new_admission_id
+from mesh.ids import IdSequence, new_admission_id
 from mesh.ledger.postgres import PostgresLedger
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore
@@ -295,8 +295,9 @@ class AiormqEcho:
     without acks, matching replies to futures by ``correlation_id``. Its connections queue
     up to ``WRITE_QUEUE_FRAMES`` frames for their writer, as ours do (aiormq's default of 10
     queues a burst of publishes on the channel lock; mesh.transport.amqp raises it for every
-    aiormq connection in the process). Nothing is decoded: everything ours does beyond this
-    is the price of the feature.
+    aiormq connection in the process). Message and correlation IDs come from
+    :class:`mesh.ids.IdSequence` (a prefix and a counter), as ours do, not a ``uuid4`` each.
+    Nothing is decoded: everything ours does beyond this is the price of the feature.
     """
 
     label = "raw aiormq echo"
@@ -310,6 +311,8 @@ class AiormqEcho:
         self._pending: dict[str, asyncio.Future[bytes]] = {}
         self._publish: aiormq.abc.AbstractChannel | None = None
         self._reply_queue = ""
+        self._ids = IdSequence()  # the client's message and correlation IDs
+        self._server_ids = IdSequence()  # the server's message IDs
 
     async def start(self) -> None:
         assert aiormq.Connection.FRAME_BUFFER_SIZE >= WRITE_QUEUE_FRAMES  # tuned as ours
@@ -332,7 +335,7 @@ class AiormqEcho:
                 properties=aiormq.spec.Basic.Properties(
                     content_type=c.CONTENT_TYPE,
                     correlation_id=props.correlation_id,
-                    message_id=uuid.uuid4().hex,
+                    message_id=self._server_ids.next(),
                 ),
                 mandatory=True,
                 wait=False,
@@ -358,7 +361,7 @@ class AiormqEcho:
 
     async def call(self, body: bytes) -> bytes:
         assert self._publish is not None
-        correlation_id = uuid.uuid4().hex
+        correlation_id = self._ids.next()
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[correlation_id] = fut
         try:
@@ -369,7 +372,7 @@ class AiormqEcho:
                     routing_key="rpc.echo",
                     properties=aiormq.spec.Basic.Properties(
                         content_type=c.CONTENT_TYPE,
-                        message_id=uuid.uuid4().hex,
+                        message_id=self._ids.next(),
                         reply_to=self._reply_queue,
                         correlation_id=correlation_id,
                         user_id=self.user_id,
