@@ -23,7 +23,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import UTC, datetime
 from functools import partial
 from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -55,7 +54,7 @@ from mesh.transport import dead_letters
 from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
 from mesh.transport.delivery import NO_SETTLE, Handler, Settlement
 from mesh.transport.delivery import Delivery as Delivery  # re-exported
-from mesh.transport.frames import publish_frames, typed_properties
+from mesh.transport.frames import message_properties, publish_frames
 from mesh.transport.lean import DeliveriesCallback, LeanConnection, LeanConsumer
 from mesh.transport.lean import RawBatch as RawBatch  # re-exported
 from mesh.transport.lean import RawBatchCallback as RawBatchCallback  # re-exported
@@ -83,6 +82,10 @@ aiormq.Connection.FRAME_BUFFER_SIZE = max(aiormq.Connection.FRAME_BUFFER_SIZE, W
 _FAST_PROPERTIES = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
 _FAST_MARSHALLED = _FAST_PROPERTIES.marshal()
 _CONTROL_TIMEOUT_S = 5.0  # bound on channel operations that are not publishes
+
+_Framed = tuple[str, bytes, bytes, str]
+"""A confirmed publish as its frames are written: routing key, body, marshalled properties,
+message ID."""
 
 
 def _not_an_amqp_url(url: str) -> str | None:
@@ -621,37 +624,34 @@ class AmqpTransport:
         ``user_id``, when set, must be this connection's user: RabbitMQ validates it, which is
         what lets the manager trust it as the authenticated publisher (the tenant)."""
         body = message if isinstance(message, bytes) else encode(message)
-        properties = aiormq.spec.Basic.Properties(
-            content_type=c.CONTENT_TYPE,
-            message_type=None if isinstance(message, bytes) else message.type,
-            message_id=self._message_ids.next(),
+        message_id = self._message_ids.next()
+        properties = message_properties(
+            None if isinstance(message, bytes) else message.type,
+            message_id,
             reply_to=reply_to,
             correlation_id=correlation_id,
             user_id=self.signer if user_id is None else user_id,
-            headers=dict(headers) if headers else None,
-            delivery_mode=2 if persistent else 1,
+            headers=headers or None,
+            persistent=persistent,
             # Whole seconds (AMQP's resolution): the management API reports the head message's
             # timestamp per queue, which is how the manager shows the oldest message's age.
-            timestamp=datetime.fromtimestamp(int(time.time()), UTC) if persistent else None,
+            timestamp=int(time.time()) if persistent else None,
         )
         timeout = self.publish_timeout_s if timeout_s is None else timeout_s
         try:
-            # Straight to aiormq on the confirming channel: aio-pika's Exchange.publish is a
-            # thin wrapper, but its Message object costs more than the publish itself.
+            # On aiormq's confirming channel, with its bookkeeping (a delivery tag and a
+            # confirm future, the message ID mapped to the tag so a return finds it), but the
+            # frames written here (mesh.transport.frames) rather than through pamqp's objects.
+            # The confirm is the wait: nothing waits for the writer to flush the frames, so
+            # concurrent publishes do not go out one loop turn at a time.
             async with asyncio.timeout(timeout):  # the reconnect wait counts, too
                 channel = cast(aiormq.Channel, await self._publish_channel.get_underlay_channel())
-                await channel.basic_publish(
-                    body,
-                    exchange=exchange,
-                    routing_key=routing_key,
-                    properties=properties,
-                    mandatory=mandatory,
-                    # The confirm is the wait. With ``wait`` aiormq would also wait, holding
-                    # the channel's lock, until its writer task had flushed these frames, so
-                    # concurrent publishes would go out one loop turn at a time (measured:
-                    # bench/admission.py).
-                    wait=False,
+                if channel.is_closed:  # frames on a closed channel would close the connection
+                    raise RuntimeError("the channel is closed")
+                (confirm,) = await self._put_confirmed(
+                    channel, exchange, [(routing_key, body, properties, message_id)], mandatory
                 )
+                await confirm
         # Where it went is named (_where) on an error only: not built on every publish.
         except aiormq.exceptions.PublishError as exc:
             raise PublishUnroutable(
@@ -708,7 +708,9 @@ class AmqpTransport:
                 channel = cast(aiormq.Channel, await self._publish_channel.get_underlay_channel())
                 if channel.is_closed:  # frames on a closed channel would close the connection
                     raise RuntimeError("the channel is closed")
-                confirms = await self._put_confirmed(channel, exchange, messages)
+                confirms = await self._put_confirmed(
+                    channel, exchange, [self._framed(key, message) for key, message in messages]
+                )
                 answers = await asyncio.gather(*confirms, return_exceptions=True)
         except TimeoutError:
             return [
@@ -731,8 +733,18 @@ class AmqpTransport:
                 outcomes[index] = TransportError(f"publish to {where} failed: {answer!r}")
         return outcomes
 
+    def _framed(self, routing_key: str, message: Message) -> _Framed:
+        """A message of :meth:`publish_many` as :meth:`_put_confirmed` takes it."""
+        message_id = self._message_ids.next()
+        properties = message_properties(message.type, message_id, user_id=self.signer)
+        return routing_key, encode(message), properties, message_id
+
     async def _put_confirmed(
-        self, channel: aiormq.Channel, exchange: str, messages: Sequence[tuple[str, Message]]
+        self,
+        channel: aiormq.Channel,
+        exchange: str,
+        messages: Sequence[_Framed],
+        mandatory: bool = True,
     ) -> list[asyncio.Future[Any]]:
         """Under the channel's lock: a delivery tag and a confirm future per message, then
         every message's frames in one write (``Channel.basic_publish``'s bookkeeping)."""
@@ -741,7 +753,9 @@ class AmqpTransport:
         async with channel.lock:
             first = channel.delivery_tag + 1
             try:
-                await self._write_confirmed(channel, exchange, messages, frames, confirms)
+                await self._write_confirmed(
+                    channel, exchange, messages, mandatory, frames, confirms
+                )
             except BaseException:
                 # The broker has seen none of them: give their tags back, as aiormq does (the
                 # broker numbers what it receives; a tag skipped here would shift every later
@@ -758,12 +772,12 @@ class AmqpTransport:
         self,
         channel: aiormq.Channel,
         exchange: str,
-        messages: Sequence[tuple[str, Message]],
+        messages: Sequence[_Framed],
+        mandatory: bool,
         frames: list[bytes],
         confirms: list[asyncio.Future[Any]],
     ) -> None:
-        for routing_key, message in messages:
-            message_id = self._message_ids.next()
+        for routing_key, body, properties, message_id in messages:
             channel.delivery_tag += 1
             tag = channel.delivery_tag
             confirm = channel.create_future()
@@ -776,9 +790,9 @@ class AmqpTransport:
                     channel.number,
                     exchange,
                     routing_key,
-                    encode(message),
-                    typed_properties(message.type, message_id, self.signer),
-                    mandatory=True,
+                    body,
+                    properties,
+                    mandatory=mandatory,
                     max_body=channel.max_content_size,
                 )
             )

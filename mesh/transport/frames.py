@@ -4,15 +4,20 @@ aiormq builds a published message from pamqp objects (a ``Basic.Publish`` method
 ``ContentHeader``, ``ContentBody`` chunks) and marshals them frame by frame; at a batch of
 registrations (hundreds of acceptances and feed events a turn) that is a sixth of the
 manager's time. The layout of these three frame types is fixed by the specification
-(section 4.2.3 and the ``basic`` class), so the batch publishes of
-:class:`mesh.transport.amqp.AmqpTransport` write them here; the content properties are still
-marshalled by pamqp (once, where they do not change). ``tests/unit/test_frames.py`` checks
-every byte against pamqp's own marshalling.
+(section 4.2.3 and the ``basic`` class), so :class:`mesh.transport.amqp.AmqpTransport`
+writes them here for every confirmed publish, one or a batch (~4 µs a message against ~25 µs
+through pamqp's objects), and the content properties the transport sets
+(:func:`message_properties`); a header table's values are still encoded by pamqp.
+``tests/unit/test_frames.py`` checks every byte against pamqp's own marshalling.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
+from typing import Any
+
+from pamqp import encode as pamqp_encode
 
 from mesh import constants as c
 
@@ -24,12 +29,18 @@ _FRAME_START = struct.Struct(">BHI")  # type, channel, payload size
 _PUBLISH_START = struct.Struct(">HHH")  # class, method, reserved (ticket)
 _HEADER_START = struct.Struct(">HHQ")  # class, weight, body size
 
-# Basic property flags (the first property is the highest bit), as far as they are used here.
+# Basic property flags (the first property is the highest bit), as far as they are used here;
+# the values follow the flags in this order.
 _CONTENT_TYPE = 0x8000
+_HEADERS = 0x2000
 _DELIVERY_MODE = 0x1000
+_CORRELATION_ID = 0x0400
+_REPLY_TO = 0x0200
 _MESSAGE_ID = 0x0080
+_TIMESTAMP = 0x0040
 _TYPE = 0x0020
 _USER_ID = 0x0010
+_TIMESTAMP_VALUE = struct.Struct(">Q")
 
 
 def _shortstr(text: str) -> bytes:
@@ -42,22 +53,45 @@ def _shortstr(text: str) -> bytes:
 _JSON = _shortstr(c.CONTENT_TYPE)
 
 
-def typed_properties(message_type: str, message_id: str, user_id: str | None = None) -> bytes:
-    """The marshalled properties of a confirmed wire message: content type (JSON),
-    delivery mode 1 (transient), message ID, type and, if given, user ID — what pamqp writes
-    for ``Basic.Properties(content_type=…, message_type=…, message_id=…, delivery_mode=1,
-    user_id=…)``."""
-    flags = _CONTENT_TYPE | _DELIVERY_MODE | _MESSAGE_ID | _TYPE
-    if user_id is not None:
+def message_properties(
+    message_type: str | None,
+    message_id: str,
+    *,
+    reply_to: str | None = None,
+    correlation_id: str | None = None,
+    user_id: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    persistent: bool = False,
+    timestamp: int | None = None,
+) -> bytes:
+    """The marshalled content properties of a published wire message: content type (JSON),
+    the header table if any, delivery mode 2 (``persistent``) or 1, correlation ID, reply-to,
+    message ID, timestamp (whole seconds since the epoch), type and user ID — what pamqp
+    writes for ``Basic.Properties`` with those values. As pamqp does, a property that is
+    ``None`` or an empty string is left out."""
+    flags = _CONTENT_TYPE | _DELIVERY_MODE | _MESSAGE_ID
+    parts = [_JSON]
+    if headers is not None:
+        flags |= _HEADERS
+        parts.append(pamqp_encode.field_table(dict(headers)))
+    parts.append(b"\x02" if persistent else b"\x01")
+    if correlation_id:
+        flags |= _CORRELATION_ID
+        parts.append(_shortstr(correlation_id))
+    if reply_to:
+        flags |= _REPLY_TO
+        parts.append(_shortstr(reply_to))
+    parts.append(_shortstr(message_id))
+    if timestamp is not None:
+        flags |= _TIMESTAMP
+        parts.append(_TIMESTAMP_VALUE.pack(timestamp))
+    if message_type:
+        flags |= _TYPE
+        parts.append(_shortstr(message_type))
+    if user_id:
         flags |= _USER_ID
-    return (
-        flags.to_bytes(2, "big")
-        + _JSON
-        + b"\x01"
-        + _shortstr(message_id)
-        + _shortstr(message_type)
-        + (b"" if user_id is None else _shortstr(user_id))
-    )
+        parts.append(_shortstr(user_id))
+    return flags.to_bytes(2, "big") + b"".join(parts)
 
 
 def publish_frames(
