@@ -79,6 +79,11 @@ H_TRUNCATED: Final = "x-mesh-truncated"  # true: the dead letter keeps only a pr
 H_AGENT_ID: Final = "x-mesh-agent-id"
 H_LEASE_ID: Final = "x-mesh-lease-id"
 H_ADMISSION_ID: Final = "x-mesh-admission-id"  # the business ID of a granted task's publish
+# A client's request: the reply fields added after their message's release that it knows,
+# comma-separated (docs/protocol.md 1.2); a manager sets such a field only for a client that
+# lists it, as it does for an agent that lists a feature in its registration.
+H_FEATURES: Final = "x-mesh-features"
+FEATURE_UNANSWERED: Final = "unanswered-shards"  # StatusReply.unanswered_shards
 
 CONTENT_TYPE: Final = "application/json"
 

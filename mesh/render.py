@@ -32,6 +32,11 @@ def render_status(reply: StatusReply) -> str:
         f"manager {reply.manager_id} · up {reply.uptime_s:.0f} s · {total:,} agent(s)"
         + (f": {states_text}" if states_text else "")
     ]
+    if reply.unanswered_shards:
+        lines.append(
+            f"partial: the owners of {reply.unanswered_shards} shard(s) did not answer in time;"
+            " the agents in them are missing from these figures: ask again"
+        )
     if by_pool:
         lines += ["", f"{'POOL':<24} " + " ".join(f"{s.upper():>11}" for s in order)]
         for pool_id, states in by_pool.items():

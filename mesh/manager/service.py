@@ -922,7 +922,8 @@ class ManagerService:
         if isinstance(message, StatusRequest):
             await self._shards_checked()
             if self.peers is not None and not self._from_a_manager(delivery):
-                await self._reply(delivery, await self._status_everywhere(message))
+                merged = await self._status_everywhere(message, _knows_unanswered(delivery))
+                await self._reply(delivery, merged)
             else:
                 await self._reply(delivery, self.status(message))
             return
@@ -984,21 +985,27 @@ class ManagerService:
         the shard's own for a shard that table says nobody else holds — a view a step old
         may still name this manager, or nobody, for a shard another has taken since. An
         owner reached twice answers twice: the callers merge by agent."""
+        return list(self._peer_routes())
+
+    def _peer_routes(self) -> dict[str, list[int]]:
+        """:meth:`_peer_queues`, each with the shards it answers for (as last read)."""
         assert self.shards is not None and self.settings.shard_count is not None
         me, held = self.settings.manager_id, self.shards.owned()
         view = self.shards.last_view
         owners = {} if view is None else view.owners()
-        first: dict[str, int] = {}
-        alone: list[int] = []
+        by_owner: dict[str, list[int]] = {}
+        routes: dict[int, list[int]] = {}  # by the shard whose queue reaches them
         for shard in range(self.settings.shard_count):
             owner = owners.get(shard)
             if shard in held:
                 continue
             if owner is None or owner == me:
-                alone.append(shard)
+                routes[shard] = [shard]
             else:
-                first[owner] = min(first.get(owner, shard), shard)
-        return [self.topology.shard_rpc_queue(s) for s in sorted({*first.values(), *alone})]
+                by_owner.setdefault(owner, []).append(shard)
+        for shards in by_owner.values():
+            routes[min(shards)] = shards
+        return {self.topology.shard_rpc_queue(s): routes[s] for s in sorted(routes)}
 
     def _forward_headers(self, publisher: str | None, **extra: str) -> dict[str, str]:
         headers = {c.H_FORWARDED_BY: self.settings.manager_id, **extra}
@@ -1181,21 +1188,33 @@ class ManagerService:
             event = AcquireRequested(request, lease_id or uuid.uuid4().hex, holder=publisher)
         return await self._answer_here(event)
 
-    async def _status_everywhere(self, request: StatusRequest) -> StatusReply:
+    async def _status_everywhere(
+        self, request: StatusRequest, say_unanswered: bool = False
+    ) -> StatusReply:
         """Several managers: the fleet over every owner's registry. The summaries (totals,
         pools by state, capabilities) are added up — each a running tally, so this stays
         cheap at any fleet size; the page of agent rows is the slice of all owners' rows in
         agent-ID order (each owner sends its first ``offset + limit``), the pools' live
-        figures added up too. Counters are this manager's."""
+        figures added up too. Counters are this manager's. An owner that does not answer in
+        time is left out (counted: ``status_shards_unanswered``); with ``say_unanswered``
+        (the client knows the field) the reply says how many shards' agents are missing
+        (``unanswered_shards``)."""
         assert self.peers is not None
         mine = self.status(_first_rows(request))
         replies = [mine]
-        for _, answer in await self.peers.ask_all(
-            self._peer_queues(),
+        routes = self._peer_routes()
+        answers = await self.peers.ask_all(
+            list(routes),
             _first_rows(request),
             headers=self._forward_headers(None),
             timeout_s=self.settings.peer_timeout_s,
-        ):
+        )
+        answered = {queue for queue, _ in answers}
+        unanswered = sum(len(shards) for q, shards in routes.items() if q not in answered)
+        if unanswered:
+            self.counters["status_shards_unanswered"] += unanswered
+        extra = {"unanswered_shards": unanswered} if say_unanswered else {}
+        for _, answer in answers:
             # An owner reached through two of its queues answers twice: counted once.
             if isinstance(answer, StatusReply) and all(
                 answer.manager_id != r.manager_id for r in replies
@@ -1204,7 +1223,7 @@ class ManagerService:
         offset = request.agents_offset or 0
         rows = sorted((row for reply in replies for row in reply.agents), key=_agent_key)
         if request.agents_limit is None:  # an older client: every row, no summary
-            return mine.model_copy(update={"agents": rows})
+            return mine.model_copy(update={"agents": rows, **extra})
         states: dict[str, Counter[str]] = {}
         loads: dict[str, list[int]] = {}
         for reply in replies:
@@ -1246,6 +1265,7 @@ class ManagerService:
                     )
                     for name, n in sorted(loads.items())
                 ],
+                **extra,
             }
         )
 
@@ -1716,6 +1736,13 @@ class _ShardHeartbeats:
 
 _NOT_HELD_HERE = frozenset({Reason.UNKNOWN_AGENT, Reason.UNKNOWN_LEASE})
 """Refusals that mean "another manager may hold it" when asked of every owner."""
+
+
+def _knows_unanswered(delivery: Delivery) -> bool:
+    """The client lists ``unanswered-shards`` in its request's features
+    (``x-mesh-features``)."""
+    features = _header(delivery, c.H_FEATURES) or ""
+    return c.FEATURE_UNANSWERED in (f.strip() for f in features.split(","))
 
 
 def _header(delivery: Delivery, name: str) -> str | None:

@@ -32,7 +32,7 @@ import random
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -308,8 +308,15 @@ class MeshClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def request(self, message: Message, *, timeout_s: float = 10.0) -> Message:
-        """Send one request to the manager and wait for its reply."""
+    async def request(
+        self,
+        message: Message,
+        *,
+        timeout_s: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+    ) -> Message:
+        """Send one request to the manager and wait for its reply (``headers``: AMQP
+        headers to send with it, such as the features this client knows)."""
         method = _METHODS.get(type(message))
         if method is None:
             raise LocalProtocolError(f"{message.type} is not a manager request")
@@ -323,6 +330,7 @@ class MeshClient:
                 message,
                 reply_to=self.reply_queue,
                 correlation_id=correlation_id,
+                headers=headers,
                 timeout_s=timeout_s,
                 user_id=self.user_id,
             )
@@ -383,9 +391,13 @@ class MeshClient:
         self, *, timeout_s: float = 10.0, agents_offset: int = 0, agents_limit: int = 1_000
     ) -> StatusReply:
         """The fleet's summary and one page of agent rows (``agents_limit`` from
-        ``agents_offset``, in agent-ID order; at most 5,000; 0: the summary alone)."""
+        ``agents_offset``, in agent-ID order; at most 5,000; 0: the summary alone). With
+        several managers, ``unanswered_shards`` says how many shards' owners did not answer
+        in time (their agents are missing); ``None`` from a manager that predates it."""
         request = StatusRequest(agents_offset=agents_offset, agents_limit=agents_limit)
-        return _expect(await self.request(request, timeout_s=timeout_s), StatusReply)
+        features = {c.H_FEATURES: c.FEATURE_UNANSWERED}
+        reply = await self.request(request, timeout_s=timeout_s, headers=features)
+        return _expect(reply, StatusReply)
 
     # ---- admission --------------------------------------------------------------------------
     async def admit(

@@ -727,7 +727,11 @@ class StatusReply(Message):
     reply to a request that asked for a page (``agents_limit``); to an older client's
     request ``agents`` holds every agent and they are left out. With shards
     (``shard_count``), ``shards`` lists the live holder of each held shard as this manager
-    last read the lease table."""
+    last read the lease table, and ``unanswered_shards`` how many of the shards this manager
+    does not hold went unanswered (their owner, or the shard's own queue where nobody was
+    seen holding it, did not answer in time): their agents are missing from the figures. It
+    is set only for a client that lists ``unanswered-shards`` in its request's
+    ``x-mesh-features`` header."""
 
     TYPE = "mesh.status-reply.v1"
     ADDED_FIELDS = frozenset(
@@ -738,6 +742,7 @@ class StatusReply(Message):
             "capability_loads",
             "shard_count",
             "shards",
+            "unanswered_shards",
         }
     )
     type: Literal["mesh.status-reply.v1"] = "mesh.status-reply.v1"
@@ -752,6 +757,7 @@ class StatusReply(Message):
     capability_loads: list[CapabilityLoadStatus] | None = None
     shard_count: int | None = Field(default=None, ge=1)
     shards: list[ShardOwner] | None = None
+    unanswered_shards: int | None = Field(default=None, ge=0)
 
 
 CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (

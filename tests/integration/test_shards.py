@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,15 @@ from mesh.render import render_status
 from mesh.samples.echo import EchoAgent
 from mesh.top import shard_line
 from mesh.wire import AdmissionReason
-from mesh.wire.models import AgentRegistration, Lease, Refusal, Released, StatusRequest
+from mesh.wire.codec import encode
+from mesh.wire.models import (
+    AgentRegistration,
+    Lease,
+    Refusal,
+    Released,
+    StatusReply,
+    StatusRequest,
+)
 from mesh.wire.reasons import Reason
 
 from . import test_admission_competition as competition
@@ -299,6 +308,41 @@ async def test_an_owner_that_does_not_answer_makes_an_acquire_retryable_not_unkn
         # b may hold any capability while it is silent: even one nobody else offers.
         other = await client.acquire("test.nothing")
         assert isinstance(other, Refusal) and other.reason is Reason.NO_AGENT_AVAILABLE, other
+    finally:
+        await client.close()
+        await agent.stop()
+
+
+async def test_a_status_over_an_owner_that_does_not_answer_says_it_is_partial(
+    started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
+) -> None:
+    # b holds an agent and stops answering (its consumers cancelled, its lease not run out):
+    # a's status leaves b's agents out, and says so to a client that knows the field.
+    a, b = await split_evenly(started, peer_timeout_s=0.3)
+    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
+    agent = pool_agent(amqp_url, namespace, pool)
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="operator")
+    try:
+        await agent.start()
+        whole = await client.status(agents_limit=10)
+        assert whole.unanswered_shards == 0 and whole.agents_total == 1, whole
+        assert "partial" not in render_status(whole)
+
+        for consumer in [*b._consumers, *(c for cs in b._shard_consumers.values() for c in cs)]:
+            await consumer.cancel()
+        partial = await client.status(agents_limit=10)
+        assert partial.manager_id == a.settings.manager_id
+        # Every shard a does not hold is b's, or was a moment ago: none of them answered.
+        missing = SHARDS - len(owned(a))
+        assert partial.unanswered_shards == missing and partial.agents_total == 0, partial
+        shown = render_status(partial)
+        assert f"partial: the owners of {missing} shard(s) did not answer in time" in shown
+        assert a.counters["status_shards_unanswered"] >= missing
+        # A client that does not list the feature (one that predates the field, which
+        # refuses unknown fields) is not sent it.
+        older = await client.request(StatusRequest(agents_limit=10))
+        assert isinstance(older, StatusReply) and older.unanswered_shards is None, older
+        assert "unanswered_shards" not in json.loads(encode(older))
     finally:
         await client.close()
         await agent.stop()
