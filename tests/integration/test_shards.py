@@ -115,6 +115,14 @@ def shard_log(service: ManagerService) -> list[tuple[str, int]]:
     ]
 
 
+async def stop_answering(service: ManagerService) -> None:
+    """``service`` stops answering while it still holds its shards (frozen or dying, its lease
+    not yet run out): every consumer of its cancelled."""
+    shard_consumers = (c for cs in service._shard_consumers.values() for c in cs)
+    for consumer in [*service._consumers, *shard_consumers]:
+        await consumer.cancel()
+
+
 async def split_evenly(
     started: Callable[..., asyncio.Future[ManagerService]], *extra: Any, **settings: Any
 ) -> tuple[ManagerService, ManagerService]:
@@ -296,8 +304,7 @@ async def test_an_owner_that_does_not_answer_makes_an_acquire_retryable_not_unkn
     try:
         await agent.start()
         assert registered(b) == {f"{pool}-1"}
-        for consumer in [*b._consumers, *(c for cs in b._shard_consumers.values() for c in cs)]:
-            await consumer.cancel()
+        await stop_answering(b)
 
         refused = await client.acquire("test.echo")
         assert isinstance(refused, Refusal), refused
@@ -328,8 +335,7 @@ async def test_a_status_over_an_owner_that_does_not_answer_says_it_is_partial(
         assert whole.unanswered_shards == 0 and whole.agents_total == 1, whole
         assert "partial" not in render_status(whole)
 
-        for consumer in [*b._consumers, *(c for cs in b._shard_consumers.values() for c in cs)]:
-            await consumer.cancel()
+        await stop_answering(b)
         partial = await client.status(agents_limit=10)
         assert partial.manager_id == a.settings.manager_id
         # Every shard a does not hold is b's, or was a moment ago: none of them answered.
