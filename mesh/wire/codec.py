@@ -78,7 +78,9 @@ def decode_as(body: bytes, *expected: type[M], max_bytes: int = MAX_MESSAGE_BYTE
     """
     if len(expected) == 1 and len(body) <= max_bytes:
         try:
-            return expected[0].model_validate_json(body, strict=True)
+            # The model's own validator, called directly: what ``model_validate_json`` does,
+            # less its Python wrapper (a fifth of a heartbeat's decoding).
+            return expected[0].__pydantic_validator__.validate_json(body, strict=True)  # type: ignore[no-any-return]
         except ValidationError:
             pass
     message = decode(body, max_bytes=max_bytes)
