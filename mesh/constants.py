@@ -83,7 +83,7 @@ H_ADMISSION_ID: Final = "x-mesh-admission-id"  # the business ID of a granted ta
 # comma-separated (docs/protocol.md 1.2); a manager sets such a field only for a client that
 # lists it, as it does for an agent that lists a feature in its registration.
 H_FEATURES: Final = "x-mesh-features"
-FEATURE_UNANSWERED: Final = "unanswered-shards"  # StatusReply.unanswered_shards
+FEATURE_UNANSWERED: Final = "unanswered-shards"  # {Status,Find}Reply.unanswered_shards
 
 CONTENT_TYPE: Final = "application/json"
 

@@ -140,10 +140,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class _Candidates:
     """Agents that may take an acquire, each with the owner's queue (``None``: this
-    registry), in rank order; ``silent``: owners asked that did not answer in time."""
+    registry), in rank order; ``silent``: owners asked that did not answer in time, and
+    ``unanswered_shards`` the shards they answer for."""
 
     found: list[tuple[AgentSummary, str | None]]
     silent: int
+    unanswered_shards: int = 0
 
 
 # An acquire for a capability nobody offers while shards change hands is asked again every
@@ -950,7 +952,8 @@ class ManagerService:
         everywhere = self.peers is not None and not self._from_a_manager(delivery)
         if isinstance(message, FindRequest):
             if everywhere:
-                await self._reply(delivery, await self._find_everywhere(message))
+                found = await self._find_everywhere(message, _knows_unanswered(delivery))
+                await self._reply(delivery, found)
                 return
             event = FindRequested(message)
         elif isinstance(message, AcquireRequest):
@@ -1021,15 +1024,22 @@ class ManagerService:
         (reply,) = [cmd.message for cmd in commands if isinstance(cmd, Reply)]
         return reply
 
-    async def _find_everywhere(self, request: FindRequest) -> Message:
+    async def _find_everywhere(self, request: FindRequest, say_unanswered: bool = False) -> Message:
         """This registry's candidates and every other owner's, in the one order (cheapest
         cost class, then least loaded), cut at ``limit``. An owner that does not answer in
-        time is left out (``peer_no_answer``): find is a view, acquire re-checks."""
+        time is left out (counted: ``find_shards_unanswered``; find is a view, acquire
+        re-checks); with ``say_unanswered`` (the client knows the field) the reply says how
+        many shards' agents are missing (``unanswered_shards``)."""
         candidates = await self._candidates(request)
         if isinstance(candidates, Refusal):
             return candidates
+        if candidates.unanswered_shards:
+            self.counters["find_shards_unanswered"] += candidates.unanswered_shards
+        extra = {"unanswered_shards": candidates.unanswered_shards} if say_unanswered else {}
         agents = [agent for agent, _ in candidates.found]
-        return FindReply(agents=agents if request.limit is None else agents[: request.limit])
+        return FindReply(
+            agents=agents if request.limit is None else agents[: request.limit], **extra
+        )
 
     async def _candidates(self, request: FindRequest) -> _Candidates | Refusal:
         """Candidates from here (queue ``None``) and from each other owner (its queue), and
@@ -1039,7 +1049,8 @@ class ManagerService:
         if not isinstance(here, FindReply):
             return here if isinstance(here, Refusal) else Refusal(reason=Reason.NOT_FOUND)
         found: list[tuple[AgentSummary, str | None]] = [(a, None) for a in here.agents]
-        queues = self._peer_queues()
+        routes = self._peer_routes()
+        queues = list(routes)
         answers = await self.peers.ask_all(
             queues,
             request,
@@ -1056,7 +1067,9 @@ class ManagerService:
             if agent.agent_id not in seen:
                 seen.add(agent.agent_id)
                 unique.append((agent, via))
-        return _Candidates(unique, silent=len(queues) - len(answers))
+        answered = {queue for queue, _ in answers}
+        unanswered = sum(len(shards) for q, shards in routes.items() if q not in answered)
+        return _Candidates(unique, len(queues) - len(answered), unanswered)
 
     async def _acquire_everywhere(
         self, request: AcquireRequest, lease_id: str, holder: str | None, delivery: Delivery

@@ -351,13 +351,31 @@ class MeshClient:
     async def find(
         self, capability: str, version_spec: str = ">=0", limit: int | None = None
     ) -> list[AgentSummary]:
-        """Agents that can take work now, best first. Empty is a normal answer."""
+        """Agents that can take work now, best first. Empty is a normal answer. With several
+        managers, a list missing the agents of owners that did not answer in time is logged
+        as a warning (:meth:`find_reply` gives the count)."""
+        reply = await self.find_reply(capability, version_spec, limit)
+        if reply.unanswered_shards:
+            log.warning(
+                "find %s %s is partial: the owners of %d shard(s) did not answer in time, "
+                "their agents are missing",
+                capability, version_spec, reply.unanswered_shards,
+            )  # fmt: skip
+        return reply.agents
+
+    async def find_reply(
+        self, capability: str, version_spec: str = ">=0", limit: int | None = None
+    ) -> FindReply:
+        """:meth:`find`'s whole reply: the agents, and with several managers
+        ``unanswered_shards``, how many shards' owners did not answer in time (their agents
+        are missing; ``None`` from a manager that predates the field)."""
         reply = await self.request(
-            FindRequest(capability=capability, version_spec=version_spec, limit=limit)
+            FindRequest(capability=capability, version_spec=version_spec, limit=limit),
+            headers={c.H_FEATURES: c.FEATURE_UNANSWERED},
         )
         if isinstance(reply, Refusal):
             raise LocalProtocolError(f"{reply.reason}: {reply.detail}")
-        return _expect(reply, FindReply).agents
+        return _expect(reply, FindReply)
 
     async def acquire(
         self,

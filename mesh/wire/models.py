@@ -606,11 +606,17 @@ class AgentSummary(WireModel):
 
 
 class FindReply(Message):
-    """Manager -> client: agents that can take work now, best first (may be empty)."""
+    """Manager -> client: agents that can take work now, best first (may be empty). With
+    several managers, ``unanswered_shards`` is how many of the shards the answering manager
+    does not hold went unanswered (their owner did not answer in time): their agents are
+    missing. It is set only for a client that lists ``unanswered-shards`` in its request's
+    ``x-mesh-features`` header."""
 
     TYPE = "mesh.find-reply.v1"
+    ADDED_FIELDS = frozenset({"unanswered_shards"})
     type: Literal["mesh.find-reply.v1"] = "mesh.find-reply.v1"
     agents: list[AgentSummary]
+    unanswered_shards: int | None = Field(default=None, ge=0)
 
 
 class Lease(WireModel):

@@ -35,6 +35,8 @@ from mesh.wire import AdmissionReason
 from mesh.wire.codec import encode
 from mesh.wire.models import (
     AgentRegistration,
+    FindReply,
+    FindRequest,
     Lease,
     Refusal,
     Released,
@@ -348,6 +350,41 @@ async def test_a_status_over_an_owner_that_does_not_answer_says_it_is_partial(
         # refuses unknown fields) is not sent it.
         older = await client.request(StatusRequest(agents_limit=10))
         assert isinstance(older, StatusReply) and older.unanswered_shards is None, older
+        assert "unanswered_shards" not in json.loads(encode(older))
+    finally:
+        await client.close()
+        await agent.stop()
+
+
+async def test_a_find_over_an_owner_that_does_not_answer_says_it_is_partial(
+    started: Callable[[str], asyncio.Future[ManagerService]],
+    amqp_url: str,
+    namespace: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The only agent offering test.echo is on b, and b stops answering while it still holds
+    # its shards: a's find leaves the agent out, and says so to a client that knows the field.
+    a, b = await split_evenly(started, peer_timeout_s=0.3)
+    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
+    agent = pool_agent(amqp_url, namespace, pool)
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    try:
+        await agent.start()
+        whole = await client.find_reply("test.echo")
+        assert [s.agent_id for s in whole.agents] == [f"{pool}-1"], whole
+        assert whole.unanswered_shards == 0, whole
+
+        await stop_answering(b)
+        partial = await client.find_reply("test.echo")
+        missing = SHARDS - len(owned(a))
+        assert partial.agents == [] and partial.unanswered_shards == missing, partial
+        assert a.counters["find_shards_unanswered"] >= missing
+        with caplog.at_level("WARNING", logger="mesh.producer.client"):
+            assert await client.find("test.echo") == []
+        assert f"the owners of {missing} shard(s) did not answer in time" in caplog.text
+        # A client that does not list the feature is not sent the field.
+        older = await client.request(FindRequest(capability="test.echo"))
+        assert isinstance(older, FindReply) and older.unanswered_shards is None, older
         assert "unanswered_shards" not in json.loads(encode(older))
     finally:
         await client.close()
