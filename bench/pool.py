@@ -685,10 +685,15 @@ class Bench:
             await self.admin.publish_fast(self.exchange, routing_key, body)
         deadline = time.monotonic() + 120
         for queue in self.queues:
-            while (depth := await self.admin.queue_depth(queue)) != len(bodies):
+            depth = None
+            while depth != len(bodies):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{queue} holds {depth} messages, expected {len(bodies)}")
                 await asyncio.sleep(0.05)
+                # While the broker works through the burst it may hold this connection back
+                # (flow control) past one control call's timeout: ask again, until the deadline.
+                with contextlib.suppress(TimeoutError):
+                    depth = await self.admin.queue_depth(queue)
 
     async def consume_raw_aiormq(self, queue_name: str, count: int) -> Round:
         """The baseline: the client library's fastest consumer, which only counts."""
