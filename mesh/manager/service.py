@@ -33,7 +33,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -1067,9 +1067,8 @@ class ManagerService:
             if agent.agent_id not in seen:
                 seen.add(agent.agent_id)
                 unique.append((agent, via))
-        answered = {queue for queue, _ in answers}
-        unanswered = sum(len(shards) for q, shards in routes.items() if q not in answered)
-        return _Candidates(unique, len(queues) - len(answered), unanswered)
+        silent, unanswered = _unanswered(routes, answers)
+        return _Candidates(unique, silent, unanswered)
 
     async def _acquire_everywhere(
         self, request: AcquireRequest, lease_id: str, holder: str | None, delivery: Delivery
@@ -1222,8 +1221,7 @@ class ManagerService:
             headers=self._forward_headers(None),
             timeout_s=self.settings.peer_timeout_s,
         )
-        answered = {queue for queue, _ in answers}
-        unanswered = sum(len(shards) for q, shards in routes.items() if q not in answered)
+        _, unanswered = _unanswered(routes, answers)
         if unanswered:
             self.counters["status_shards_unanswered"] += unanswered
         extra = {"unanswered_shards": unanswered} if say_unanswered else {}
@@ -1749,6 +1747,16 @@ class _ShardHeartbeats:
 
 _NOT_HELD_HERE = frozenset({Reason.UNKNOWN_AGENT, Reason.UNKNOWN_LEASE})
 """Refusals that mean "another manager may hold it" when asked of every owner."""
+
+
+def _unanswered(
+    routes: Mapping[str, list[int]], answers: Sequence[tuple[str, object]]
+) -> tuple[int, int]:
+    """Of the peer queues asked (``routes``: each with the shards it answers for), how many
+    did not answer, and how many shards those answer for."""
+    answered = {queue for queue, _ in answers}
+    silent = [shards for queue, shards in routes.items() if queue not in answered]
+    return len(silent), sum(len(shards) for shards in silent)
 
 
 def _knows_unanswered(delivery: Delivery) -> bool:
