@@ -6,6 +6,7 @@ moving with their shard), and a clear error without a PostgreSQL ledger."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -207,6 +208,27 @@ def lost_agents(service: ManagerService) -> list[str]:
     return [e.agent_id for e in service.journal.query(limit=None) if e.kind == "lost"]
 
 
+@contextlib.asynccontextmanager
+async def an_agent_on_b(
+    started: Callable[..., asyncio.Future[ManagerService]],
+    amqp_url: str,
+    namespace: str,
+    client_name: str,
+) -> AsyncIterator[tuple[ManagerService, ManagerService, str, MeshClient]]:
+    """Managers a and b (half the shards each, peers answering within 0.3 s), an echo agent
+    registered with b (its pool's shard is b's), and a client: ``(a, b, pool, client)``."""
+    a, b = await split_evenly(started, peer_timeout_s=0.3)
+    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
+    agent = pool_agent(amqp_url, namespace, pool)
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name=client_name)
+    try:
+        await agent.start()
+        yield a, b, pool, client
+    finally:
+        await client.close()
+        await agent.stop()
+
+
 async def test_agents_register_with_their_shards_owner_and_move_with_their_shard(
     started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
 ) -> None:
@@ -299,12 +321,7 @@ async def test_an_owner_that_does_not_answer_makes_an_acquire_retryable_not_unkn
     # holds its shards (frozen or dying, its lease not yet run out: here its consumers are
     # cancelled). An acquire that only a can take must not say nobody offers the capability:
     # it is refused NO_AGENT_AVAILABLE with a hint of when to ask again.
-    a, b = await split_evenly(started, peer_timeout_s=0.3)
-    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
-    agent = pool_agent(amqp_url, namespace, pool)
-    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
-    try:
-        await agent.start()
+    async with an_agent_on_b(started, amqp_url, namespace, "producer") as (a, b, pool, client):
         assert registered(b) == {f"{pool}-1"}
         await stop_answering(b)
 
@@ -317,9 +334,6 @@ async def test_an_owner_that_does_not_answer_makes_an_acquire_retryable_not_unkn
         # b may hold any capability while it is silent: even one nobody else offers.
         other = await client.acquire("test.nothing")
         assert isinstance(other, Refusal) and other.reason is Reason.NO_AGENT_AVAILABLE, other
-    finally:
-        await client.close()
-        await agent.stop()
 
 
 async def test_a_status_over_an_owner_that_does_not_answer_says_it_is_partial(
@@ -327,12 +341,7 @@ async def test_a_status_over_an_owner_that_does_not_answer_says_it_is_partial(
 ) -> None:
     # b holds an agent and stops answering (its consumers cancelled, its lease not run out):
     # a's status leaves b's agents out, and says so to a client that knows the field.
-    a, b = await split_evenly(started, peer_timeout_s=0.3)
-    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
-    agent = pool_agent(amqp_url, namespace, pool)
-    client = await MeshClient.connect(amqp_url, namespace=namespace, name="operator")
-    try:
-        await agent.start()
+    async with an_agent_on_b(started, amqp_url, namespace, "operator") as (a, b, _, client):
         whole = await client.status(agents_limit=10)
         assert whole.unanswered_shards == 0 and whole.agents_total == 1, whole
         assert "partial" not in render_status(whole)
@@ -351,9 +360,6 @@ async def test_a_status_over_an_owner_that_does_not_answer_says_it_is_partial(
         older = await client.request(StatusRequest(agents_limit=10))
         assert isinstance(older, StatusReply) and older.unanswered_shards is None, older
         assert "unanswered_shards" not in json.loads(encode(older))
-    finally:
-        await client.close()
-        await agent.stop()
 
 
 async def test_a_find_over_an_owner_that_does_not_answer_says_it_is_partial(
@@ -364,12 +370,7 @@ async def test_a_find_over_an_owner_that_does_not_answer_says_it_is_partial(
 ) -> None:
     # The only agent offering test.echo is on b, and b stops answering while it still holds
     # its shards: a's find leaves the agent out, and says so to a client that knows the field.
-    a, b = await split_evenly(started, peer_timeout_s=0.3)
-    pool = next(p for p in POOLS if shard_of(p, SHARDS) in owned(b))
-    agent = pool_agent(amqp_url, namespace, pool)
-    client = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
-    try:
-        await agent.start()
+    async with an_agent_on_b(started, amqp_url, namespace, "producer") as (a, b, pool, client):
         whole = await client.find_reply("test.echo")
         assert [s.agent_id for s in whole.agents] == [f"{pool}-1"], whole
         assert whole.unanswered_shards == 0, whole
@@ -386,9 +387,6 @@ async def test_a_find_over_an_owner_that_does_not_answer_says_it_is_partial(
         older = await client.request(FindRequest(capability="test.echo"))
         assert isinstance(older, FindReply) and older.unanswered_shards is None, older
         assert "unanswered_shards" not in json.loads(encode(older))
-    finally:
-        await client.close()
-        await agent.stop()
 
 
 async def test_any_manager_finds_acquires_and_releases_on_every_shard(
