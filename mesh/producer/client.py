@@ -34,6 +34,7 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from mesh import constants as c
@@ -94,6 +95,10 @@ from mesh.wire.models import (
 from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
+
+_FEATURES: Mapping[str, str] = MappingProxyType({c.H_FEATURES: c.FEATURE_UNANSWERED})
+"""The header naming the reply fields added since their messages' release that this client
+knows (docs/protocol.md 1.2), sent with the requests whose replies have such fields."""
 
 REPLY_MAX_BYTES = 64 * 1024 * 1024
 _QUEUE_FULL_RETRY_MS = 250  # a full pool queue drains as its agents claim tasks
@@ -371,7 +376,7 @@ class MeshClient:
         are missing; ``None`` from a manager that predates the field)."""
         reply = await self.request(
             FindRequest(capability=capability, version_spec=version_spec, limit=limit),
-            headers={c.H_FEATURES: c.FEATURE_UNANSWERED},
+            headers=_FEATURES,
         )
         if isinstance(reply, Refusal):
             raise LocalProtocolError(f"{reply.reason}: {reply.detail}")
@@ -413,8 +418,7 @@ class MeshClient:
         several managers, ``unanswered_shards`` says how many shards' owners did not answer
         in time (their agents are missing); ``None`` from a manager that predates it."""
         request = StatusRequest(agents_offset=agents_offset, agents_limit=agents_limit)
-        features = {c.H_FEATURES: c.FEATURE_UNANSWERED}
-        reply = await self.request(request, timeout_s=timeout_s, headers=features)
+        reply = await self.request(request, timeout_s=timeout_s, headers=_FEATURES)
         return _expect(reply, StatusReply)
 
     # ---- admission --------------------------------------------------------------------------

@@ -646,8 +646,6 @@ class AmqpTransport:
             # concurrent publishes do not go out one loop turn at a time.
             async with asyncio.timeout(timeout):  # the reconnect wait counts, too
                 channel = cast(aiormq.Channel, await self._publish_channel.get_underlay_channel())
-                if channel.is_closed:  # frames on a closed channel would close the connection
-                    raise RuntimeError("the channel is closed")
                 (confirm,) = await self._put_confirmed(
                     channel, exchange, [(routing_key, body, properties, message_id)], mandatory
                 )
@@ -706,8 +704,6 @@ class AmqpTransport:
         try:
             async with asyncio.timeout(timeout):
                 channel = cast(aiormq.Channel, await self._publish_channel.get_underlay_channel())
-                if channel.is_closed:  # frames on a closed channel would close the connection
-                    raise RuntimeError("the channel is closed")
                 confirms = await self._put_confirmed(
                     channel, exchange, [self._framed(key, message) for key, message in messages]
                 )
@@ -747,7 +743,10 @@ class AmqpTransport:
         mandatory: bool = True,
     ) -> list[asyncio.Future[Any]]:
         """Under the channel's lock: a delivery tag and a confirm future per message, then
-        every message's frames in one write (``Channel.basic_publish``'s bookkeeping)."""
+        every message's frames in one write (``Channel.basic_publish``'s bookkeeping).
+        ``RuntimeError`` if the channel is closed: frames on it would close the connection."""
+        if channel.is_closed:
+            raise RuntimeError("the channel is closed")
         frames: list[bytes] = []
         confirms: list[asyncio.Future[Any]] = []
         async with channel.lock:
