@@ -102,6 +102,7 @@ from mesh.wire.models import (
     DrainComplete,
     DrainNotice,
     FindReply,
+    Heartbeat,
     Lease,
     LeaseGranted,
     LeaseNotice,
@@ -411,7 +412,11 @@ class PoolCore:
 
     # ---- heartbeats --------------------------------------------------------------------------
     def _on_heartbeat(self, event: HeartbeatReceived, now: Instant) -> list[Command]:
-        hb = event.heartbeat
+        return self.heartbeat(event.heartbeat, now)
+
+    def heartbeat(self, hb: Heartbeat, now: Instant) -> list[Command]:
+        """``handle(HeartbeatReceived(hb), now)``, without the event's allocation and
+        dispatch: the door of the manager's hottest path (:mod:`mesh.manager.heartbeats`)."""
         agent = self.agents.get(hb.agent_id)
         if agent is None:
             return self._ask_to_reregister(hb.agent_id, now)

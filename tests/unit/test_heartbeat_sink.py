@@ -7,9 +7,10 @@ from collections import Counter
 
 import pytest
 
+from mesh.constants import MAX_MESSAGE_BYTES
 from mesh.core import Command, Instant, PoolCore, RegistrationReceived
 from mesh.manager.heartbeats import HeartbeatSink
-from mesh.wire import Heartbeat, Reason, encode
+from mesh.wire import Deregistration, Heartbeat, Reason, encode
 
 from .builders import FakeClock, capability, registration
 
@@ -128,3 +129,20 @@ def test_a_batch_of_nothing_but_bad_heartbeats_counts_no_heartbeat(
 
     assert len(rejected) == 2
     assert "heartbeats" not in sink.counters
+
+
+def test_an_oversized_body_or_another_message_gets_its_own_reason_not_the_fast_path(
+    core: PoolCore, clock: CountingClock
+) -> None:
+    """The sink validates a heartbeat in one call and sends the rest the long way: a body
+    over the size limit is refused before it is parsed, however valid its JSON, and another
+    message type is named as such."""
+    sink, rejected = sink_for(core, clock)
+    padded = heartbeat("a-1", 1)[:-1] + b" " * MAX_MESSAGE_BYTES + b"}"
+    other = encode(Deregistration(agent_id="a-1", incarnation="inc-1"))
+
+    sink.ingest_many([(padded, None), (other, None), (heartbeat("a-2", 1), None)])
+
+    assert rejected == [Reason.MESSAGE_TOO_LARGE, Reason.UNEXPECTED_MESSAGE_TYPE]
+    assert sink.counters["heartbeats"] == 1
+    assert core.agents["a-1"].last_heartbeat_seq == -1  # the oversized one was not taken
