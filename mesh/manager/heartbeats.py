@@ -44,18 +44,19 @@ class HeartbeatSink:
         clock: Clock,
         on_commands: Callable[[list[Command]], None],
         counters: Counter[str] | None = None,
-        on_heartbeat: Callable[[Heartbeat, float], None] | None = None,
+        on_heartbeats: Callable[[list[Heartbeat], float], None] | None = None,
         on_rejected: Callable[[str], None] | None = None,
         verify_identity: bool = False,
     ) -> None:
-        """``on_heartbeat(heartbeat, now_wall)`` sees every valid heartbeat, ``on_rejected``
-        the reason code of every bad one (for metrics). With ``verify_identity`` a heartbeat
-        counts only if its ``agent_id`` is the broker user that published it (RabbitMQ
-        validated the ``user_id``); any other is ``NOT_AUTHORIZED``, counted and dropped."""
+        """``on_heartbeats(heartbeats, now_wall)`` sees the valid heartbeats of each batch in
+        one call, after the core took them; ``on_rejected`` the reason code of every bad one
+        (both for metrics). With ``verify_identity`` a heartbeat counts only if its
+        ``agent_id`` is the broker user that published it (RabbitMQ validated the
+        ``user_id``); any other is ``NOT_AUTHORIZED``, counted and dropped."""
         self._core = core
         self._clock = clock
         self._on_commands = on_commands
-        self._on_heartbeat = on_heartbeat
+        self._on_heartbeats = on_heartbeats
         self._on_rejected = on_rejected
         self._verify_identity = verify_identity
         self.counters: Counter[str] = Counter() if counters is None else counters
@@ -67,9 +68,8 @@ class HeartbeatSink:
         """Heartbeats that arrived together, in order: one clock read for all of them."""
         now = self._clock.now()
         beat = self._core.heartbeat
-        on_heartbeat = self._on_heartbeat
         verify = self._verify_identity
-        accepted = 0
+        taken: list[Heartbeat] = []
         for body, user_id in bodies:
             # The common case in one call, the model's own strict validator (what decode_as
             # does first); whatever it does not take goes the long way, which says why.
@@ -83,14 +83,14 @@ class HeartbeatSink:
                 heartbeat = self._refused(body, user_id)
                 if heartbeat is None:
                     continue
-            accepted += 1
-            if on_heartbeat is not None:
-                on_heartbeat(heartbeat, now.wall)
+            taken.append(heartbeat)
             commands = beat(heartbeat, now)
             if commands:
                 self._on_commands(commands)
-        if accepted:
-            self.counters["heartbeats"] += accepted
+        if taken:
+            self.counters["heartbeats"] += len(taken)
+            if self._on_heartbeats is not None:
+                self._on_heartbeats(taken, now.wall)
 
     def _refused(self, body: bytes, user_id: str | None) -> Heartbeat | None:
         """A heartbeat the fast path did not take: decoded the long way for its reason code,

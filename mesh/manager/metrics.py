@@ -28,13 +28,22 @@ a way to get it subtly wrong.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import math
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from mesh.core.eligibility import RULE_NAMES
 from mesh.core.pressure import PoolPressure, StageChange
@@ -132,7 +141,7 @@ class ManagerMetrics:
             ["reason"],
             registry=r,
         )
-        self.heartbeat_lag = Histogram(
+        self.heartbeat_lag = BatchHistogram(
             "mesh_heartbeat_lag_seconds",
             "Delay between an agent sending a heartbeat and the manager handling it.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
@@ -245,6 +254,57 @@ class ManagerMetrics:
         """The exposition text of every metric."""
         text: bytes = generate_latest(self.registry)
         return text
+
+
+class BatchHistogram(Collector):
+    """A histogram for the hottest path, observed a batch at a time: what arrived in one read
+    is counted into plain lists with one ``bisect`` each, no lock (the manager observes on
+    its event loop; a scrape copies the counts). prometheus-client's ``Histogram`` takes a
+    lock and walks its buckets per observation, ~1 µs: a third of what the rest of a
+    heartbeat costs the manager. Exposed through prometheus-client's own
+    ``HistogramMetricFamily``, so the format is still the library's."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name, self.documentation = name, documentation
+        self._bounds = [*sorted(float(b) for b in buckets), math.inf]
+        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.observe_many((value,))
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts, bounds = self._counts, self._bounds
+        total = 0.0
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1  # the first bucket whose bound >= value
+            total += value
+        self._sum += total
+
+    def describe(self) -> Iterable[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> Iterator[Metric]:
+        counts, total = list(self._counts), self._sum
+        cumulative = list(accumulate(counts))
+        yield HistogramMetricFamily(
+            self.name,
+            self.documentation,
+            buckets=[
+                # the library's own "le" formatting ("0.005", "1.0", "+Inf"); it is untyped
+                (floatToGoString(bound), count)  # type: ignore[no-untyped-call]
+                for bound, count in zip(self._bounds, cumulative, strict=True)
+            ],
+            sum_value=total,
+        )
 
 
 class _StateCollector(Collector):

@@ -31,7 +31,7 @@ from mesh.manager.web import ManagerWeb, Sample, StatusHistory, management_queue
 from mesh.topology import names
 from mesh.topology.specs import PolicySpec
 from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
-from mesh.wire.models import AgentStatus
+from mesh.wire.models import AgentStatus, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +220,9 @@ class Observer:
     def heartbeat_rejected(self, reason: str) -> None:
         self.metrics.heartbeats_rejected.labels(reason).inc()
 
-    def heartbeat(self, sent_at: float, now: float) -> None:
-        self.metrics.heartbeat_lag.observe(max(0.0, now - sent_at))
+    def heartbeats(self, heartbeats: Sequence[Heartbeat], now: float) -> None:
+        """The lag of each heartbeat of a batch, counted in one call."""
+        self.metrics.heartbeat_lag.observe_many([max(0.0, now - hb.sent_at) for hb in heartbeats])
 
     async def tick(self, usage: dict[tuple[str, str], tuple[int, int]] | None) -> None:
         """Once per manager tick: the ledger usage snapshot, queues when due, a sample."""

@@ -255,7 +255,7 @@ class ManagerService:
             self.clock,
             self._spawn,
             self.counters,
-            on_heartbeat=lambda hb, now: self.observer.heartbeat(hb.sent_at, now),
+            on_heartbeats=self.observer.heartbeats,
             on_rejected=self.observer.heartbeat_rejected,
             verify_identity=settings.agent_identity,
         )
