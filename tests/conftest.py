@@ -310,6 +310,11 @@ class ManagementApi:
             body={"configure": ".*", "write": ".*", "read": ".*"},
         )
 
+    def delete_user(self, name: str) -> None:
+        """Remove a user ``ensure_user`` made (RabbitMQ closes its connections): the broker is
+        shared, and a test's users must not outlive it. Already gone is fine."""
+        self._delete(f"/api/users/{self._q(name)}")
+
     # -- connections ----------------------------------------------------------------------
     def connections(self, name_prefix: str = "") -> list[dict[str, Any]]:
         """Connections whose client-provided ``connection_name`` starts with ``name_prefix``."""

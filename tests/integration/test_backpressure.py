@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -680,20 +680,31 @@ async def tenant_run(
     return latencies
 
 
+@pytest.fixture
+def tenants(management_api: Any) -> Iterator[tuple[str, ...]]:
+    """Three producer tenants, each a broker user of its own, deleted afterwards."""
+    names = ("tenant-a", "tenant-b", "tenant-c")
+    for name in names:
+        management_api.ensure_user(name, "pw-" + name)
+    try:
+        yield names
+    finally:
+        for name in names:
+            management_api.delete_user(name)
+
+
 async def test_one_tenants_burst_does_not_starve_the_others(
-    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
+    amqp_url: str, namespace: str, tmp_path: Path, management_api: Any, tenants: tuple[str, ...]
 ) -> None:
     """Tenants b and c each keep 2 producers busy; then tenant a bursts with 24. The bound:
     b's and c's completed rate stays at least 0.7x what it was alone, and their median time
     to completion at most 1.5x. The skew (a's share of grants over its fair share) is printed."""
-    for tenant in ("tenant-a", "tenant-b", "tenant-c"):
-        management_api.ensure_user(tenant, "pw-" + tenant)
     async with pool_mesh(amqp_url, namespace, tmp_path, management_api, slots=8, agents=1) as mesh:
         clients = {
             t: await MeshClient.connect(
                 tenant_url(amqp_url, t, "pw-" + t), namespace=namespace, name=t
             )
-            for t in ("tenant-a", "tenant-b", "tenant-c")
+            for t in tenants
         }
         mesh.clients.extend(clients.values())
         quiet = {"tenant-b": 2, "tenant-c": 2}
