@@ -912,9 +912,9 @@ def ingestion_targets(results: dict[str, list[Round]], count: int, report: Repor
     # Against its own client: the median of each round's pair (ours over the consume-only
     # connection, drained one right after the other), not a ratio of medians taken from
     # rounds seconds apart, whose pace this two-core machine changes by ±40 %.
-    paired = [
-        (count / o.seconds) / (count / lean.seconds)
-        for o, lean in zip(results["ours"], results["lean"], strict=True)
+    paired = [  # the same count each: the rates' ratio is the times' inverse ratio
+        lean.seconds / ours.seconds
+        for ours, lean in zip(results["ours"], results["lean"], strict=True)
     ]
     own = statistics.median(paired)
     print(

@@ -71,8 +71,9 @@ class HeartbeatSink:
         verify = self._verify_identity
         taken: list[Heartbeat] = []
         for body, user_id in bodies:
-            # The common case in one call, the model's own strict validator (what decode_as
-            # does first); whatever it does not take goes the long way, which says why.
+            # The common case in one call, the model's own strict validator: decode_as's
+            # first step, inlined (a call less a heartbeat, ~0.3 µs of the sink's ~2.9).
+            # Whatever it does not take goes the long way, which says why.
             heartbeat: Heartbeat | None = None
             if len(body) <= MAX_MESSAGE_BYTES:
                 try:
