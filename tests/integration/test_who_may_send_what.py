@@ -90,7 +90,7 @@ async def mesh(
         await tenant.close()
         await operator.close()
         await manager.stop()
-        management_api.request("DELETE", f"/api/users/{user}")
+        management_api.delete_user(user)
 
 
 def refused_as_not_authorized(reply: Message) -> bool:
