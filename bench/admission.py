@@ -39,6 +39,11 @@ A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to
    the broker do meanwhile). On this 2-core machine the broker, both our threads and any
    neighbour share the cores, so throughput follows total CPU per request: when wall-clock
    rates jump between rounds while CPU per request stays put, the noise is a neighbour.
+   Under the medians: the time a request spent inside ``AdmissionCore.decide`` (the decision
+   itself, pure Python with no I/O; :class:`DecideClock`), and per fair echo what admission
+   adds to its CPU a request beside what the throughput target leaves (≥ 0.8x a rate that
+   follows CPU per request leaves a quarter of the echo's CPU): a decision dearer than the
+   allowance shows the target out of this code's reach whatever else is cut.
 
 B) In-core decisions on a mixed workload. ``Admitter.admit_many`` called directly, no
    broker, against ``SqliteLedger`` (a temp file, WAL) and ``PostgresLedger`` (a fresh schema,
@@ -49,7 +54,8 @@ B) In-core decisions on a mixed workload. ``Admitter.admit_many`` called directl
    request, short grants of which every other one is released and the rest expire during
    the run (:class:`MixedRun`); releases and sweeps are timed with the decisions. Each store
    is compared with a fixed reference measured in the same run: the faster fair echo's best
-   requests/s (or ``--reference-rate``).
+   requests/s (or ``--reference-rate``). Each row shows the decision's own share (``decide
+   µs``), and the targets' lines what each leaves a decision in all.
 
 The process's garbage collector is set up as ``mesh manager`` sets up its own
 (:func:`mesh.gc_tuning.tune_gc`, after the imports), for both parts and for ours and the echo
@@ -71,7 +77,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -82,10 +88,12 @@ import psycopg
 from report import Report, Target, add_json_argument
 
 from mesh import constants as c
+from mesh.core.admission import AdmissionCore, Batch
 from mesh.core.capacity import LiveCapacity, LiveOffer
 from mesh.errors import BrokerUnavailable, StoreError
 from mesh.gc_tuning import tune_gc
 from mesh.ids import IdSequence, new_admission_id
+from mesh.ledger.model import LedgerView
 from mesh.ledger.postgres import PostgresLedger
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.ledger.store import LedgerStore
@@ -226,6 +234,38 @@ POLICY = AdmissionPolicy(
 # ---- timing ---------------------------------------------------------------------------------
 
 
+class DecideClock:
+    """Wall time spent inside one :class:`AdmissionCore`'s ``decide`` — the decision itself,
+    pure Python with no I/O: no decoding, no ledger, no journal, no reply — and how many
+    requests it decided. It is the floor under what admission adds to a request: whatever the
+    rest costs, a target that leaves less than this per request cannot be met by this code.
+    It wraps that one instance's method (an attribute on the instance, nothing global): two
+    ``perf_counter`` calls a batch, which take well under a microsecond a batch."""
+
+    def __init__(self, core: AdmissionCore) -> None:
+        self.seconds = 0.0
+        self.requests = 0
+        decide = core.decide
+
+        def timed(
+            requests: Sequence[tuple[AdmissionRequest, str]],
+            view: LedgerView,
+            now: float,
+            live: LiveCapacity | None = None,
+        ) -> Batch:
+            start = time.perf_counter()
+            try:
+                return decide(requests, view, now, live)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.requests += len(requests)
+
+        core.decide = timed
+
+    def reading(self) -> tuple[float, int]:
+        return self.seconds, self.requests
+
+
 @dataclass(frozen=True, slots=True)
 class Round:
     """One round of N requests: wall and process CPU seconds, and each request's latency."""
@@ -234,11 +274,16 @@ class Round:
     cpu_seconds: float  # the whole process: client, manager, ledger thread
     latencies_ms: list[float]
     ledger_cpu_seconds: float = 0.0  # the manager's ledger thread alone
+    decide_seconds: float = 0.0  # wall time inside AdmissionCore.decide (ours only)
     broker_cpu_seconds: float | None = None  # RabbitMQ's, when it runs on this machine
 
     @property
     def ledger_cpu_us(self) -> float:
         return self.ledger_cpu_seconds / len(self.latencies_ms) * 1e6
+
+    @property
+    def decide_us(self) -> float:
+        return self.decide_seconds / len(self.latencies_ms) * 1e6
 
     @property
     def broker_cpu_us(self) -> float | None:
@@ -593,6 +638,7 @@ class EndToEnd:
         self.client: MeshClient | None = None
         self.echoes: dict[str, AiormqEcho | AioPikaEcho | TransportEcho] = {}
         self.refused: list[str] = []
+        self.decide_clock: DecideClock | None = None
 
     def echo_exchange(self, path: str) -> str:
         return f"{self.namespace}.{path}"
@@ -612,6 +658,7 @@ class EndToEnd:
         )
         self.service = ManagerService(settings)
         await self.service.start()
+        self.decide_clock = DecideClock(self.service.admission.admitter.core)
         self.client = await MeshClient.connect(
             self.url, namespace=self.namespace, name="bench-admission-producer"
         )
@@ -659,9 +706,14 @@ class EndToEnd:
             if decision.outcome != "admitted":
                 self.refused.append(f"{decision.outcome} {decision.reason}: {decision.detail}")
 
-        ledger_cpu = await self.ledger_cpu()
+        assert self.decide_clock is not None
+        ledger_cpu, (decide_seconds, _) = await self.ledger_cpu(), self.decide_clock.reading()
         result = await closed_loop(admit, count, concurrency)
-        result = replace(result, ledger_cpu_seconds=await self.ledger_cpu() - ledger_cpu)
+        result = replace(
+            result,
+            ledger_cpu_seconds=await self.ledger_cpu() - ledger_cpu,
+            decide_seconds=self.decide_clock.reading()[0] - decide_seconds,
+        )
         if self.refused:
             raise RuntimeError(f"{len(self.refused)} admissions not admitted: {self.refused[0]}")
         return result
@@ -722,6 +774,7 @@ class Summary:
     cpu_us: float
     ledger_cpu_us: float
     broker_cpu_us: float | None
+    decide_us: float  # inside AdmissionCore.decide a request (ours; 0 for the echoes)
 
 
 def summarise(rounds: list[Round]) -> Summary:
@@ -731,6 +784,7 @@ def summarise(rounds: list[Round]) -> Summary:
         p99_ms=statistics.median(r.percentile(99) for r in rounds),
         cpu_us=statistics.median(r.cpu_us for r in rounds),
         ledger_cpu_us=statistics.median(r.ledger_cpu_us for r in rounds),
+        decide_us=statistics.median(r.decide_us for r in rounds),
         broker_cpu_us=None
         if any(r.broker_cpu_us is None for r in rounds)
         else statistics.median(r.broker_cpu_us or 0.0 for r in rounds),
@@ -825,7 +879,32 @@ async def part_a_rounds(
             f"   median {LABELS[path]:<28} {s.rate:>7,.0f} req/s   p50 {s.p50_ms:6.2f} ms   "
             f"p99 {s.p99_ms:6.2f} ms   CPU µs/req: process {s.cpu_us:,.0f}{broker}"
         )
+    print_floor(summaries)
     return summaries
+
+
+def print_floor(summaries: dict[str, Summary]) -> None:
+    """What admission adds to each fair echo's request, what the throughput target leaves
+    it, and what the decision alone takes: throughput here follows the process's CPU per
+    request, so ≥ 0.8x an echo's rate leaves admission at most a quarter of that echo's CPU."""
+    ours = summaries["ours"]
+    print(
+        f"   the decision alone (AdmissionCore.decide: pure Python, no I/O) took "
+        f"{ours.decide_us:,.0f} µs a request"
+    )
+    for path, _, _ in TARGET_ECHOES:
+        echo = summaries[path]
+        print(
+            f"   {LABELS[path]}: {echo.cpu_us:,.0f} µs of process CPU a request; admission adds "
+            f"{ours.cpu_us - echo.cpu_us:,.0f}, ≥ {TARGET_THROUGHPUT_RATIO:g}x its rate leaves "
+            f"it at most {allowance_us(echo.cpu_us):,.0f}"
+        )
+
+
+def allowance_us(echo_cpu_us: float) -> float:
+    """Admission's CPU a request that keeps throughput at the target ratio of an echo whose
+    requests cost ``echo_cpu_us``, where throughput follows CPU per request."""
+    return echo_cpu_us * (1 / TARGET_THROUGHPUT_RATIO - 1)
 
 
 # Where a profiled round's time goes: (label, file, function); indentation shows nesting.
@@ -1083,6 +1162,7 @@ class StoreRun:
     released: int  # grants their holders released during the timed part
     expired: int  # grants the expiry sweeps took back during the timed part
     cpu_seconds: float  # this process's (for PostgreSQL, its server process's is not in it)
+    decide_seconds: float  # wall time inside AdmissionCore.decide (DecideClock)
 
     @property
     def rate(self) -> float:
@@ -1091,6 +1171,10 @@ class StoreRun:
     @property
     def cpu_us(self) -> float:
         return self.cpu_seconds / self.decisions * 1e6
+
+    @property
+    def decide_us(self) -> float:
+        return self.decide_seconds / self.decisions * 1e6
 
 
 REPEATS = {"SQLite": 9, "PostgreSQL": 5}
@@ -1108,6 +1192,7 @@ class MixedRun:
 
     def __init__(self, ledger: LedgerStore, now: float) -> None:
         self.admitter = Admitter(ledger, MIXED_POLICY)
+        self.decide_clock = DecideClock(self.admitter.core)
         self.now = self.next_sweep = now
         for pool in mixed_descriptors(now):
             problem = self.admitter.publish_descriptor(pool, now)
@@ -1118,6 +1203,7 @@ class MixedRun:
     def run(self, requests: list[tuple[AdmissionRequest, str]], batch: int) -> StoreRun:
         outcomes: Counter[str] = Counter()
         released = expired = 0
+        decide_seconds = self.decide_clock.reading()[0]
         start, cpu = time.perf_counter(), time.process_time()
         for at in range(0, len(requests), batch):
             chunk = requests[at : at + batch]
@@ -1143,7 +1229,10 @@ class MixedRun:
                 self.next_sweep += MIXED_SWEEP_EVERY_S
                 expired += len(self.admitter.expire(self.now))
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-        return StoreRun("", len(requests), seconds, outcomes, released, expired, cpu)
+        decide_seconds = self.decide_clock.reading()[0] - decide_seconds
+        return StoreRun(
+            "", len(requests), seconds, outcomes, released, expired, cpu, decide_seconds
+        )
 
 
 def in_core(
@@ -1222,7 +1311,8 @@ def print_part_b(runs: list[StoreRun], reference: float | None) -> None:
     print()
     print(
         f"   {'store':<34}{'decisions':>9}  {'adm/rej/def':>13}  {'rel/exp':>9}  {'seconds':>7}"
-        f"  {'decisions/s':>11}  {'µs/decision':>11}  {'CPU µs':>6}  {'÷ echo req/s':>12}"
+        f"  {'decisions/s':>11}  {'µs/decision':>11}  {'CPU µs':>6}  {'decide µs':>9}"
+        f"  {'÷ echo req/s':>12}"
     )
     for run in runs:
         ratio = f"{run.rate / reference:>11.2f}x" if reference else f"{'-':>12}"
@@ -1230,13 +1320,28 @@ def print_part_b(runs: list[StoreRun], reference: float | None) -> None:
         print(
             f"   {run.store:<34}{run.decisions:>9,}  {mix:>13}  "
             f"{f'{run.released}/{run.expired}':>9}  {run.seconds:>7.2f}  {run.rate:>11,.0f}  "
-            f"{run.seconds / run.decisions * 1e6:>11,.0f}  {run.cpu_us:>6,.0f}  {ratio}"
+            f"{run.seconds / run.decisions * 1e6:>11,.0f}  {run.cpu_us:>6,.0f}  "
+            f"{run.decide_us:>9,.0f}  {ratio}"
         )
+    print(
+        "   decide µs: inside AdmissionCore.decide a decision (pure Python, no I/O), part of "
+        "µs/decision"
+    )
     if reference:
         print(
             f"   reference: {reference:,.0f} requests/s, the faster fair echo's best rate in this"
             " run (or --reference-rate)"
         )
+        for kind, bound in (
+            ("SQLite", TARGET_SQLITE_VS_ECHO),
+            ("PostgreSQL", TARGET_POSTGRES_VS_ECHO),
+        ):
+            found = next((r for r in runs if r.store.startswith(kind)), None)
+            if found is not None:
+                print(
+                    f"   ≥ {bound:g}x the reference leaves {kind} {1e6 / (bound * reference):,.0f} "
+                    f"µs a decision, all of it; the decision alone took {found.decide_us:,.0f}"
+                )
 
 
 def part_b_report(report: Report, runs: list[StoreRun], reference: float | None) -> None:
@@ -1254,6 +1359,7 @@ def part_b_report(report: Report, runs: list[StoreRun], reference: float | None)
             released=run.released,
             expired=run.expired,
             cpu_us_per_decision=run.cpu_us,
+            decide_us_per_decision=run.decide_us,
             reference=reference,
         )
     if reference is None:
@@ -1357,6 +1463,8 @@ def part_a_targets(report: Report, concurrency: int, summaries: dict[str, Summar
             p50_ms=summary.p50_ms,
             p99_ms=summary.p99_ms,
             cpu_us=summary.cpu_us,
+            decide_us=summary.decide_us if path == "ours" else None,
+            admission_allowance_us=None if path == "ours" else allowance_us(summary.cpu_us),
             unit="requests/s (median of rounds)",
             baseline_is=LABELS["echo"],
         )
