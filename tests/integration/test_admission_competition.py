@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -349,6 +349,27 @@ ADMITTED: Outcome = ("admitted", None)
 CAPACITY: Outcome = ("deferred", AdmissionReason.CAPACITY)
 
 
+STREAM_IN_FLIGHT = 64
+"""Requests a test's stream keeps in flight at most. The stream then moves only as fast as the
+test reads its answers, so a kill lands mid-stream however fast the managers decide: 600 sent
+at once were all decided before the test had read 20 decisions, on a fast machine."""
+
+
+def admission_stream(
+    producers: Sequence[MeshClient], ids: Sequence[str]
+) -> list[asyncio.Task[AdmissionDecision]]:
+    """One ``admit`` task per ID, the producers in turn, at most STREAM_IN_FLIGHT in flight."""
+    gate = asyncio.Semaphore(STREAM_IN_FLIGHT)
+
+    async def admit(producer: MeshClient, admission_id: str) -> AdmissionDecision:
+        async with gate:
+            return await producer.admit(
+                REQUIREMENTS, admission_id=admission_id, timeout_s=ADMIT_TIMEOUT_S
+            )
+
+    return [asyncio.create_task(admit(producers[i % len(producers)], a)) for i, a in enumerate(ids)]
+
+
 def outcome(decision: AdmissionDecision) -> Outcome:
     return (decision.outcome, decision.reason)
 
@@ -404,7 +425,7 @@ async def test_two_manager_processes_on_one_postgres_ledger_grant_each_unit_once
 async def test_a_manager_killed_mid_stream_recovers_every_active_reservation_on_restart(
     managers: Managers, producers: list[MeshClient], ledger: PostgresLedger
 ) -> None:
-    capacity, requests = 10, 600  # enough that the kill lands mid-stream on a fast machine
+    capacity, requests = 10, 600
     client = producers[0]
     started = time.monotonic()
     (first,) = await managers.start("m-first")
@@ -413,10 +434,7 @@ async def test_a_manager_killed_mid_stream_recovers_every_active_reservation_on_
     # A stream of requests, more than there is capacity; the manager dies (SIGKILL) as soon as
     # it has filled the pool, with the rest of the stream still queued or unacknowledged.
     ids = [f"adm-{i:03d}" for i in range(requests)]
-    stream = [
-        asyncio.create_task(client.admit(REQUIREMENTS, admission_id=a, timeout_s=ADMIT_TIMEOUT_S))
-        for a in ids
-    ]
+    stream = admission_stream([client], ids)
     try:
         await first.wait_for(lambda: len(first.admitted) >= capacity, what="a full pool")
         await first.kill()
@@ -510,19 +528,14 @@ async def test_a_manager_killed_while_racing_another_loses_no_request_and_double
     # The two-manager deployment: one dies mid-stream, the survivor (which has the descriptor)
     # decides what the dead one had not acknowledged, against the same ledger; the dead one
     # comes back and serves again.
-    capacity, requests = 10, 600  # enough that the kill lands mid-stream on a fast machine
+    capacity, requests = 10, 600
     started = time.monotonic()
     procs = await managers.start("m-a", "m-b")
     doomed, survivor = procs
     await publish_to_every_manager(producers[0], procs, descriptor(capacity))
 
     ids = [f"adm-{i:03d}" for i in range(requests)]
-    stream = [
-        asyncio.create_task(
-            producers[i % 2].admit(REQUIREMENTS, admission_id=a, timeout_s=ADMIT_TIMEOUT_S)
-        )
-        for i, a in enumerate(ids)
-    ]
+    stream = admission_stream(producers, ids)
     try:
         # Kill early, while most requests still wait: waiting for a full pool, the kill
         # lands after the managers have decided them all.
