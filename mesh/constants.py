@@ -77,6 +77,9 @@ H_SOURCE_QUEUE: Final = "x-mesh-source-queue"
 H_ORIGINAL_SIZE: Final = "x-mesh-original-size"  # a dead letter's body size before it was cut
 H_TRUNCATED: Final = "x-mesh-truncated"  # true: the dead letter keeps only a prefix of its body
 H_AGENT_ID: Final = "x-mesh-agent-id"
+# An agent's connection carries its incarnation as a client property beside its name
+# (``agent:<id>``), so the manager fences a lost incarnation without cutting its successor.
+CLIENT_PROPERTY_INCARNATION: Final = "mesh_incarnation"
 H_LEASE_ID: Final = "x-mesh-lease-id"
 H_ADMISSION_ID: Final = "x-mesh-admission-id"  # the business ID of a granted task's publish
 # A client's request: the reply fields added after their message's release that it knows,

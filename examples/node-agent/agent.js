@@ -677,7 +677,10 @@ async function main() {
   if (!(HEARTBEAT_S >= MIN_HEARTBEAT_S)) {
     throw new Error(`HEARTBEAT_INTERVAL_S=${env.HEARTBEAT_INTERVAL_S} is below ${MIN_HEARTBEAT_S} s`);
   }
-  conn = await amqp.connect(URL, { clientProperties: { connection_name: `agent:${AGENT_ID}` } });
+  conn = await amqp.connect(URL, {
+    // Named and tagged as the SDK's (§1): a fence of a lost incarnation spares this one.
+    clientProperties: { connection_name: `agent:${AGENT_ID}`, mesh_incarnation: INCARNATION },
+  });
   conn.on("error", (err) => fail(err));
   conn.on("close", () => stopping || fail(new Error("the broker closed the connection")));
   ch = await conn.createConfirmChannel();

@@ -459,6 +459,11 @@ class AgentRuntime:
         async with self._pool_lock:
             if self._draining or self.core.phase not in ("starting", "running"):
                 return
+            if not self._accepted:
+                # A descriptor_active event can come while our registration is deferred (a
+                # live incarnation holds our ID): nothing is ours to take before the manager
+                # accepted this incarnation; the start subscribes once it has.
+                return
             if self._pool_consumer is not None and (
                 epoch is None or self._pool_epoch is None or epoch <= self._pool_epoch
             ):
@@ -581,6 +586,7 @@ class AgentRuntime:
             self._transport = await AmqpTransport.connect(
                 self.settings.amqp_url,
                 name=f"agent:{self.agent_id}",
+                properties={c.CLIENT_PROPERTY_INCARNATION: self._incarnation},
                 publish_timeout_s=self.settings.publish_timeout_s,
                 connect_timeout_s=self.settings.connect_timeout_s,
                 liveness_probe_s=self.settings.liveness_probe_s,

@@ -198,9 +198,12 @@ class DeletePod:
 @dataclass(frozen=True, slots=True)
 class FenceAgent:
     """Cut a lost agent off the broker (close its connections), so the broker requeues the
-    tasks it still holds now instead of when its AMQP heartbeat finally times out."""
+    tasks it still holds now instead of when its AMQP heartbeat finally times out. Only the
+    connections of the lost ``incarnation``: its successor under the same ID (a container
+    restarted under its pod name) may already be connected, waiting to register."""
 
     agent_id: str
+    incarnation: str
     reason: str
 
 

@@ -841,7 +841,7 @@ class PoolCore:
             self.counters["lost"] += 1
             reason = f"no heartbeat for {silence:.1f} s"
             out += self._remove(agent, Trigger.LOSE, now, reason)
-            out.append(FenceAgent(agent.agent_id, reason))
+            out.append(FenceAgent(agent.agent_id, agent.incarnation, reason))
             if self.scaling.manages(agent.deployment):
                 out.append(DeletePod(agent.deployment, agent.agent_id, reason))
         return out

@@ -24,6 +24,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import aiohttp
 
+from mesh import constants as c
 from mesh.core.pressure import PoolPressure
 from mesh.core.tally import FleetTally
 from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat
@@ -133,24 +134,30 @@ class Observer:
             await self._session.close()
             self._session = None
 
-    async def close_agent_connections(self, agent_id: str, reason: str) -> int | None:
-        """Close every connection named ``agent:<agent_id>`` (the name agents give theirs)
-        through the management API; how many were closed, or ``None`` without the API or when
-        it fails (logged)."""
+    async def close_agent_connections(
+        self, agent_id: str, incarnation: str, reason: str
+    ) -> int | None:
+        """Close the connections of one lost incarnation of an agent through the management
+        API: named ``agent:<agent_id>`` (the name agents give theirs) and tagged with that
+        incarnation (client property ``mesh_incarnation``), or untagged (an agent that does
+        not tag its connection cannot be told from its successor; it is closed as before).
+        How many were closed, or ``None`` without the API or when it fails (logged)."""
         if self._api is None:
             return None
         name = f"agent:{agent_id}"
+        tag = c.CLIENT_PROPERTY_INCARNATION
         url = f"{self._api}/api/connections"
         try:
             session = self._client_session()
-            params = {"columns": "name,client_properties.connection_name"}
+            params = {"columns": f"name,client_properties.connection_name,client_properties.{tag}"}
             async with session.get(url, params=params) as response:
                 response.raise_for_status()
                 rows = await response.json()
             names = [
                 str(row["name"])
                 for row in rows
-                if (row.get("client_properties") or {}).get("connection_name") == name
+                if (props := row.get("client_properties") or {}).get("connection_name") == name
+                and props.get(tag, incarnation) == incarnation
             ]
             for connection in names:
                 headers = {"X-Reason": f"mesh: agent {agent_id} lost: {reason}"[:200]}

@@ -1563,10 +1563,14 @@ class ManagerService:
         for attempt in range(_FENCE_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(_FENCE_RETRY_S)
-                if cmd.agent_id in self.core.agents:  # back meanwhile: its new connection stays
+                back = self.core.agents.get(cmd.agent_id)
+                if back is not None and back.incarnation == cmd.incarnation:
+                    # Back meanwhile (a silence it survived): its connection stays.
                     self.counters["fence_skipped_back"] += 1
                     return
-            closed = await self.observer.close_agent_connections(cmd.agent_id, cmd.reason)
+            closed = await self.observer.close_agent_connections(
+                cmd.agent_id, cmd.incarnation, cmd.reason
+            )
             if closed is None:
                 self.counters["fence_unavailable"] += 1
                 return

@@ -332,6 +332,7 @@ class AmqpTransport:
         connect_timeout_s: float = 10.0,
         liveness_probe_s: float | None = None,
         sign: bool = False,
+        properties: Mapping[str, str] | None = None,
     ) -> AmqpTransport:
         """Connect, or raise :class:`BrokerUnavailable` with one sentence that says what to do.
 
@@ -343,13 +344,18 @@ class AmqpTransport:
         connection (so it reconnects) when a probe gets no answer within that many seconds: a
         silent broker (a blackholed path) is noticed within one and a half intervals — two at
         the most — where the AMQP heartbeat alone takes ``(heartbeat + 1) * 3`` s or more
-        (aiormq's rule)."""
+        (aiormq's rule).
+
+        ``properties``: more client properties beside ``connection_name`` (an agent's
+        incarnation), shown in the management API's connection list."""
         not_amqp = _not_an_amqp_url(url)
         if not_amqp is not None:
             raise BrokerUnavailable(not_amqp)
         try:
             connection = await aio_pika.connect_robust(
-                url, client_properties={"connection_name": name}, timeout=connect_timeout_s
+                url,
+                client_properties={**(properties or {}), "connection_name": name},
+                timeout=connect_timeout_s,
             )
         except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as exc:
             raise BrokerUnavailable(_why_not_connected(url, exc)) from None

@@ -739,7 +739,9 @@ def test_an_agent_silent_for_three_intervals_is_lost_and_never_found_again(pool:
         ("calc.add", "old", "capability_withdrawn")
     ]
     # ... and cut off the broker, so what it still holds is requeued now.
-    assert [c for c in out if isinstance(c, FenceAgent)] == [FenceAgent("old", lost.reason)]
+    assert [c for c in out if isinstance(c, FenceAgent)] == [
+        FenceAgent("old", "inc-1", lost.reason)
+    ]
     assert "old" not in pool.core.agents
 
     later = pool.run_for(100, heartbeats=["new"])
