@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
@@ -217,9 +218,14 @@ class Consumer:
         *,
         prefetch: int,
         no_ack: bool,
+        restoring: Callable[[], bool] = lambda: False,
     ) -> None:
         self.queue_name = queue
         self.cancelled = False
+        # True while the whole connection is being restored: then the transport subscribes
+        # again once every channel is back (resubscribe_deferred), not this channel alone.
+        self._restoring = restoring
+        self.deferred = False
         self._channel = channel
         self._handler = handler
         self._prefetch = prefetch
@@ -231,7 +237,20 @@ class Consumer:
         channel.reopen_callbacks.add(self._reopened)
 
     async def _reopened(self, *_: Any) -> None:
+        """Its channel reopened. After a reconnect, aio-pika restores the channels one by one
+        in no fixed order: a consumer subscribed now could take tasks while the publishing
+        channel (and the declarations on it) is still closed, fail to answer them and requeue
+        them at once, burning their delivery limit. So it waits for the whole connection; a
+        channel reopened on its own subscribes at once."""
+        if self._restoring():
+            self.deferred = True
+            return
         await _resubscribe(self)
+
+    async def resubscribe_deferred(self) -> None:
+        if self.deferred:
+            self.deferred = False
+            await _resubscribe(self)
 
     async def subscribe(self) -> None:
         """Start (or, after a reconnect, restart) deliveries on the current channel."""
@@ -319,6 +338,8 @@ class AmqpTransport:
         self.signer: str | None = None
         self._fast_properties = _FAST_PROPERTIES  # signed by sign_as
         self._fast_marshalled = _FAST_MARSHALLED
+        self._restoring = False  # the connection dropped and is not whole again yet
+        self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
         connection.reconnect_callbacks.add(self._reconnected)
         connection.close_callbacks.add(self._dropped)
 
@@ -390,6 +411,8 @@ class AmqpTransport:
         """The connection dropped (the broker, the network, the liveness probe): the
         consume-only connection is dropped too, whether or not it has noticed yet, so the
         two come back together (:meth:`_reconnected`)."""
+        if not self._closing:
+            self._restoring = True
         if self._lean is not None and not self._closing:
             self._lean.reset()
 
@@ -398,6 +421,10 @@ class AmqpTransport:
         log.warning("reconnected to the broker", extra={"url": redact(self.url)})
         # aio-pika has restored what it knew; forget our cache so later declares are real.
         self._declared.clear()
+        # Every channel is back: only now do the consumers take messages again.
+        self._restoring = False
+        for consumer in list(self._consumers):
+            await consumer.resubscribe_deferred()
         if self._lean is not None and not await self._lean.restored(_CONTROL_TIMEOUT_S):
             log.warning("the consume-only connection is not back yet; it keeps trying")
         for callback in self._on_reconnect:
@@ -892,8 +919,16 @@ class AmqpTransport:
         channel = await self._connection.channel()
         try:
             await self._queue_on(channel, queue)  # it exists (and aio-pika restores it)
-            consumer = Consumer(channel, queue, handler, prefetch=prefetch, no_ack=no_ack)
+            consumer = Consumer(
+                channel,
+                queue,
+                handler,
+                prefetch=prefetch,
+                no_ack=no_ack,
+                restoring=lambda: self._restoring,
+            )
             await consumer.subscribe()
+            self._consumers.add(consumer)
         except BaseException as exc:
             if not channel.is_closed:
                 await channel.close()
