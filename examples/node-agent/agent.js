@@ -498,9 +498,17 @@ async function onTask(msg, fromPool) {
       return;
     }
   } else if (fromPool || !task.lease_id || !(await leaseKnown(task.lease_id))) {
-    const why = fromPool ? "a pool task without a grant" : "no lease this agent was told of";
-    if (await answer(msg, failure(task, startedAt, "NOT_AUTHORIZED", why), false)) {
-      await deadLetter(msg, queue, "NOT_AUTHORIZED", why); // and acked there
+    // No credentials at all: NOT_AUTHORIZED. A lease this incarnation was not told of, or
+    // that ended: UNKNOWN_LEASE, which a producer answers by leasing again (§7 step 7).
+    const unknownLease = !fromPool && Boolean(task.lease_id);
+    const code = unknownLease ? "UNKNOWN_LEASE" : "NOT_AUTHORIZED";
+    const why = fromPool
+      ? "a pool task without a grant"
+      : unknownLease
+        ? "no lease this incarnation was told of"
+        : "the task carries neither a grant nor a lease";
+    if (await answer(msg, failure(task, startedAt, code, why), false)) {
+      await deadLetter(msg, queue, code, why); // and acked there
     }
     return;
   }

@@ -345,6 +345,9 @@ class AgentRuntime:
         self._standing: asyncio.Future[Standing] | None = None  # the answer awaited
         # idempotency key and task ID -> the result published (ANSWERS_KEPT most recent)
         self._answered: OrderedDict[str, TaskResult] = OrderedDict()
+        # ... and the results of finished tasks not published yet (the broker away): a
+        # redelivery publishes it rather than running the handler again (ANSWERS_KEPT most recent)
+        self._unpublished: OrderedDict[str, _Finished] = OrderedDict()
         # admission ID -> the manager's answer awaited on a redelivered pool task
         self._admission_states: dict[str, asyncio.Future[AdmissionState]] = {}
         self._standing_check: asyncio.Future[float | None] | None = None  # last silence's
@@ -1013,18 +1016,27 @@ class AgentRuntime:
         event, self._lease_noticed = self._lease_noticed, asyncio.Event()
         event.set()
 
-    async def _credentials_problem(self, task: Task, from_pool: bool) -> str | None:
-        """Why ``task`` may not run here for want of credentials (``None``: it may; a grant
-        it carries is checked on its own, :meth:`_grant_problem`)."""
+    async def _credentials_problem(self, task: Task, from_pool: bool) -> tuple[Reason, str] | None:
+        """Why ``task`` may not run here for want of credentials, and its reason code
+        (``None``: it may; a grant it carries is checked on its own, :meth:`_grant_problem`).
+
+        A lease this incarnation was not told of, or that ended, is ``UNKNOWN_LEASE``: a
+        producer may ask for a new lease and send the task again (a task queued for an
+        earlier incarnation under our ID, whose leases ended with it, is refused so). No
+        credentials at all is ``NOT_AUTHORIZED``."""
         if task.grant is not None or self.settings.open_tasks:
             return None
         if from_pool:
-            return "a task of the pool queue without a grant"
+            return Reason.NOT_AUTHORIZED, "a task of the pool queue without a grant"
         if task.lease_id is None:
-            return "the task carries neither a grant nor a lease"
+            return Reason.NOT_AUTHORIZED, "the task carries neither a grant nor a lease"
         if await self._lease_known(task.lease_id, task.capability):
             return None
-        return f"lease {task.lease_id!r} was not issued to {self.agent_id}, or has ended"
+        return (
+            Reason.UNKNOWN_LEASE,
+            f"lease {task.lease_id!r} was not issued to this incarnation of "
+            f"{self.agent_id}, or has ended",
+        )
 
     async def _lease_known(self, lease_id: str, capability: str) -> bool:
         """Whether the manager issued ``lease_id`` to this agent and it has not ended, by its
@@ -1073,18 +1085,27 @@ class AgentRuntime:
             log.info("could not ask about a lease", extra=self._extra(error=str(exc)))
 
     async def _refuse_without_credentials(
-        self, delivery: Delivery, task: Task, problem: str, from_pool: bool, extra: dict[str, Any]
+        self,
+        delivery: Delivery,
+        task: Task,
+        problem: tuple[Reason, str],
+        from_pool: bool,
+        extra: dict[str, Any],
     ) -> None:
-        """Answer ``NOT_AUTHORIZED`` (the producer does not wait for nothing), dead-letter the
-        task with that reason; it never runs."""
+        """Answer with the problem's reason (the producer does not wait for nothing),
+        dead-letter the task with it; it never runs."""
+        reason, why = problem
         self.counters["tasks_without_credentials"] += 1
-        log.warning("task refused: no credentials", extra={**extra, "problem": problem})
+        log.warning(
+            "task refused: no credentials",
+            extra={**extra, "problem": why, "reason": reason.value},
+        )
         queue = self.topology.pool_task_queue(self.agent.deployment) if from_pool else None
         await self._answer_and_dead_letter(
             delivery,
             task,
-            Reason.NOT_AUTHORIZED,
-            f"{self.agent_id}, at claim: {problem}",
+            reason,
+            f"{self.agent_id}, at claim: {why}",
             queue,
             extra,
         )
@@ -1303,7 +1324,14 @@ class AgentRuntime:
         """A task that ran to an answer before (its ack was lost) is not run again: answered
         from our record if it ran here, refused at claim if the ledger settled its admission
         (it ran elsewhere). ``True``: handled."""
-        answered = self._answered.get(_answer_key(task))
+        key = _answer_key(task)
+        unpublished = self._unpublished.pop(key, None)
+        if unpublished is not None:  # finished here, its result never went out: send it now
+            self.counters["tasks_finished_answered_later"] += 1
+            log.info("task finished here before; publishing its kept result", extra=extra)
+            await self._publish_answer(delivery, task, unpublished, extra)
+            return True
+        answered = self._answered.get(key)
         if answered is not None:  # done here before: the same answer
             self.counters["tasks_answered_again"] += 1
             log.info("task done here before; answered from its recorded result", extra=extra)
@@ -1324,8 +1352,23 @@ class AgentRuntime:
         """Run the handler, revalidate, publish the result, then ack (or requeue)."""
         claimed = time.monotonic()
         result = await self._run_handler(delivery, task, extra)
+        self.counters[f"tasks_{result.status}"] += 1
+        if result.error is not None:
+            log.info("task failed", extra={**extra, "code": result.error.code.value})
+        await self._publish_answer(delivery, task, _Finished(claimed, result), extra)
+
+    async def _publish_answer(
+        self, delivery: Delivery, task: Task, finished: _Finished, extra: dict[str, Any]
+    ) -> None:
+        """Fence, revalidate at the consumption point, publish the result, then ack. A result
+        that cannot be published (the broker away) is kept and the task requeued: its
+        redelivery here (the broker brings it back to this agent's own queue, or to this
+        consumer of the pool queue) publishes the kept result instead of running the handler
+        again."""
         self._note_silence(time.monotonic())
-        if self.core.fenced(claimed) and not await self._still_registered(claimed):
+        if self.core.fenced(finished.claimed) and not await self._still_registered(
+            finished.claimed
+        ):
             self.counters["results_fenced"] += 1
             log.warning(
                 "result withheld: claimed before a silence in which this agent was declared "
@@ -1334,17 +1377,20 @@ class AgentRuntime:
             )
             await _requeue(delivery, extra)
             return
-        result = self._at_consumption(task, result, extra)
-        self.counters[f"tasks_{result.status}"] += 1
-        if result.error is not None:
-            log.info("task failed", extra={**extra, "code": result.error.code.value})
-        if await self._send_result(delivery, result, extra):
-            self._remember_answer(task, result)
+        answer = self._at_consumption(task, finished.result, extra)
+        try:
+            sent = await self._send_result(delivery, answer, extra)
+        except asyncio.CancelledError:
+            # The channel closed under the publish (aio-pika cancels a closed channel's
+            # handlers): the broker takes the task back and brings it here again.
+            self._keep_unpublished(task, finished)
+            raise
+        if sent:
+            self._remember_answer(task, answer)
             await _ack(delivery, extra)
-        else:
-            if self.core.result_point is not None and task.grant and task.grant.lease:
-                self.core.result_point.give_back(task.grant.lease)  # not published after all
-            await _requeue(delivery, extra)
+            return
+        self._keep_unpublished(task, finished)
+        await _requeue(delivery, extra)
 
     async def _start_pool_task(self, delivery: Delivery, task: Task, extra: dict[str, Any]) -> bool:
         """Wait for a free slot for a pool task and count it as started (reported to the
@@ -1409,6 +1455,21 @@ class AgentRuntime:
         self._answered.move_to_end(key)
         while len(self._answered) > ANSWERS_KEPT:
             self._answered.popitem(last=False)
+
+    def _keep_unpublished(self, task: Task, finished: _Finished) -> None:
+        """Keep a finished task's result that could not be published (bounded, most recent),
+        unless it did not run to an answer (a redelivery should run it). Its lease was not
+        spent after all: the redelivery passes the consumption point again."""
+        if self.core.result_point is not None and task.grant and task.grant.lease:
+            self.core.result_point.give_back(task.grant.lease)
+        error = finished.result.error
+        if error is not None and error.code in _NOT_DONE:
+            return
+        key = _answer_key(task)
+        self._unpublished[key] = finished
+        self._unpublished.move_to_end(key)
+        while len(self._unpublished) > ANSWERS_KEPT:
+            self._unpublished.popitem(last=False)
 
     async def _send_result(
         self, delivery: Delivery, result: TaskResult, extra: dict[str, Any]
@@ -1782,6 +1843,15 @@ async def _reject(delivery: Delivery, extra: dict[str, Any]) -> None:
         await delivery.reject(requeue=False)
     except Exception as exc:
         log.warning("reject failed", extra={**extra, "error": str(exc)})
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    """A task's result as its handler left it, and when the task was claimed (monotonic: a
+    silence after it fences the result)."""
+
+    claimed: float
+    result: TaskResult
 
 
 def _answer_key(task: Task) -> str:

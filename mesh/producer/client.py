@@ -702,16 +702,30 @@ class MeshClient:
         (``counters["late_grants_released"]``) — and so is a task publish whose outcome is
         unknown: the same task, under the same ID, which the agent answers once (see
         :meth:`_publish_task`). Only when the deadline comes first does the last
-        :class:`~mesh.errors.TransportError` reach the caller."""
+        :class:`~mesh.errors.TransportError` reach the caller.
+
+        An agent that answers ``UNKNOWN_LEASE`` did not run the task: it does not know the
+        lease (it restarted under its ID after the lease was granted to its predecessor, whose
+        leases ended with it). The task is sent again under a new lease, until the deadline.
+        """
         deadline = time.time() + timeout_s
-        lease = await self._acquire_until(capability, version_spec, deadline)
-        if isinstance(lease, Refusal):
-            raise TaskRefused(lease.reason.value, lease.detail, retry_after_ms=lease.retry_after_ms)
-        try:
-            result = await self._send_and_wait(lease, payload, deadline)
-        finally:
-            await self._release_quietly(lease.lease_id)
-        return TaskOutcome(_output_of(result), result, lease)
+        while True:
+            lease = await self._acquire_until(capability, version_spec, deadline)
+            if isinstance(lease, Refusal):
+                raise TaskRefused(
+                    lease.reason.value, lease.detail, retry_after_ms=lease.retry_after_ms
+                )
+            try:
+                result = await self._send_and_wait(lease, payload, deadline)
+            finally:
+                await self._release_quietly(lease.lease_id)
+            if not _lease_unknown(result) or time.time() >= deadline:
+                return TaskOutcome(_output_of(result), result, lease)
+            self.counters["run_task_lease_retries"] += 1
+            log.info(
+                "the agent did not know our lease; sending the task under a new one",
+                extra={"agent_id": lease.agent_id, "lease_id": lease.lease_id},
+            )
 
     async def _send_and_wait(
         self, lease: Lease, payload: dict[str, Any], deadline: float
@@ -803,6 +817,11 @@ class MeshClient:
         except Exception as exc:  # the lease expires on its own; never mask the task's outcome
             self.counters["release_failed"] += 1
             log.warning("release failed", extra={"lease_id": lease_id, "error": str(exc)})
+
+
+def _lease_unknown(result: TaskResult) -> bool:
+    """The agent refused the task at claim for a lease it does not know: not run."""
+    return result.error is not None and result.error.code is Reason.UNKNOWN_LEASE
 
 
 def _output_of(result: TaskResult, allowed: Sequence[str] = ()) -> dict[str, Any]:

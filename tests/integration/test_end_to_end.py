@@ -108,7 +108,7 @@ async def test_a_task_under_a_lease_that_ended_is_refused_when_the_manager_says_
 
     asked = runtime.counters["lease_state_asked"]
     result = await client._send_and_wait(lease, {"expression": "1+1"}, time.time() + 10)
-    assert result.error is not None and result.error.code == "NOT_AUTHORIZED"
+    assert result.error is not None and result.error.code == "UNKNOWN_LEASE"
     assert runtime.counters["lease_state_asked"] > asked
     assert manager.counters["lease_state.ended"] >= 1
 

@@ -386,27 +386,32 @@ async def test_a_task_without_a_grant_or_an_issued_lease_is_never_run(
             t = manager.topology
             foreign = await client.acquire("test.echo", agent_id="echo-2")  # echo-2's lease
             assert isinstance(foreign, Lease)
+            # No credentials at all: NOT_AUTHORIZED. A lease this agent does not know:
+            # UNKNOWN_LEASE (a producer may lease again and resend; the task never ran).
             sent = {
-                "to the pool queue, no grant": ("pool.echo", None),
-                "to the agent, no lease": ("echo-1", None),
-                "a made-up lease": ("echo-1", "not-a-lease"),
-                "another agent's lease": ("echo-1", foreign.lease_id),
+                "to the pool queue, no grant": ("pool.echo", None, Reason.NOT_AUTHORIZED),
+                "to the agent, no lease": ("echo-1", None, Reason.NOT_AUTHORIZED),
+                "a made-up lease": ("echo-1", "not-a-lease", Reason.UNKNOWN_LEASE),
+                "another agent's lease": ("echo-1", foreign.lease_id, Reason.UNKNOWN_LEASE),
             }
             answers = {
                 what: await bare_task(client, t, to, lease_id)
-                for what, (to, lease_id) in sent.items()
+                for what, (to, lease_id, _) in sent.items()
             }
             for what, answer in answers.items():
                 assert isinstance(answer, TaskResult), what
                 assert answer.status == "error" and answer.error is not None, what
-                assert answer.error.code is Reason.NOT_AUTHORIZED, (what, answer.error)
+                assert answer.error.code is sent[what][2], (what, answer.error)
             refused = agent.counters["tasks_without_credentials"]
             assert refused == 4 and agent.counters["tasks_ok"] == 0
 
             letters = [await client.transport.get_one(t.dead_letter_queue) for _ in range(4)]
-            assert [ltr.headers["x-mesh-reason"] for ltr in letters if ltr] == [
-                "NOT_AUTHORIZED"
-            ] * 4
+            assert sorted(ltr.headers["x-mesh-reason"] for ltr in letters if ltr) == [
+                "NOT_AUTHORIZED",
+                "NOT_AUTHORIZED",
+                "UNKNOWN_LEASE",
+                "UNKNOWN_LEASE",
+            ]
             sources = sorted(ltr.headers["x-mesh-source-queue"] for ltr in letters if ltr)
             assert sources == sorted(
                 [t.pool_task_queue("echo")] + [t.agent_task_queue("echo-1")] * 3

@@ -21,6 +21,7 @@ import pytest
 from mesh import constants as c
 from mesh.agent import AgentRuntime, AgentSettings
 from mesh.manager.service import ManagerService
+from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.topology import Topology, names
 from mesh.transport.amqp import AmqpTransport
@@ -49,11 +50,11 @@ async def fencing_manager(
 
 
 async def a_live_old_incarnation(
-    manager: ManagerService, amqp_url: str, topology: Topology, deployment: str, management_api: Any
+    manager: ManagerService, amqp_url: str, topology: Topology, deployment: str
 ) -> tuple[RawAgent, AmqpTransport, asyncio.Event]:
     """The incarnation a kill -9 leaves behind, still counted by the manager: registered,
-    beating, its connection named and tagged as the SDK names and tags its own. (Its task
-    queue is deleted: the raw agent bounds it for 4 slots, the echo sample for 8.)"""
+    beating, its connection named and tagged as the SDK names and tags its own. Its queues
+    are bounded as the echo sample's (8 slots), which is what the restarted process runs."""
     incarnation = uuid.uuid4().hex
     transport = await AmqpTransport.connect(
         amqp_url,
@@ -66,11 +67,10 @@ async def a_live_old_incarnation(
     old.incarnation = incarnation
     # Its queues, but no consumer on the control queue: a killed process's consumers are
     # gone at once (the kernel closes its socket), only its record in the manager lives on.
-    await transport.declare(topology.agent(AGENT_ID, 8))
+    await transport.declare(topology.agent(AGENT_ID, 16))
     await old.register()
     await eventually(lambda: AGENT_ID in manager.core.agents, what="acceptance")
     old.start_heartbeats()
-    management_api.delete_queue(topology.agent_task_queue(AGENT_ID))
     return old, transport, dropped
 
 
@@ -98,16 +98,13 @@ async def test_a_restarted_agent_takes_no_pool_task_before_its_own_incarnation_i
     namespace: str,
     topology: Topology,
     transport_factory: Any,
-    management_api: Any,
 ) -> None:
     """While its registration is deferred (``AGENT_ID_IN_USE``: the old incarnation is live), a
     ``descriptor_active`` announcement reaches the new process's control queue; it must not
     subscribe to the pool queue then, only once the manager accepted it."""
     runtime = the_restarted_process(amqp_url, namespace)
     pool = runtime.agent.deployment
-    old, _, _ = await a_live_old_incarnation(
-        fencing_manager, amqp_url, topology, pool, management_api
-    )
+    old, _, _ = await a_live_old_incarnation(fencing_manager, amqp_url, topology, pool)
     operator = await transport_factory(suffix="operator")
     await operator.declare(topology.pool(pool))
     starting = asyncio.create_task(runtime.start())
@@ -136,14 +133,13 @@ async def test_fencing_a_lost_incarnation_leaves_its_successor_connected(
     amqp_url: str,
     namespace: str,
     topology: Topology,
-    management_api: Any,
 ) -> None:
     """The old incarnation is declared lost and cut off the broker (by its connection's
     incarnation tag); the new process, connected under the same name and waiting to
     register, keeps its connection and is accepted."""
     runtime = the_restarted_process(amqp_url, namespace)
     old, old_transport, old_dropped = await a_live_old_incarnation(
-        fencing_manager, amqp_url, topology, "raw", management_api
+        fencing_manager, amqp_url, topology, "raw"
     )
     reconnected = asyncio.Event()
     starting = asyncio.create_task(runtime.start())
@@ -167,3 +163,36 @@ async def test_fencing_a_lost_incarnation_leaves_its_successor_connected(
         await runtime.stop()
         if not starting.done():
             starting.cancel()
+
+
+async def test_work_leased_to_a_lost_incarnation_is_served_by_its_successor_through_run_task(
+    fencing_manager: ManagerService,
+    amqp_url: str,
+    namespace: str,
+    topology: Topology,
+    transport_factory: Any,
+) -> None:
+    """``run_task`` leases the old incarnation's slot and queues the task on the agent's own
+    queue; the old process is dead (nothing consumes it). Its successor under the same ID
+    finds the task under a lease that ended with its predecessor: it refuses it
+    ``UNKNOWN_LEASE`` (not the permanent ``NOT_AUTHORIZED``), and ``run_task`` leases again
+    and is served within its deadline."""
+    runtime = the_restarted_process(amqp_url, namespace)
+    old, _, _ = await a_live_old_incarnation(fencing_manager, amqp_url, topology, "raw")
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="restarts-producer")
+    try:
+        running = asyncio.create_task(
+            client.run_task("test.echo", {"message": "queued"}, timeout_s=40)
+        )
+        await eventually(lambda: bool(fencing_manager.core.leases), what="the old one leased")
+        await old.stop_heartbeats()
+        await asyncio.wait_for(runtime.start(), 20)
+
+        outcome = await asyncio.wait_for(running, 40)
+        assert outcome.output["message"] == "queued"
+        assert outcome.lease.agent_id == AGENT_ID
+        assert runtime.counters["tasks_without_credentials"] == 1  # the old lease's task
+        assert client.counters["run_task_lease_retries"] == 1
+    finally:
+        await client.close()
+        await runtime.stop()

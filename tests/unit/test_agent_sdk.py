@@ -1317,8 +1317,8 @@ async def test_a_lease_the_manager_told_of_runs_until_it_ends() -> None:
 
         await transport.deliver("t.agent.toy-1.control", lease_notice("lease-1", ended=True))
         ended = await answer_to(transport, "t.agent.toy-1.tasks", make_task(lease_id="lease-1"))
-        assert ended.error is not None and ended.error.code is Reason.NOT_AUTHORIZED
-        assert "not issued to toy-1, or has ended" in ended.error.message
+        assert ended.error is not None and ended.error.code is Reason.UNKNOWN_LEASE
+        assert "not issued to this incarnation of toy-1, or has ended" in ended.error.message
     finally:
         await runtime.stop()
 
@@ -1346,7 +1346,7 @@ async def test_a_lease_never_noticed_is_refused_after_the_wait() -> None:
     await runtime.start()
     try:
         refused = await answer_to(transport, "t.agent.toy-1.tasks", make_task(lease_id="made-up"))
-        assert refused.error is not None and refused.error.code is Reason.NOT_AUTHORIZED
+        assert refused.error is not None and refused.error.code is Reason.UNKNOWN_LEASE
         assert runtime.counters["tasks_ok"] == 0
     finally:
         await runtime.stop()
@@ -1399,7 +1399,7 @@ async def test_a_lease_the_manager_says_ended_is_refused_without_waiting_out_the
             refused = await answer_to(
                 transport, "t.agent.toy-1.tasks", make_task(lease_id="made-up")
             )
-        assert refused.error is not None and refused.error.code is Reason.NOT_AUTHORIZED
+        assert refused.error is not None and refused.error.code is Reason.UNKNOWN_LEASE
         assert runtime.counters["tasks_ok"] == 0
     finally:
         await runtime.stop()
@@ -1463,7 +1463,7 @@ async def test_the_leases_of_a_registration_the_manager_forgot_are_forgotten_too
         again = await answer_to(
             transport, "t.agent.toy-1.tasks", make_task(task_id="t-2", lease_id="lease-1")
         )
-        assert again.error is not None and again.error.code is Reason.NOT_AUTHORIZED
+        assert again.error is not None and again.error.code is Reason.UNKNOWN_LEASE
         assert runtime.counters["leases_forgotten"] == 1
     finally:
         await runtime.stop()
