@@ -45,6 +45,7 @@ with a :class:`~mesh.wire.reasons.Reason`.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 from collections import Counter, OrderedDict
@@ -132,6 +133,11 @@ class PoolSettings:
     default_lease_ttl_s: float = c.DEFAULT_LEASE_TTL_S
     stall_threshold_s: float = 3.0  # a gap between ticks longer than this is a manager stall
     reregister_backoff_s: float = 5.0  # ask an unknown agent to re-register at most this often
+    # How far one heartbeat may move its agent's ``seq``: this many, plus this many a second
+    # since the last one accepted (the SDK sends one at most every 20 ms: 50 a second). One
+    # forged heartbeat with a huge ``seq`` would otherwise make every real one after it stale.
+    heartbeat_seq_slack: int = 1_000
+    heartbeat_seq_per_s: float = 100.0
     scaling: tuple[ScalingPolicy, ...] = ()  # deployments the manager may scale
 
 
@@ -377,7 +383,7 @@ class PoolCore:
         window = self._silence_allowed_s(existing)
         wait_s = max(1.0, existing.last_seen + window - now.mono)
         detail = (
-            f"agent {reg.agent_id!r} is live as incarnation {existing.incarnation!r} (last "
+            f"agent {reg.agent_id!r} is live as another incarnation (last "
             f"heard {now.mono - existing.last_seen:.1f} s ago); a new incarnation is accepted "
             f"once that one deregisters or is declared lost (within {wait_s:.0f} s) — or at "
             "once with --agent-identity on, where the broker vouches for the agent"
@@ -389,7 +395,10 @@ class PoolCore:
             kind="registration_refused",
             agent_id=reg.agent_id,
             reason=Reason.AGENT_ID_IN_USE.value,
-            detail={"incarnation": reg.incarnation, "live_incarnation": existing.incarnation},
+            detail={
+                "incarnation": fingerprint(reg.incarnation),
+                "live_incarnation": fingerprint(existing.incarnation),
+            },
         )
         refusal = RegistrationRefused(
             agent_id=reg.agent_id,
@@ -428,6 +437,9 @@ class PoolCore:
         if hb.seq <= agent.last_heartbeat_seq:
             self.counters["heartbeat_stale"] += 1
             return []
+        if agent.last_heartbeat_seq >= 0 and self._seq_leaps(agent, hb.seq, now):
+            self.counters["heartbeat_seq_leap"] += 1
+            return []
         agent.last_heartbeat_seq = hb.seq
         agent.last_seen = now.mono
         agent.last_heartbeat_at = now.mono
@@ -436,6 +448,17 @@ class PoolCore:
         if hb.pool_in_flight == agent.pool_work and agent.state is not AgentState.DRAINING:
             return []  # the common case: nothing changed
         return self._take_work_report(agent, hb.pool_in_flight, now)
+
+    def _seq_leaps(self, agent: AgentRecord, seq: int, now: Instant) -> bool:
+        """Whether ``seq`` is further ahead of the last accepted one than an honest agent's
+        heartbeats can get since then (see ``heartbeat_seq_slack``). Such a heartbeat is
+        ignored, as a stale one is: a real agent that did leap (it is not the SDK) is declared
+        lost and registers again, and a new record accepts any ``seq``."""
+        since = agent.last_heartbeat_at if agent.last_heartbeat_at is not None else agent.last_seen
+        allowed = self.settings.heartbeat_seq_slack + self.settings.heartbeat_seq_per_s * max(
+            0.0, now.mono - since
+        )
+        return seq - agent.last_heartbeat_seq > allowed
 
     def _take_work_report(
         self, agent: AgentRecord, reported: dict[str, int], now: Instant
@@ -1055,6 +1078,13 @@ def _lease(lease: LeaseRecord, slot: Slot, now: Instant) -> Lease:
         cost_class=slot.cost_class,
         expires_in_s=max(0.0, lease.expires_at - now.mono),
     )
+
+
+def fingerprint(incarnation: str) -> str:
+    """What the journal and the events feed say of an incarnation: with identities off, the
+    incarnation itself lets anyone speak for the agent (heartbeats, deregistration, a drain),
+    so it is never published; operators match a fingerprint against an agent's logs."""
+    return "sha256-" + hashlib.sha256(incarnation.encode()).hexdigest()[:12]
 
 
 def _accepted(reg: AgentRegistration) -> RegistrationAccepted:

@@ -121,8 +121,16 @@ class RegistrationRefusedDetail(WireModel):
     refused (``AGENT_ID_IN_USE``, broker identities off); it may retry once the live one
     deregisters or is declared lost."""
 
-    incarnation: Identifier = Field(description="The incarnation that was refused.")
-    live_incarnation: Identifier = Field(description="The one that stays registered.")
+    incarnation: Identifier = Field(
+        description=(
+            "The incarnation that was refused, as its fingerprint (sha256- and the first 12 "
+            "hex digits of its SHA-256): with identities off an incarnation is what lets a "
+            "publisher speak for the agent, so the events feed never carries one."
+        )
+    )
+    live_incarnation: Identifier = Field(
+        description="The one that stays registered, as its fingerprint."
+    )
 
 
 class DrainConfirmedDetail(WireModel):

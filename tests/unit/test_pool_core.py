@@ -21,6 +21,7 @@ from mesh.core import (
     Reply,
     SendToAgent,
 )
+from mesh.core.pool import fingerprint
 from mesh.wire import (
     DrainAccepted,
     DrainComplete,
@@ -197,8 +198,17 @@ def test_an_unverified_new_incarnation_never_displaces_a_live_agent(pool: Pool) 
     assert to == "calc-1" and refusal.incarnation == "forged"
     assert refusal.reason is Reason.AGENT_ID_IN_USE
     assert refusal.retry_after_ms == 26_000  # 3 x 10 s window, 4 s of it gone
-    assert "inc-1" in refusal.detail and "--agent-identity on" in refusal.detail
-    assert [e.reason for e in log_entries(out, "registration_refused")] == ["AGENT_ID_IN_USE"]
+    assert "--agent-identity on" in refusal.detail
+    [entry] = log_entries(out, "registration_refused")
+    assert entry.reason == "AGENT_ID_IN_USE"
+    # The live incarnation is what lets a publisher speak for the agent with identities off:
+    # neither the refusal (read by whoever consumes the ID's control queue) nor the journal
+    # and events feed carry it, only its fingerprint.
+    assert "inc-1" not in refusal.detail and "inc-1" not in str(entry.detail)
+    assert entry.detail == {
+        "incarnation": fingerprint("forged"),
+        "live_incarnation": fingerprint("inc-1"),
+    }
     assert pool.core.agents["calc-1"].incarnation == "inc-1"
     assert pool.core.counters["registration_incarnation_live"] == 1
     assert in_flight(pool, "calc-1") == 1  # its lease stands
@@ -873,6 +883,27 @@ def test_a_stale_heartbeat_sequence_number_is_ignored(pool: Pool) -> None:
     out = pool.run_for(21)  # t = 51: 31 s after the last fresh heartbeat
     assert [e.agent_id for e in log_entries(out, "lost")] == ["calc-1"]
     assert pool.core.counters["heartbeat_stale"] == 2
+
+
+def test_one_forged_heartbeat_cannot_make_the_real_ones_stale(pool: Pool) -> None:
+    """A heartbeat with the live incarnation and ``seq`` = 10^9 (the incarnation can leak)
+    is ignored: one message may move ``seq`` only as far as an honest agent's heartbeats can
+    get in the time since the last one. The real agent's next heartbeats still count."""
+    pool.register("calc-1")
+    pool.heartbeat("calc-1", seq=1)
+    pool.run_for(5)
+    assert pool.heartbeat("calc-1", seq=10**9) == []
+    for seq in range(2, 10):  # the real agent, every 5 s for 40 s
+        pool.run_for(5)
+        pool.heartbeat("calc-1", seq=seq)
+    assert pool.core.counters["heartbeat_stale"] == 0
+    assert pool.state("calc-1") is AgentState.READY
+    assert pool.core.counters["heartbeat_seq_leap"] == 1
+    # An honest leap (a burst of work reports lost over 25 s) is within the bound.
+    pool.run_for(25)
+    pool.heartbeat("calc-1", seq=3_000)
+    assert pool.core.counters["heartbeat_seq_leap"] == 1
+    assert pool.core.agents["calc-1"].last_heartbeat_seq == 3_000
 
 
 def test_a_newer_heartbeat_sequence_number_counts(pool: Pool) -> None:
