@@ -638,7 +638,7 @@ function startDrain(reason, ask) {
 async function finish(reason, ask) {
   if (ask) {
     try {
-      const request = { type: "mesh.drain-request.v1", agent_id: AGENT_ID, reason };
+      const request = { type: "mesh.drain-request.v1", agent_id: AGENT_ID, incarnation: INCARNATION, reason };
       await publish(X.announce, sharded(`agent.${AGENT_ID}.drain`), request, {
         persistent: true,
         replyTo: CONTROL_QUEUE,

@@ -1607,7 +1607,9 @@ class AgentRuntime:
             await self.transport.publish(
                 self.topology.announce_exchange,
                 names.agent_announce_key(self.agent_id, "drain", self._shard),
-                DrainRequest(agent_id=self.agent_id, reason=reason[:500]),
+                DrainRequest(
+                    agent_id=self.agent_id, reason=reason[:500], incarnation=self._incarnation
+                ),
                 reply_to=self._control_queue,
                 correlation_id=self._incarnation,
                 persistent=True,

@@ -737,6 +737,7 @@ class ManagerService:
         elif isinstance(message, Deregistration):
             event, claimed = DeregistrationReceived(message), message.agent_id
         elif isinstance(message, DrainRequest):
+            self._check_drain_names_incarnation(message)
             event, claimed = DrainRequested(message.agent_id, message.reason), message.agent_id
         elif isinstance(message, StandingRequest | AdmissionStateRequest | LeaseStateRequest):
             claimed = message.agent_id
@@ -770,6 +771,24 @@ class ManagerService:
             await self._refuse_registration(message, delivery)
             return None
         return event  # a drain request may carry reply_to: its delivery is the request
+
+    def _check_drain_names_incarnation(self, message: DrainRequest) -> None:
+        """A drain request on the announce exchange is the agent's own (SIGTERM): it names the
+        registered incarnation, or anyone could drain any agent by its ID with identities off
+        (and a restarted process could drain its successor). ``MessageRejected``
+        (``NOT_AUTHORIZED``: dead-lettered, counted) otherwise. An agent this manager does
+        not know is left to the core (``UNKNOWN_AGENT``)."""
+        agent = self.core.agents.get(message.agent_id)
+        if agent is None or message.incarnation == agent.incarnation:
+            return
+        self.counters["drain_incarnation_mismatch"] += 1
+        named = "no incarnation" if message.incarnation is None else "another incarnation"
+        raise MessageRejected(
+            Reason.NOT_AUTHORIZED,
+            f"drain request for agent {message.agent_id!r} names {named}: on the announce "
+            "exchange only the agent itself drains, naming its registered incarnation "
+            "(an operator drains through `mesh drain`)",
+        )
 
     def _publisher_of(self, delivery: Delivery) -> str | None:
         """The broker user a message is from: its validated ``user_id``, or for a

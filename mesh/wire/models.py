@@ -212,12 +212,18 @@ class Heartbeat(Message):
 
 
 class DrainRequest(Message):
-    """Anyone -> manager: drain this agent (an operator, or the agent itself on SIGTERM)."""
+    """Anyone -> manager: drain this agent (an operator, or the agent itself on SIGTERM).
+
+    ``incarnation``: the agent's own, which a drain request on the announce exchange (the
+    agent's own, on SIGTERM) must name; the operator's, on the control exchange, names only the
+    agent."""
 
     TYPE = "mesh.drain-request.v1"
+    ADDED_FIELDS = frozenset({"incarnation"})
     type: Literal["mesh.drain-request.v1"] = "mesh.drain-request.v1"
     agent_id: AgentId
     reason: str = Field(default="", max_length=500)
+    incarnation: Identifier | None = None
 
 
 class PoolEpoch(WireModel):

@@ -211,6 +211,34 @@ async def test_a_forged_registration_never_displaces_a_live_agent(
     await victim.stop_heartbeats()
 
 
+async def test_a_drain_request_on_the_announce_exchange_must_name_the_live_incarnation(
+    manager: ManagerService, client: MeshClient, raw_agent: Any
+) -> None:
+    """Identities off: anyone may publish on ``agent.<id>.drain``. A drain request there that
+    names no incarnation, or another one, is dead-lettered ``NOT_AUTHORIZED`` and the agent
+    stays Ready; the agent's own (its incarnation named) drains it."""
+    agent = await raw_agent("drained-by-name")
+    await agent.register()
+    await eventually(lambda: bool(agent.received(RegistrationAccepted)), what="acceptance")
+    agent.start_heartbeats()
+    try:
+        for forged in (None, uuid.uuid4().hex):
+            request = DrainRequest(agent_id=agent.agent_id, reason="forged", incarnation=forged)
+            await agent.publish_announce("drain", encode(request))
+        await eventually(
+            lambda: manager.counters["drain_incarnation_mismatch"] == 2, what="both refused"
+        )
+        await eventually(lambda: manager.counters["dead_lettered"] == 2, what="dead-lettered")
+        assert states(await client.status()) == {"drained-by-name": "Ready"}
+        assert not agent.received(DrainNotice)
+
+        own = DrainRequest(agent_id=agent.agent_id, reason="SIGTERM", incarnation=agent.incarnation)
+        await agent.publish_announce("drain", encode(own))
+        await eventually(lambda: bool(agent.received(DrainNotice)), what="the drain")
+    finally:
+        await agent.stop_heartbeats()
+
+
 async def test_a_restarted_agent_registers_once_its_old_incarnation_is_gone(
     manager: ManagerService,
     client: MeshClient,
