@@ -512,7 +512,8 @@ class MeshClient:
     ) -> Submitted:
         """Admit by requirements, run on the granted pool, await the result, settle.
 
-        Gives up at the earlier of ``requirements.deadline`` and ``timeout_s`` from now.
+        Gives up at the earlier of ``requirements.deadline`` and ``timeout_s`` from now, and
+        sends that deadline with the requirements when they carry none.
         Raises :class:`AdmissionRefused` (``rejected``, or ``on_deferred`` said stop),
         :class:`SubmitDeadlineExceeded` (with the last reason code), ``TaskFailed`` /
         ``TaskInputInvalid`` (the agent's answer, or ``DEGRADATION_NOT_ALLOWED``: degraded
@@ -531,6 +532,10 @@ class MeshClient:
         deadline = time.time() + timeout_s
         if requirements.deadline is not None:
             deadline = min(deadline, requirements.deadline)
+        else:
+            # The manager is told when this call gives up, so work it sheds or cannot finish
+            # in time is refused DEADLINE_UNREACHABLE now instead of deferred until then.
+            requirements = requirements.model_copy(update={"deadline": deadline})
         # Held from the first request to the last use: a late grant of this ID is this call's.
         admission_id, attempts, refusals = self._await(new_admission_id()), 0, 0
         last: AdmissionDecision | None = None

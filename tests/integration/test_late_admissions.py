@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.errors import RequestTimeout
+from mesh.errors import RequestTimeout, SubmitDeadlineExceeded
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
@@ -20,6 +20,7 @@ from mesh.topology import names
 from mesh.topology.specs import BindingSpec, Declarations, QueueSpec
 from mesh.transport import AmqpTransport
 from mesh.transport.delivery import Delivery
+from mesh.wire import AdmissionRequest, decode_as
 
 from .harness import eventually, start_manager
 from .test_admission import settings_for
@@ -146,6 +147,49 @@ async def test_a_second_answer_to_an_answered_admission_leaves_its_grant_with_th
         settled = await producer.release_admission(decision.grant)
         assert settled.released, settled
         assert reservations(tmp_path) == {"adm-twice": "RELEASED"}
+    finally:
+        await tap.close()
+        await producer.close()
+        await manager.stop()
+
+
+async def test_submit_tells_the_manager_its_deadline(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """``submit(timeout_s=…)`` with requirements that carry no deadline sends the one it gives
+    up at, so the manager can refuse work it cannot finish in time (``DEADLINE_UNREACHABLE``)
+    rather than keep it deferred until the producer stops asking. Seen on a tap of the
+    control exchange: every request of the call carries it."""
+    settings = settings_for(amqp_url, namespace, tmp_path, admission_capacity="descriptor")
+    manager = await start_manager(settings)
+    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    tap = await AmqpTransport.connect(amqp_url, name="tap")
+    seen: asyncio.Queue[Delivery] = asyncio.Queue()
+    control, admit_key = producer.topology.control_exchange, names.rpc_key("admit")
+    try:
+        queue = f"{namespace}.test.tap"
+        await tap.declare(
+            Declarations(
+                queues=(QueueSpec(queue, durable=False),),
+                bindings=(BindingSpec(queue, control, admit_key),),
+            )
+        )
+        await tap.consume(queue, seen.put, no_ack=True)
+        assert (await producer.publish_descriptor(echo_descriptor(4))).type.endswith("accepted.v1")
+        requirements = echo_requirements()
+        assert requirements.deadline is None
+
+        called = time.time()
+        with pytest.raises(SubmitDeadlineExceeded):  # no agent: deferred until it gives up
+            await producer.submit(requirements, {"message": "hi"}, timeout_s=2.0)
+
+        sent = [decode_as((await asyncio.wait_for(seen.get(), 5)).body, AdmissionRequest)]
+        while not seen.empty():
+            sent.append(decode_as(seen.get_nowait().body, AdmissionRequest))
+        deadlines = {request.requirements.deadline for request in sent}
+        assert len(deadlines) == 1, deadlines  # one deadline for the whole call
+        [deadline] = deadlines
+        assert deadline is not None and called + 1.5 <= deadline <= called + 2.5
     finally:
         await tap.close()
         await producer.close()
