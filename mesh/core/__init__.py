@@ -2,6 +2,7 @@
 
 from mesh.core.capacity import LiveCapacity, LiveOffer, live_slots_resource
 from mesh.core.events import (
+    AcceptanceUndelivered,
     AcquireRequested,
     Announce,
     AppendLog,
@@ -33,6 +34,7 @@ from mesh.core.scaling import ScaleDecision, ScalePlanner, ScalingPolicy
 
 __all__ = [
     "TRANSITIONS",
+    "AcceptanceUndelivered",
     "AcquireRequested",
     "AgentState",
     "Announce",

@@ -82,6 +82,16 @@ class DrainRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class AcceptanceUndelivered:
+    """The acceptance of a registration could not be delivered (the broker returned it: no
+    control queue for the agent). An agent that never heard it was accepted takes no work, so
+    the registration it made is taken back, not left Ready to be leased."""
+
+    agent_id: str
+    incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed: check heartbeats and lease expiry."""
 
@@ -121,6 +131,7 @@ Event = (
     | AcquireRequested
     | ReleaseRequested
     | DrainRequested
+    | AcceptanceUndelivered
     | Tick
     | ConnectionLost
     | ConnectionRestored

@@ -58,6 +58,7 @@ from packaging.specifiers import SpecifierSet
 from mesh import constants as c
 from mesh.core.capacity import LiveCapacity, LiveOffer
 from mesh.core.events import (
+    AcceptanceUndelivered,
     AcquireRequested,
     Announce,
     AppendLog,
@@ -208,6 +209,7 @@ class PoolCore:
             AcquireRequested: self._on_acquire,
             ReleaseRequested: self._on_release,
             DrainRequested: self._on_drain,
+            AcceptanceUndelivered: self._on_acceptance_undelivered,
             Tick: self._on_tick,
             ConnectionLost: self._on_connection_lost,
             ConnectionRestored: self._on_connection_restored,
@@ -410,6 +412,20 @@ class PoolCore:
         # Sent to the agent ID's control queue, which the live one consumes too: each
         # incarnation ignores answers that do not carry its own incarnation.
         return [AppendLog(entry), SendToAgent(reg.agent_id, refusal)]
+
+    def _on_acceptance_undelivered(
+        self, event: AcceptanceUndelivered, now: Instant
+    ) -> list[Command]:
+        """An agent is Ready only once its acceptance reached it: one returned for want of a
+        control queue (a registration published by something that does not listen, or whose
+        queue is gone) takes the registration back, with what was leased on it."""
+        agent = self.agents.get(event.agent_id)
+        if agent is None or agent.incarnation != event.incarnation:
+            return []
+        self.counters["acceptance_undelivered"] += 1
+        return self._remove(
+            agent, Trigger.LOSE, now, "its acceptance could not be delivered: no control queue"
+        )
 
     def _on_deregistration(self, event: DeregistrationReceived, now: Instant) -> list[Command]:
         msg = event.deregistration

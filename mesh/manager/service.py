@@ -43,6 +43,7 @@ from pydantic import ValidationError
 
 from mesh import constants as c
 from mesh.core.events import (
+    AcceptanceUndelivered,
     AcquireRequested,
     Announce,
     AppendLog,
@@ -1698,6 +1699,10 @@ class ManagerService:
                 "agent has no control queue",
                 extra={"agent_id": agent_id, "message_type": message.type},
             )
+            if isinstance(message, RegistrationAccepted):
+                # Not Ready until it heard so: take the registration back.
+                undelivered = AcceptanceUndelivered(agent_id, message.incarnation)
+                self._spawn(self.core.handle(undelivered, self.clock.now()))
             return
         self.counters["agent_message_failed"] += 1
         log.warning(

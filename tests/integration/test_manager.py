@@ -211,6 +211,24 @@ async def test_a_forged_registration_never_displaces_a_live_agent(
     await victim.stop_heartbeats()
 
 
+async def test_an_agent_whose_acceptance_cannot_be_delivered_never_becomes_leasable(
+    manager: ManagerService, client: MeshClient, transport_factory: Any, topology: Topology
+) -> None:
+    """A registration from something with no control queue (a fuzzer, a forger, an agent
+    whose queue is gone): the acceptance comes back unroutable, and the registration is taken
+    back — no phantom agent stays Ready to be leased (they took 386 leases under a fuzz)."""
+    phantom = RawAgent(await transport_factory(suffix="phantom"), topology, "phantom")
+    await phantom.register()  # no queues declared: nobody will hear the acceptance
+
+    await eventually(
+        lambda: manager.core.counters["acceptance_undelivered"] == 1, what="taken back"
+    )
+    assert "phantom" not in manager.core.agents
+    assert states(await client.status()) == {}
+    refused = await client.acquire("test.echo")
+    assert isinstance(refused, Refusal), refused
+
+
 async def test_a_drain_request_on_the_announce_exchange_must_name_the_live_incarnation(
     manager: ManagerService, client: MeshClient, raw_agent: Any
 ) -> None:
