@@ -31,6 +31,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import aio_pika
 import aiormq
 import pamqp.commands
+import yarl
 from aio_pika.abc import (
     AbstractExchange,
     AbstractRobustChannel,
@@ -42,6 +43,7 @@ from aiormq.abc import ChannelFrame
 from mesh import constants as c
 from mesh.errors import (
     BrokerUnavailable,
+    LocalProtocolError,
     PublishNacked,
     PublishTimeout,
     PublishUnroutable,
@@ -52,6 +54,7 @@ from mesh.errors import (
 from mesh.ids import IdSequence
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec, reply_queue
 from mesh.transport import dead_letters
+from mesh.transport.addresses import BrokerAddresses, first_url
 from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
 from mesh.transport.delivery import NO_SETTLE, Handler, Settlement
 from mesh.transport.delivery import Delivery as Delivery  # re-exported
@@ -107,8 +110,11 @@ def _not_an_amqp_url(url: str) -> str | None:
 
 def with_heartbeat(url: str, seconds: int) -> str:
     """``url`` asking for an AMQP heartbeat of ``seconds`` unless it names one already (the
-    operator's choice wins). The broker closes a connection that stays silent for about two
-    heartbeat intervals — a frozen or cut-off process's included."""
+    operator's choice wins); each of several comma-separated URLs alike. The broker closes a
+    connection that stays silent for about two heartbeat intervals — a frozen or cut-off
+    process's included."""
+    if "," in url:
+        return ",".join(with_heartbeat(part.strip(), seconds) for part in url.split(","))
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     if any(name == "heartbeat" for name, _ in query):
@@ -143,7 +149,7 @@ def _why_not_connected(url: str, exc: BaseException) -> str:
 def url_user(url: str) -> str | None:
     """The broker user an AMQP URL logs in as (percent-decoded, as the client sends it), or
     ``None`` if it names none (the client then logs in as ``guest``)."""
-    return unquote(urlsplit(url).username or "") or None
+    return unquote(urlsplit(first_url(url)).username or "") or None
 
 
 def redact(url: str) -> str:
@@ -339,6 +345,10 @@ class AmqpTransport:
         self._fast_properties = _FAST_PROPERTIES  # signed by sign_as
         self._fast_marshalled = _FAST_MARSHALLED
         self._restoring = False  # the connection dropped and is not whole again yet
+        # The broker addresses (several: a cluster's nodes) and the one connected to.
+        self._addresses = BrokerAddresses((url,))
+        self._address = url
+        self._moving_on: asyncio.Task[None] | None = None
         self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
         connection.reconnect_callbacks.add(self._reconnected)
         connection.close_callbacks.add(self._dropped)
@@ -369,21 +379,35 @@ class AmqpTransport:
 
         ``properties``: more client properties beside ``connection_name`` (an agent's
         incarnation), shown in the management API's connection list."""
-        not_amqp = _not_an_amqp_url(url)
-        if not_amqp is not None:
-            raise BrokerUnavailable(not_amqp)
+        for part in url.split(","):
+            not_amqp = _not_an_amqp_url(part.strip())
+            if not_amqp is not None:
+                raise BrokerUnavailable(not_amqp)
         try:
-            connection = await aio_pika.connect_robust(
-                url,
-                client_properties={**(properties or {}), "connection_name": name},
-                timeout=connect_timeout_s,
-            )
-        except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as exc:
-            raise BrokerUnavailable(_why_not_connected(url, exc)) from None
+            addresses = BrokerAddresses.parse(url)
+        except LocalProtocolError as exc:
+            raise BrokerUnavailable(str(exc)) from None
+        connection: AbstractRobustConnection | None = None
+        for address in addresses.urls:  # in this process's order; the first that answers
+            try:
+                connection = await aio_pika.connect_robust(
+                    address,
+                    client_properties={**(properties or {}), "connection_name": name},
+                    timeout=connect_timeout_s,
+                )
+                break
+            except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as exc:
+                failed: tuple[str, BaseException] = (address, exc)
+        if connection is None:
+            address, error = failed
+            others = len(addresses.urls) - 1
+            tried = f" (nor at the {others} other addresses given)" if others else ""
+            raise BrokerUnavailable(_why_not_connected(address, error) + tried) from None
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         transport = cls(
             connection, channel, url=url, publish_timeout_s=publish_timeout_s, name=name
         )
+        transport._addresses, transport._address = addresses, address
         if sign:
             transport.sign_as(url_user(url) or "guest")
         if liveness_probe_s is not None:
@@ -413,8 +437,32 @@ class AmqpTransport:
         two come back together (:meth:`_reconnected`)."""
         if not self._closing:
             self._restoring = True
+            self._move_on()
         if self._lean is not None and not self._closing:
             self._lean.reset()
+
+    def _move_on(self) -> None:
+        """Several addresses: the connection dropped, so reconnect to the next one (the node
+        may be gone), and to the one after it every reconnect interval until connected."""
+        if len(self._addresses.urls) < 2 or (
+            self._moving_on is not None and not self._moving_on.done()
+        ):
+            return
+        self._moving_on = asyncio.create_task(self._next_addresses(), name="broker-addresses")
+
+    async def _next_addresses(self) -> None:
+        connection = self._connection
+        interval = float(getattr(connection, "reconnect_interval", 5.0))
+        while not self._closing:
+            self._address = self._addresses.after(self._address)
+            # aio-pika's robust connection reads its URL at every attempt.
+            connection.url = yarl.URL(self._address)  # type: ignore[attr-defined]
+            log.info(
+                "reconnecting to the next broker address", extra={"url": redact(self._address)}
+            )
+            await asyncio.sleep(interval)
+            if connection.connected.is_set():
+                return
 
     async def _reconnected(self, *_: Any) -> None:
         # aio-pika swallows exceptions from reconnect callbacks: log every failure here.
@@ -967,7 +1015,9 @@ class AmqpTransport:
 
     def _consume_only(self) -> LeanConnection:
         if self._lean is None:
-            self._lean = LeanConnection(self.url, name=f"{self.name}:consume")
+            # From the node this connection reached, then in this process's order.
+            where = self._addresses.starting_at(self._address)
+            self._lean = LeanConnection(where, name=f"{self.name}:consume")
         return self._lean
 
     async def dead_letter(

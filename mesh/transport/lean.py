@@ -57,6 +57,7 @@ from pamqp.base import Frame
 from pamqp.common import FieldTable
 
 from mesh.errors import TopologyMissing, TransportError
+from mesh.transport.addresses import BrokerAddresses
 from mesh.transport.delivery import NO_SETTLE, Delivery, NoSettle
 
 log = logging.getLogger(__name__)
@@ -563,11 +564,18 @@ class LeanConnection:
     aio-pika) and consumes every queue again."""
 
     def __init__(self, url: str, *, name: str, reconnect_interval_s: float = 5.0) -> None:
-        parts = urlsplit(url)
+        # Several comma-separated URLs (a cluster's nodes, mesh.transport.addresses): the same
+        # login and vhost, each its own host; a connection that fails moves on to the next.
+        addresses = BrokerAddresses.parse(url, shuffle=False)  # the caller's order
+        parts = urlsplit(addresses.first)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         self._tls = parts.scheme == "amqps"
-        self._host = parts.hostname or "localhost"
-        self._port = parts.port or (5671 if self._tls else 5672)
+        default_port = 5671 if self._tls else 5672
+        self._hosts = [
+            (where.hostname or "localhost", where.port or default_port)
+            for where in map(urlsplit, addresses.urls)
+        ]
+        self._host_index = 0
         self._login = (unquote(parts.username or "guest"), unquote(parts.password or "guest"))
         self._vhost = unquote(parts.path[1:]) or "/"
         self._heartbeat = int(query.get("heartbeat", "60"))
@@ -729,14 +737,26 @@ class LeanConnection:
 
     # ---- the connection's life --------------------------------------------------------------
     async def _open(self) -> _Wire:
+        """Connect to the broker address in turn, or the ones after it (several: a cluster's
+        nodes); the last failure propagates when none answers."""
+        for attempt in range(len(self._hosts)):
+            try:
+                return await self._open_at(*self._hosts[self._host_index])
+            except (*_CONNECTION_LOST, ConnectionRefusedError):
+                if attempt == len(self._hosts) - 1:
+                    raise
+                self._host_index = (self._host_index + 1) % len(self._hosts)
+        raise AssertionError("unreachable: at least one address")  # pragma: no cover
+
+    async def _open_at(self, host: str, port: int) -> _Wire:
         loop = asyncio.get_running_loop()
         context = await loop.run_in_executor(None, self._ssl_context) if self._tls else None
         login, vhost, heartbeat, name = self._login, self._vhost, self._heartbeat, self._name
         async with asyncio.timeout(_CONTROL_TIMEOUT_S):
             _, wire = await loop.create_connection(
                 lambda: _Wire(login, vhost, heartbeat, name, self._lost_consumer),
-                self._host,
-                self._port,
+                host,
+                port,
                 ssl=context,
             )
             wire.on_drained = self._drained
@@ -809,6 +829,7 @@ class LeanConnection:
             await self._watch(wire)
             self._up.clear()
             self._wire = None
+            self._host_index = (self._host_index + 1) % len(self._hosts)  # it may be gone
             for consumer in self._consumers:
                 self._consumers[consumer] = None
             self._wake.clear()
