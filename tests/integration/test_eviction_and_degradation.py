@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from mesh.core.pressure import PressurePolicy
-from mesh.errors import SubmitDeadlineExceeded, TaskFailed
+from mesh.errors import AdmissionRefused, SubmitDeadlineExceeded, TaskFailed
 from mesh.producer import MeshClient, Submitted
 from mesh.wire import AdmissionDecision
 
@@ -109,7 +109,7 @@ async def test_an_interactive_task_evicts_rebuildable_work_and_the_victim_is_res
         await eventually(lambda: mesh.ledger_holding() == (0, 0, SLOTS), what="all slots back")
 
 
-async def test_work_with_side_effects_is_never_evicted_the_interactive_task_waits(
+async def test_work_with_side_effects_is_never_evicted_the_interactive_task_is_refused_in_time(
     amqp_url: str, namespace: str, tmp_path: Path, management_api: Any
 ) -> None:
     async with pool_mesh(
@@ -117,12 +117,15 @@ async def test_work_with_side_effects_is_never_evicted_the_interactive_task_wait
     ) as mesh:
         submits, clients, _ = await fill_pool(mesh, amqp_url, ["side_effects"] * SLOTS)
 
-        with pytest.raises(SubmitDeadlineExceeded) as gave_up:
+        # Not evicting anything, the pool has no slot for it before its deadline (submit
+        # sends it): refused at once rather than deferred until the producer gives up.
+        with pytest.raises(AdmissionRefused) as refused:
             await mesh.producer.submit(
                 echo_requirements("interactive"), {"message": "urgent"}, timeout_s=1.5
             )
 
-        assert gave_up.value.last_reason == "CAPACITY"
+        reason = refused.value.decision.reason
+        assert reason is not None and reason.value == "DEADLINE_UNREACHABLE", reason
         assert mesh.agents[0].counters["tasks_evicted"] == 0
         assert evictions(mesh, "side_effects") == 0.0
         results = await asyncio.wait_for(asyncio.gather(*submits), timeout=30)
