@@ -31,6 +31,7 @@ from mesh.errors import BrokerUnavailable, MeshError, MessageRejected, RequestTi
 from mesh.render import format_event, render_explain, render_status
 from mesh.scaler.base import Scaler
 from mesh.topology import names
+from mesh.transport.addresses import first_url
 from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import MAX_STATUS_AGENTS, Refusal, StatusReply
 
@@ -615,7 +616,7 @@ def cmd_admission(args: argparse.Namespace) -> int:
 def cmd_broker(args: argparse.Namespace) -> int:
     from mesh.broker_admin import BrokerAdmin, BrokerAdminError
 
-    vhost = urllib.parse.unquote(urllib.parse.urlsplit(args.amqp_url).path[1:]) or "/"
+    vhost = urllib.parse.unquote(urllib.parse.urlsplit(first_url(args.amqp_url)).path[1:]) or "/"
     pools = list(dict.fromkeys(args.pool or []))
     try:
         admin = BrokerAdmin(args.management_url, vhost=vhost)
@@ -659,7 +660,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     for topic in permissions.topics:
         print(f"  topic      {topic.exchange}: write {topic.write}")
     if generated:
-        parts = urllib.parse.urlsplit(args.amqp_url)
+        parts = urllib.parse.urlsplit(first_url(args.amqp_url))
         netloc = f"{urllib.parse.quote(args.agent_id)}:{password}@{parts.hostname}"
         netloc += f":{parts.port}" if parts.port else ""
         print(

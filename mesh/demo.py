@@ -48,6 +48,7 @@ from mesh.manager.admission import AdmissionPolicy
 from mesh.producer import MeshClient
 from mesh.topology.specs import BindingSpec, Declarations
 from mesh.transport import Delivery
+from mesh.transport.addresses import first_url
 from mesh.wire import (
     AdmissionDecision,
     CapabilityDescriptor,
@@ -108,7 +109,7 @@ class DemoSettings:
     @property
     def operator(self) -> str:
         """The demo's broker user, which the manager takes descriptors from."""
-        return urlsplit(self.amqp_url).username or "guest"
+        return urlsplit(first_url(self.amqp_url)).username or "guest"
 
     def descriptor(self, pool: str, now: float) -> CapabilityDescriptor:
         """What the operator allows ``pool``: its sample's capability, more model slots than
@@ -291,7 +292,7 @@ def _free_port(preferred: int) -> int:
 
 def management_url_for(amqp_url: str) -> str:
     """The RabbitMQ management API next to an AMQP broker: same host and credentials, :15672."""
-    parts = urlsplit(amqp_url)
+    parts = urlsplit(first_url(amqp_url))
     user = parts.username or "guest"
     password = parts.password or "guest"
     return f"http://{user}:{password}@{parts.hostname or '127.0.0.1'}:15672"

@@ -31,6 +31,7 @@ from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat
 from mesh.manager.web import ManagerWeb, Sample, StatusHistory, management_queue_url
 from mesh.topology import names
 from mesh.topology.specs import PolicySpec
+from mesh.transport.addresses import first_url
 from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
 from mesh.wire.models import AgentStatus, Heartbeat
 
@@ -51,7 +52,7 @@ def split_management_url(url: str) -> tuple[str, dict[str, str]]:
 
 def vhost_of(amqp_url: str) -> str:
     """The virtual host an AMQP URL names (``/`` when it names none)."""
-    path = urlsplit(amqp_url).path
+    path = urlsplit(first_url(amqp_url)).path  # several addresses share one vhost
     return unquote(path[1:]) if len(path) > 1 else "/"
 
 
