@@ -665,7 +665,10 @@ async function finish(reason, ask) {
     log("deregistration not confirmed", { error: String(err) });
   }
   if (controlConsumer) await ch.cancel(controlConsumer).catch(() => {});
-  await ch.deleteQueue(TASK_QUEUE, { ifEmpty: true }).catch(() => {});
+  // A quorum queue refuses an if-empty delete (and the broker closes the connection for it):
+  // count, then delete. Drained, nothing is leased on us any more.
+  const left = await ch.checkQueue(TASK_QUEUE).catch(() => null);
+  if (left && left.messageCount === 0) await ch.deleteQueue(TASK_QUEUE).catch(() => {});
   await conn.close().catch(() => {});
   log("stopped");
   process.exit(0);
@@ -707,7 +710,7 @@ async function main() {
     exclusive: false,
     autoDelete: false,
     arguments: {
-      "x-queue-type": "classic",
+      "x-queue-type": "quorum", // leased tasks wait here: a broker node's loss must not lose them
       "x-max-length": 2 * MAX_CONCURRENCY,
       "x-overflow": "reject-publish",
       "x-expires": 1800000,

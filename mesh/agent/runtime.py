@@ -1703,14 +1703,15 @@ class AgentRuntime:
             log.warning("deregistration not delivered", extra=self._extra(error=str(exc)))
 
     async def _delete_task_queue_if_empty(self) -> None:
-        # A passive count and an if_empty delete both ignore unacked messages: never delete
-        # while a handler may still hold one.
+        # A passive count ignores unacked messages: never delete while a handler may still
+        # hold one. (A quorum queue refuses an if-empty delete; after the drain nothing is
+        # leased on us, so nothing should arrive between the count and the delete.)
         if self._active:
             log.info("task queue kept: tasks still held", extra=self._extra())
             return
         try:
             if await self.transport.queue_depth(self._task_queue) == 0:
-                await self.transport.delete_queue(self._task_queue, if_empty=True)
+                await self.transport.delete_queue(self._task_queue)
         except Exception as exc:
             log.info("task queue kept", extra=self._extra(error=str(exc)))
 

@@ -87,7 +87,7 @@ from mesh.manager.peers import Peers
 from mesh.manager.settings import ManagerSettings
 from mesh.scaler.base import Scaler, ScalerError
 from mesh.topology import names
-from mesh.topology.specs import Topology
+from mesh.topology.specs import BindingSpec, Topology
 from mesh.transport.amqp import AmqpTransport, url_user, with_heartbeat
 from mesh.transport.delivery import DEFAULT_EXCHANGE, Delivery
 from mesh.transport.ports import ManagerTransport, Subscription
@@ -312,6 +312,7 @@ class ManagerService:
             url = await self.observer.serve(s.http_host, s.http_port)
             log.info("status page", extra={"url": url, "metrics": f"{url}metrics"})
         await self.transport.declare(self.topology.manager())
+        await self._empty_classic_dead_letters()
         if s.shard_count is not None:
             await self.transport.declare(self.topology.manager_shards(s.shard_count))
         await self._start_shards()  # after the events exchange exists: transfers are logged
@@ -590,6 +591,26 @@ class ManagerService:
             await self.transport.declare(self.topology.manager_shards(self.settings.shard_count))
             await self.shards.step()
             self.shards.start()
+
+    async def _empty_classic_dead_letters(self) -> None:
+        """An older version kept dead letters in a classic queue, ``<ns>.dead-letter``: its
+        messages move into the quorum one and it is deleted. (An older process still running
+        declares it again, bound: a manager's next start empties it again.) A failure is
+        logged, never fatal: the old queue and its dead letters stay where they are."""
+        t = self.topology
+        old = t.classic_dead_letter_queue
+        try:
+            moved = await self.transport.empty_old_queue(
+                old, [BindingSpec(old, t.dead_letter_exchange, "#")], t.dead_letter_queue
+            )
+        except TransportError as exc:
+            log.warning("the old dead-letter queue stays", extra={"queue": old, "error": str(exc)})
+            return
+        if moved:
+            log.warning(
+                "dead letters moved from the old classic queue",
+                extra={"from": old, "to": t.dead_letter_queue, "moved": moved},
+            )
 
     async def _after_reconnect(self) -> None:
         self.counters["reconnects"] += 1

@@ -936,6 +936,19 @@ class InMemoryTransport:
             return False
         return True
 
+    async def empty_old_queue(self, name: str, bindings: Sequence[BindingSpec], into: str) -> int:
+        """As :class:`~mesh.transport.amqp.AmqpTransport`: ``name``'s ready messages moved
+        into ``into`` (under its bound), then ``name`` deleted; how many moved."""
+        broker = self._open()
+        old, new = broker._queues.get(name), broker._queues.get(into)
+        if old is None or new is None:
+            return 0
+        moved = 0
+        while old.ready:
+            moved += broker._enqueue(new, old.ready.popleft())
+        await self.delete_queue(name)
+        return moved
+
     @property
     def blocked(self) -> bool:
         """Never: the in-memory broker raises no resource alarms."""

@@ -37,6 +37,13 @@ def pool_task_key(pool_id: str) -> str:
 
 
 def dead_letter_queue(namespace: str) -> str:
+    """``<ns>.dead-letters``: a quorum queue (the dead-letter exchange is ``<ns>.dead-letter``)."""
+    return f"{namespace}.dead-letters"
+
+
+def classic_dead_letter_queue(namespace: str) -> str:
+    """``<ns>.dead-letter``: the classic dead-letter queue of versions before quorum queues,
+    emptied into :func:`dead_letter_queue` by a manager at start."""
     return f"{namespace}.dead-letter"
 
 

@@ -65,6 +65,9 @@ class QueueSpec:
     exclusive: bool = False
     auto_delete: bool = False
     arguments: QueueArguments = field(default_factory=QueueArguments)
+    # An older version declared this queue classic under the same name: the transport moves
+    # it to this declaration, messages and all (mesh.transport.moves), before declaring it.
+    replaces_classic: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +206,11 @@ class Topology:
     def dead_letter_queue(self) -> str:
         return names.dead_letter_queue(self.namespace)
 
+    @property
+    def classic_dead_letter_queue(self) -> str:
+        """Where versions before the quorum dead-letter queue kept dead letters."""
+        return names.classic_dead_letter_queue(self.namespace)
+
     def agent_control_queue(self, agent_id: str) -> str:
         return names.agent_control_queue(self.namespace, agent_id)
 
@@ -214,7 +222,9 @@ class Topology:
 
     # -- what each role declares ----------------------------------------------------------
     def shared(self) -> Declarations:
-        """Exchanges and the dead-letter queue; everyone may declare them."""
+        """The exchanges; everyone may declare them. (Not the dead-letter queue: only the
+        manager declares it, :meth:`dead_letters`, so a process that merely dead-letters
+        never redeclares a queue whose nodes may be down.)"""
         exchanges = (
             *tuple(
                 ExchangeSpec(self.exchange(s))
@@ -229,18 +239,24 @@ class Topology:
             ),
             ExchangeSpec(self.tasks_exchange, type="direct"),
         )
+        return Declarations(exchanges=exchanges)
+
+    def dead_letters(self) -> Declarations:
+        """The dead-letter queue, bound to the dead-letter exchange for every key: quorum, so
+        a broker node's loss loses no dead letter and stops no process; bounded by count and
+        bytes, the oldest dropped first. (An older version's classic queue of the same role
+        was ``<ns>.dead-letter``: :attr:`classic_dead_letter_queue`.)"""
         dlq = QueueSpec(
             self.dead_letter_queue,
             arguments=QueueArguments(
+                queue_type="quorum",
                 max_length=self.dead_letter_max_length,
                 max_length_bytes=self.dead_letter_max_bytes,
                 overflow="drop-head",
             ),
         )
-        return Declarations(
-            exchanges=exchanges,
-            queues=(dlq,),
-            bindings=(BindingSpec(dlq.name, self.dead_letter_exchange, "#"),),
+        return self.shared() + Declarations(
+            queues=(dlq,), bindings=(BindingSpec(dlq.name, self.dead_letter_exchange, "#"),)
         )
 
     def manager(self) -> Declarations:
@@ -255,7 +271,9 @@ class Topology:
             BindingSpec(heartbeats.name, self.heartbeat_exchange, f"{c.RK_HEARTBEAT}.*"),
             BindingSpec(rpc.name, self.control_exchange, f"{c.RK_RPC}.*"),
         )
-        return self.shared() + Declarations(queues=(announce, heartbeats, rpc), bindings=bindings)
+        return self.dead_letters() + Declarations(
+            queues=(announce, heartbeats, rpc), bindings=bindings
+        )
 
     def shard_announce_queue(self, shard: int) -> str:
         return names.shard_queue(self.namespace, shard, "announce")
@@ -381,7 +399,9 @@ class Topology:
         return self.shared() + self.agent_queues(agent_id, task_queue_bound)
 
     def agent_queues(self, agent_id: str, task_queue_bound: int) -> Declarations:
-        """An agent's control queue (gone with the agent) and its bounded task queue."""
+        """An agent's control queue (per connection: gone with the agent, declared on the node
+        it connects to) and its bounded task queue (quorum: leased tasks wait there, and a
+        broker node's loss must neither lose them nor stop the agent reconnecting)."""
         control = QueueSpec(
             self.agent_control_queue(agent_id),
             durable=False,
@@ -393,11 +413,13 @@ class Topology:
         tasks = QueueSpec(
             self.agent_task_queue(agent_id),
             arguments=QueueArguments(
+                queue_type="quorum",
                 max_length=task_queue_bound,
                 overflow="reject-publish",
                 dead_letter_exchange=self.dead_letter_exchange,
                 expires_ms=self.agent_queue_expires_ms,
             ),
+            replaces_classic=True,
         )
         bindings = (
             BindingSpec(control.name, self.agents_exchange, agent_id),

@@ -53,7 +53,7 @@ from mesh.errors import (
 )
 from mesh.ids import IdSequence
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec, reply_queue
-from mesh.transport import dead_letters
+from mesh.transport import dead_letters, moves
 from mesh.transport.addresses import BrokerAddresses, first_url
 from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
 from mesh.transport.delivery import NO_SETTLE, Handler, Settlement
@@ -553,6 +553,8 @@ class AmqpTransport:
                 self._declared.add(ex)
         for q in declarations.queues:
             if q not in self._declared:
+                if q.replaces_classic:
+                    await self._upgrade(q, declarations.bindings)
                 try:
                     self._queues[q.name] = await self._declare_queue(channel, q)
                 except aiormq.exceptions.ChannelPreconditionFailed as exc:
@@ -567,6 +569,29 @@ class AmqpTransport:
                     self._queues[b.queue] = queue
                 await queue.bind(b.exchange, routing_key=b.routing_key)
                 self._declared.add(b)
+
+    async def _upgrade(self, spec: QueueSpec, bindings: Sequence[BindingSpec]) -> None:
+        """Before ``spec`` is declared: if an older version declared its queue classic (or a
+        move was left half-done), move it to ``spec``, messages and all."""
+        connection = self._connection
+        old_type = await moves.is_other_type(connection, spec)
+        if not (old_type or await moves.has_holding_queue(connection, spec)):
+            return
+        own = [b for b in bindings if b.queue == spec.name]
+        moved = await moves.move_in_place(connection, spec, own, old_type=old_type)
+        log.warning(
+            "a queue an older version declared was moved to its new type",
+            extra={"queue": spec.name, "type": spec.arguments.queue_type, "moved": moved},
+        )
+
+    async def empty_old_queue(self, name: str, bindings: Sequence[BindingSpec], into: str) -> int:
+        """A queue renamed since an older version: move what ``name`` holds into ``into``
+        (declared) and delete it; how many messages moved (0: there was none)."""
+        try:
+            async with asyncio.timeout(60):
+                return await moves.empty_into(self._connection, name, bindings, into)
+        except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
+            raise TransportError(f"could not empty queue {name!r} into {into!r}: {exc}") from exc
 
     async def check_exchanges(self, names: Sequence[str]) -> None:
         """Check that each exchange exists with passive declares (which need no permission),

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from mesh.errors import TransportError
-from mesh.topology.specs import Declarations
+from mesh.topology.specs import BindingSpec, Declarations
 from mesh.transport.delivery import Delivery, Handler
 from mesh.wire.models import Message
 
@@ -124,6 +124,11 @@ class ManagerTransport(Transport, Protocol):
     async def try_declare(self, declarations: Declarations) -> bool:
         """Declare on a channel of its own; ``False`` if a queue already exists with other
         arguments (RabbitMQ's PRECONDITION_FAILED), leaving it as it is."""
+        ...
+
+    async def empty_old_queue(self, name: str, bindings: Sequence[BindingSpec], into: str) -> int:
+        """A queue renamed since an older version: move what ``name`` holds into ``into``
+        and delete it; how many messages moved (0: there was no such queue)."""
         ...
 
     @property

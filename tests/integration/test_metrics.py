@@ -159,21 +159,26 @@ async def test_metrics_follow_agents_admissions_refusals_and_drains(
         await eventually(dead_lettered, what="the dead letter counted in /metrics")
 
         # Queue depth and the age of the oldest message come from the management API (its
-        # statistics refresh every few seconds): the dead letter waits in its queue.
-        dead_letter_queue = f"{namespace}.dead-letter"
+        # statistics refresh every few seconds): the dead letter waits in its queue. RabbitMQ
+        # reports no head-message timestamp for quorum queues (the dead-letter queue is one),
+        # so the age is shown on a classic queue: an agent's control queue nobody consumes.
+        dead_letter_queue = topology.dead_letter_queue
+        idle = topology.agent_control_queue("idle-agent")
+        await client.transport.declare(topology.agent_queues("idle-agent", 2))
+        await client.transport.publish(
+            topology.agents_exchange, "idle-agent", b"{}", persistent=True
+        )
 
-        async def dead_letter_queue_seen() -> bool:
+        async def depth_and_age_seen() -> bool:
             s = await scrape(url)
-            age = value(s, "mesh_queue_oldest_message_age_seconds", queue=dead_letter_queue)
+            age = value(s, "mesh_queue_oldest_message_age_seconds", queue=idle)
             return (
                 value(s, "mesh_queue_messages", queue=dead_letter_queue) >= 1
-                and bool(
-                    names_with(s, "mesh_queue_oldest_message_age_seconds", queue=dead_letter_queue)
-                )
-                and 0 < age < 600  # a real age: the dead letter has waited, and not for ages
+                and bool(names_with(s, "mesh_queue_oldest_message_age_seconds", queue=idle))
+                and 0 < age < 600  # a real age: the message has waited, and not for ages
             )
 
-        await eventually(dead_letter_queue_seen, what="queue depth and age", timeout_s=30)
+        await eventually(depth_and_age_seen, what="queue depth and age", timeout_s=30)
         series = await scrape(url)
         queues = {labels["queue"] for labels in names_with(series, "mesh_queue_messages")}
         assert f"{namespace}.manager.rpc" in queues

@@ -33,7 +33,8 @@ def test_queue_names_say_what_they_hold() -> None:
     assert topology.announce_queue == "mesh.manager.announce"
     assert topology.heartbeat_queue == "mesh.manager.heartbeats"
     assert topology.rpc_queue == "mesh.manager.rpc"
-    assert topology.dead_letter_queue == "mesh.dead-letter"
+    assert topology.dead_letter_queue == "mesh.dead-letters"
+    assert topology.classic_dead_letter_queue == "mesh.dead-letter"  # before quorum queues
     assert topology.agent_control_queue("calc-1") == "mesh.agent.calc-1.control"
     assert topology.agent_task_queue("calc-1") == "mesh.agent.calc-1.tasks"
     assert names.reply_queue("mesh", "cli", "ab12") == "mesh.reply.cli.ab12"
@@ -164,6 +165,8 @@ def test_an_agent_task_queue_is_bounded_rejects_publishes_and_dead_letters() -> 
     assert args["x-max-length"] == 8
     assert args["x-overflow"] == "reject-publish"
     assert args["x-dead-letter-exchange"] == topology.dead_letter_exchange
+    # Leased tasks wait here: quorum, so a broker node's loss loses none and stops no agent.
+    assert args["x-queue-type"] == "quorum" and spec.replaces_classic
 
 
 def test_the_announce_queue_is_a_quorum_queue_with_a_dead_letter_exchange() -> None:
@@ -184,15 +187,24 @@ def test_the_rpc_queue_is_bounded_and_dead_letters() -> None:
     assert args["x-dead-letter-exchange"] == topology.dead_letter_exchange
 
 
-def test_the_dead_letter_queue_is_bounded_and_catches_every_reason() -> None:
-    shared = topology.shared()
-    args = queue(shared, topology.dead_letter_queue).arguments.to_amqp()
+def test_the_dead_letter_queue_is_a_bounded_quorum_queue_that_catches_every_reason() -> None:
+    made = topology.dead_letters()
+    args = queue(made, topology.dead_letter_queue).arguments.to_amqp()
 
+    assert args["x-queue-type"] == "quorum"
     assert args["x-max-length"] == topology.dead_letter_max_length
     assert args["x-overflow"] == "drop-head"
     assert BindingSpec(topology.dead_letter_queue, topology.dead_letter_exchange, "#") in (
-        shared.bindings
+        made.bindings
     )
+    assert queue(topology.manager(), topology.dead_letter_queue) == made.queues[0]
+
+
+def test_only_the_manager_declares_a_durable_queue_of_the_shared_topology() -> None:
+    """Agents and clients declare the shared exchanges only: a process that merely publishes
+    dead letters never redeclares a queue (whose nodes may be down) on a reconnect."""
+    assert topology.shared().queues == ()
+    assert topology.shared().bindings == ()
 
 
 def test_every_queue_the_mesh_declares_has_a_bound_by_count() -> None:
