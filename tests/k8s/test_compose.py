@@ -340,3 +340,29 @@ def test_the_command_check_rejects_what_the_readme_does_not_document() -> None:
     assert undocumented_parts(["demo", "--producers", "3"], documented)
     assert undocumented_parts(["serve"], documented)
     assert undocumented_parts(["drain", "calc-1", "extra"], documented)
+
+
+# ---- the three-node cluster profile -------------------------------------------------------------
+
+
+def test_the_cluster_profile_runs_three_rabbitmq_nodes_that_form_one_cluster() -> None:
+    """Only with ``--profile cluster``: three nodes with one Erlang cookie, each with the
+    classic peer discovery file that names all three by the node names their hostnames give."""
+    nodes = {n: svc for n, svc in services().items() if "cluster" in svc.get("profiles", [])}
+    assert sorted(nodes) == ["rabbit-1", "rabbit-2", "rabbit-3"]
+    cookies = {svc["environment"]["RABBITMQ_ERLANG_COOKIE"] for svc in nodes.values()}
+    assert len(cookies) == 1
+    config_file = ROOT / "deploy" / "rabbitmq-cluster" / "cluster.conf"
+    listed = re.findall(r"^cluster_formation\.classic_config\.nodes\.\d+ = (\S+)$",
+                        config_file.read_text(), flags=re.M)  # fmt: skip
+    assert sorted(listed) == sorted(f"rabbit@{svc['hostname']}" for svc in nodes.values())
+    for name, svc in nodes.items():
+        mounts = [v.split(":")[:2] for v in svc["volumes"]]
+        assert [
+            "./deploy/rabbitmq-cluster/cluster.conf",
+            "/etc/rabbitmq/conf.d/20-cluster.conf",
+        ] in (mounts), name
+    host_ports = {p.split(":")[0] for svc in nodes.values() for p in svc["ports"]}
+    assert len(host_ports) == 6  # each node its own AMQP and management port
+    for svc in mesh_services().values():  # the default mesh does not wait for the cluster
+        assert not set(svc.get("depends_on", {})) & set(nodes)

@@ -48,8 +48,10 @@ NOT_IN_KUBERNETES_SCHEMAS = {
     ("kustomize.config.k8s.io/v1beta1", "Kustomization"),
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("keda.sh/v1alpha1", "TriggerAuthentication"),
+    ("rabbitmq.com/v1beta1", "RabbitmqCluster"),
 }
-"""Checked by hand below: kustomize's own file, and KEDA's CRDs."""
+"""Checked by hand below: kustomize's own file, KEDA's CRDs and the RabbitMQ Cluster
+Operator's."""
 
 AGENT_DEPLOYMENTS = {"calc": "calc", "textstats": "textstats", "echo": "echo"}
 """Deployment name → the sample it runs (``mesh agent <sample>``). The names are equal because
@@ -723,3 +725,27 @@ def test_the_overlay_names_no_namespace_and_no_credentials(path: Path) -> None:
     assert not re.search(r"(amqp|postgres(ql)?)://\S+@", text), "a URL with credentials"
     for doc in yaml.safe_load_all(text):
         assert "namespace" not in doc.get("metadata", {}) and "namespace" not in doc
+
+
+# ---- a RabbitMQ cluster (optional) ------------------------------------------------------------
+
+RABBITMQ_CLUSTER = "optional/rabbitmq-cluster.yaml"
+
+
+def test_the_rabbitmq_cluster_has_three_nodes_and_quorum_queues_on_all_of_them() -> None:
+    """Three nodes keep a majority of every quorum queue through one node's loss; the
+    management plugin is what the manager reads queue depths from."""
+    (cluster,) = docs_of("RabbitmqCluster", path=RABBITMQ_CLUSTER)
+    spec = cluster["spec"]
+    assert set(spec) <= {"replicas", "resources", "persistence", "rabbitmq", "image"}
+    assert spec["replicas"] == 3
+    assert "rabbitmq_management" in spec["rabbitmq"]["additionalPlugins"]
+    config = dict(
+        line.split(" = ", 1)
+        for line in spec["rabbitmq"]["additionalConfig"].splitlines()
+        if " = " in line and not line.lstrip().startswith("#")
+    )
+    assert config == {
+        "quorum_queue.initial_group_size": "3",
+        "cluster_partition_handling": "pause_minority",
+    }
