@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -86,6 +87,7 @@ aiormq.Connection.FRAME_BUFFER_SIZE = max(aiormq.Connection.FRAME_BUFFER_SIZE, W
 _FAST_PROPERTIES = aiormq.spec.Basic.Properties(content_type=c.CONTENT_TYPE)
 _FAST_MARSHALLED = _FAST_PROPERTIES.marshal()
 _CONTROL_TIMEOUT_S = 5.0  # bound on channel operations that are not publishes
+_REOPEN_EVERY_S = 5.0  # a refusing publishing channel is reopened at most this often
 
 _Framed = tuple[str, bytes, bytes, str]
 """A confirmed publish as its frames are written: routing key, body, marshalled properties,
@@ -349,6 +351,8 @@ class AmqpTransport:
         self._addresses = BrokerAddresses((url,))
         self._address = url
         self._moving_on: asyncio.Task[None] | None = None
+        self._reopened_at = -math.inf  # monotonic: the publishing channel last reopened
+        self.reopened_channels = 0  # reopened after refusals (RabbitMQ 3.10's stuck channel)
         self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
         connection.reconnect_callbacks.add(self._reconnected)
         connection.close_callbacks.add(self._dropped)
@@ -440,6 +444,12 @@ class AmqpTransport:
             self._move_on()
         if self._lean is not None and not self._closing:
             self._lean.reset()
+
+    @property
+    def address(self) -> str:
+        """The broker URL this connection reached, or is reconnecting to (of several given:
+        :mod:`mesh.transport.addresses`)."""
+        return self._address
 
     def _move_on(self) -> None:
         """Several addresses: the connection dropped, so reconnect to the next one (the node
@@ -730,20 +740,48 @@ class AmqpTransport:
         ``user_id``, when set, must be this connection's user: RabbitMQ validates it, which is
         what lets the manager trust it as the authenticated publisher (the tenant)."""
         body = message if isinstance(message, bytes) else encode(message)
-        message_id = self._message_ids.next()
-        properties = message_properties(
-            None if isinstance(message, bytes) else message.type,
-            message_id,
-            reply_to=reply_to,
-            correlation_id=correlation_id,
-            user_id=self.signer if user_id is None else user_id,
-            headers=headers or None,
-            persistent=persistent,
-            # Whole seconds (AMQP's resolution): the management API reports the head message's
-            # timestamp per queue, which is how the manager shows the oldest message's age.
-            timestamp=int(time.time()) if persistent else None,
-        )
+        signer = self.signer if user_id is None else user_id
+        # Whole seconds (AMQP's resolution): the management API reports the head message's
+        # timestamp per (classic) queue, which is how the manager shows the oldest one's age.
+        timestamp = int(time.time()) if persistent else None
+        kind = None if isinstance(message, bytes) else message.type
         timeout = self.publish_timeout_s if timeout_s is None else timeout_s
+        for attempt in (1, 2):
+            message_id = self._message_ids.next()  # fresh per attempt (returns match by it)
+            properties = message_properties(
+                kind,
+                message_id,
+                reply_to=reply_to,
+                correlation_id=correlation_id,
+                user_id=signer,
+                headers=headers or None,
+                persistent=persistent,
+                timestamp=timestamp,
+            )
+            try:
+                await self._publish_once(
+                    exchange, routing_key, body, properties, message_id, mandatory, timeout
+                )
+                return
+            except PublishNacked:
+                # RabbitMQ 3.10 can keep refusing every publish on a channel whose publish
+                # met a quorum queue leader's death, while a fresh channel is accepted: the
+                # channel is reopened (at most every _REOPEN_EVERY_S) and the publish tried
+                # once more there. A queue that is really full refuses that one too.
+                if attempt == 2 or not await self._reopen_refusing_channel():
+                    raise
+
+    async def _publish_once(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: Any,
+        message_id: str,
+        mandatory: bool,
+        wait_s: float,
+    ) -> None:
+        timeout = wait_s
         try:
             # On aiormq's confirming channel, with its bookkeeping (a delivery tag and a
             # confirm future, the message ID mapped to the tag so a return finds it), but the
@@ -784,6 +822,26 @@ class AmqpTransport:
             raise TransportError(
                 f"publish to {exchange}/{routing_key} failed: the connection closed"
             ) from None
+
+    async def _reopen_refusing_channel(self) -> bool:
+        """Reopen the publishing channel after a refusal, unless it was reopened less than
+        ``_REOPEN_EVERY_S`` ago (a queue really full refuses again and again: one more try
+        each so often, not each time); whether it was reopened now. Publishes in flight on
+        the old channel fail ``TransportError`` (outcome unknown: they are retried)."""
+        now = time.monotonic()
+        if now - self._reopened_at < _REOPEN_EVERY_S:
+            return False
+        self._reopened_at = now
+        self.reopened_channels += 1
+        log.warning("publishes refused: reopening the publishing channel")
+        try:
+            async with asyncio.timeout(_CONTROL_TIMEOUT_S):
+                await self._publish_channel.close()
+                await self._publish_channel.reopen()
+        except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
+            log.warning("publishing channel not reopened", extra={"error": str(exc)})
+            return False
+        return True
 
     async def publish_many(
         self,

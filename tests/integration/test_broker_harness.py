@@ -16,8 +16,8 @@ import pytest
 
 from mesh import constants as c
 from mesh.errors import PublishNacked, PublishUnroutable
-from mesh.topology import Declarations, QueueSpec, Topology
-from mesh.transport import Delivery
+from mesh.topology import Declarations, QueueArguments, QueueSpec, Topology
+from mesh.transport import DEFAULT_EXCHANGE, Delivery
 
 if TYPE_CHECKING:  # fixtures' types only; conftest modules are not imported by tests
     from tests.conftest import ManagementApi, TransportFactory
@@ -90,11 +90,40 @@ async def test_a_full_task_queue_nacks_the_publish_past_its_bound(
     assert info["arguments"]["x-overflow"] == "reject-publish"
 
 
+async def test_a_refusing_channel_is_reopened_and_the_publish_tried_once_more_at_most_so_often(
+    transport_factory: TransportFactory, topology: Topology
+) -> None:
+    """RabbitMQ 3.10 can keep refusing every publish on a channel whose publish met a quorum
+    leader's death while a fresh channel is accepted: a refusal reopens the publishing channel
+    and tries the publish once more there — at most every few seconds, so a queue really full
+    (here: a bound of one) costs one more try each so often, not a reopen per publish."""
+    transport = await transport_factory()
+    full = f"{topology.namespace}.full"
+    spare = f"{topology.namespace}.spare"
+    bounded = QueueArguments(max_length=1, overflow="reject-publish")
+    await transport.declare(
+        Declarations(queues=(QueueSpec(full, arguments=bounded), QueueSpec(spare)))
+    )
+    await transport.publish(DEFAULT_EXCHANGE, full, BODY)
+
+    with pytest.raises(PublishNacked):
+        await transport.publish(DEFAULT_EXCHANGE, full, BODY)
+    assert transport.reopened_channels == 1  # reopened, tried again there, refused again
+    with pytest.raises(PublishNacked):
+        await transport.publish(DEFAULT_EXCHANGE, full, BODY)
+    assert transport.reopened_channels == 1  # not again within the interval
+
+    await transport.publish(DEFAULT_EXCHANGE, spare, BODY)  # the reopened channel publishes
+    assert await transport.queue_depth(full) == 1 and await transport.queue_depth(spare) == 1
+
+
 async def test_a_dead_lettered_message_arrives_with_its_reason(
     transport_factory: TransportFactory, topology: Topology
 ) -> None:
     transport = await transport_factory()
-    await transport.declare(topology.agent("calc-1", task_queue_bound=10))
+    # The dead-letter queue is the manager's to declare; an agent only publishes to its
+    # exchange.
+    await transport.declare(topology.dead_letters() + topology.agent("calc-1", 10))
     source = topology.agent_task_queue("calc-1")
     await transport.publish(topology.tasks_exchange, "calc-1", BODY, correlation_id="corr-1")
     delivery = await transport.get_one(source)
