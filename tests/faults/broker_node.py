@@ -84,14 +84,27 @@ def _holds(check: Any) -> bool:
 
 
 class BrokerNode:
-    """The suite's RabbitMQ node (see the module docstring)."""
+    """The suite's RabbitMQ node (see the module docstring). Another name and other ports
+    make another node (:mod:`tests.faults.broker_cluster` starts three and joins them)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        node_name: str = NODE_NAME,
+        amqp_port: int = AMQP_PORT,
+        management_port: int = MANAGEMENT_PORT,
+        dist_port: int = DIST_PORT,
+    ) -> None:
         self.workdir = workdir
+        self.node_name = node_name
+        self.amqp_port = amqp_port
+        self.management_port = management_port
+        self.dist_port = dist_port
         self.home = workdir / "home"  # the Erlang cookie, for the node and rabbitmqctl
         self.pid_file = workdir / "rabbitmq.pid"
-        self.amqp_url = f"amqp://guest:guest@127.0.0.1:{AMQP_PORT}/"
-        self.management_url = f"http://127.0.0.1:{MANAGEMENT_PORT}"
+        self.amqp_url = f"amqp://guest:guest@127.0.0.1:{amqp_port}/"
+        self.management_url = f"http://127.0.0.1:{management_port}"
         self._process: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._prepare()
@@ -106,9 +119,9 @@ class BrokerNode:
         (self.workdir / "rabbitmq.conf").write_text(
             "\n".join(
                 [
-                    f"listeners.tcp.default = 127.0.0.1:{AMQP_PORT}",
+                    f"listeners.tcp.default = 127.0.0.1:{self.amqp_port}",
                     "management.tcp.ip = 127.0.0.1",
-                    f"management.tcp.port = {MANAGEMENT_PORT}",
+                    f"management.tcp.port = {self.management_port}",
                     # Disk alarms are raised on purpose (set_disk_free_limit); check often.
                     "disk_free_limit.absolute = 1MB",
                     "",
@@ -122,8 +135,8 @@ class BrokerNode:
         return {
             **os.environ,
             "HOME": str(self.home),
-            "RABBITMQ_NODENAME": NODE_NAME,
-            "RABBITMQ_DIST_PORT": str(DIST_PORT),
+            "RABBITMQ_NODENAME": self.node_name,
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
             "RABBITMQ_MNESIA_BASE": str(w / "mnesia"),
             "RABBITMQ_LOG_BASE": str(w / "log"),
             "RABBITMQ_CONFIG_FILE": str(w / "rabbitmq.conf"),
@@ -134,7 +147,7 @@ class BrokerNode:
     # ---- life ------------------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        return amqp_answers(AMQP_PORT)
+        return amqp_answers(self.amqp_port)
 
     def start(self) -> float:
         """Start the node and wait until AMQP answers; returns the seconds it took."""
@@ -233,7 +246,7 @@ class BrokerNode:
         tool = _tool("rabbitmqctl")
         assert tool is not None
         done = subprocess.run(
-            [tool, "-n", NODE_NAME, *args],
+            [tool, "-n", self.node_name, *args],
             env=self._env(),
             capture_output=True,
             timeout=120,
