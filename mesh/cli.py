@@ -1110,9 +1110,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY",
+        # The keys of mesh.conformance.CHECKS, in order (not imported here: it would load the
+        # manager into every `mesh` command; tests/unit/test_cli_help.py keeps them equal).
         help="run only this check (repeatable; the registration check always runs): "
         "register, heartbeats, lease-path, input-schema, admission-path, grants, epochs, "
-        "reregister, fence, drain, sigterm, short-interval",
+        "reregister, hand-over, signed, pool-queue, restart, fence, drain, sigterm, "
+        "short-interval",
     )
     p.set_defaults(func=cmd_conformance)
 

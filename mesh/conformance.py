@@ -293,16 +293,21 @@ class Kit:
         else:
             waiting.set_exception(CheckFailed(f"answered a task with {message.type}"))
 
-    async def start_agent(self, heartbeat_s: float = HEARTBEAT_S) -> AgentProcess:
-        """A new run of the agent command under a new agent ID, watched."""
+    async def start_agent(
+        self, heartbeat_s: float = HEARTBEAT_S, *, same_id: bool = False
+    ) -> AgentProcess:
+        """A new run of the agent command under a new agent ID (``same_id``: the last one,
+        as a container restarted under its pod name), watched."""
         if self.agent is not None:
             await self.agent.stop()
         self.runs += 1
-        self.agent_id = f"conformance-{self.runs}-{uuid.uuid4().hex[:6]}"
-        self.agent_ids.append(self.agent_id)
+        if not same_id:
+            self.agent_id = f"conformance-{self.runs}-{uuid.uuid4().hex[:6]}"
+            self.agent_ids.append(self.agent_id)
         self.watch = Watch()
         assert self.raw is not None
-        queue = f"{self.namespace}.conformance.watch.{self.agent_id}"
+        # A watch queue of this run's own (the same agent ID may run again: a restart).
+        queue = f"{self.namespace}.conformance.watch.{self.agent_id}.{self.runs}"
         await self.raw.declare(
             Declarations(
                 queues=(
@@ -710,6 +715,58 @@ async def consumes_a_replaced_pool_queue(kit: Kit) -> str:
     return f"consumed the queue again {took:.1f} s after it was deleted; a task answered"
 
 
+async def takes_nothing_before_its_restart_is_accepted(kit: Kit) -> str:
+    """kill -9, and the same command again at once under the same agent ID (a container
+    restarted under its pod name): the manager still counts the killed incarnation, so the
+    new one's registration is deferred (``AGENT_ID_IN_USE``). Meanwhile the pool's epoch is
+    announced (every 2 s here) on its control queue: it must consume neither its pool queue
+    nor its task queue until the manager accepted *this* incarnation — then it serves."""
+    assert kit.raw is not None and kit.manager is not None and kit.agent is not None
+    raw, manager = kit.raw, kit.manager
+    grant = await kit.grant()  # the pool is described: its queue exists, its epoch announced
+    pool_queue = kit.topology.pool_task_queue(grant.pool_id)
+    old = manager.core.agents[kit.agent_id].incarnation
+    kit.agent.signal(signal.SIGKILL)
+    await kit.agent.wait(5.0)
+    killed = time.monotonic()
+    await kit.start_agent(same_id=True)
+    await kit.watch.until(
+        lambda: bool(kit.watch.registrations) or kit.exited(), START_TIMEOUT_S, "registration"
+    )
+    expect(not kit.exited(), f"the restarted agent exited with {kit.exit_code()}")
+    await asyncio.sleep(UNANSWERED_S)  # deferred, and an epoch announcement or more heard
+    still = manager.core.agents.get(kit.agent_id)
+    expect(
+        still is not None and still.incarnation == old,
+        "the killed incarnation was gone before the check could look (the restart was slow)",
+    )
+    expect(
+        await raw.queue_consumers(pool_queue) == 0,
+        "it consumes its pool queue while its registration is deferred",
+    )
+    expect(
+        await raw.queue_consumers(kit.topology.agent_task_queue(kit.agent_id)) == 0,
+        "it consumes its task queue while its registration is deferred",
+    )
+    loss_s = manager.settings.pool.missed_heartbeats_before_lost * HEARTBEAT_S
+    await kit.watch.until(
+        lambda: (
+            (a := manager.core.agents.get(kit.agent_id)) is not None
+            and a.incarnation != old
+            and a.state.value in ("Ready", "Busy")
+        ),
+        loss_s + START_TIMEOUT_S,
+        "the new incarnation accepted once the killed one was lost",
+    )
+    took = time.monotonic() - killed
+    served = await kit.send_granted(await kit.grant(), kit.s.payload)
+    _expect_ok(served, "a pool task after the restart was answered")
+    return (
+        f"deferred while the killed incarnation was live, consuming nothing; accepted "
+        f"{took:.0f} s after the kill, then served"
+    )
+
+
 def _expect_ok(result: TaskResult, what: str) -> None:
     """``result`` is ok, else the check fails saying ``what`` was answered instead."""
     code = result.error.code.value if result.error else ""
@@ -854,6 +911,11 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
         "pool-queue",
         "consumes its pool queue again once it is deleted and declared again",
         consumes_a_replaced_pool_queue,
+    ),
+    (
+        "restart",
+        "takes nothing before its restart under the same ID is accepted",
+        takes_nothing_before_its_restart_is_accepted,
     ),
     (
         "fence",

@@ -117,7 +117,7 @@ const revoked = new Map(); // admission ID -> highest revoked fence (insertion o
 const leases = new Map(); // lease ID -> ms timestamp it ends (lease notices, §4.2)
 const answered = new Map(); // answer key -> result (§7 step 9)
 const inFlight = { count: 0, pool: 0 };
-let lastBeatAt = performance.now(); // the last heartbeat we sent (monotonic ms)
+let lastBeatAt = null; // the last heartbeat we sent (monotonic ms); none before acceptance
 let fencedBefore = -Infinity; // tasks claimed at or before this (monotonic ms) are suspect
 let forgottenAt = -Infinity; // the manager last asked us to register again
 let standingWaiter = null; // resolves with the manager's mesh.standing.v1
@@ -159,6 +159,9 @@ function publish(exchange, key, message, options = {}) {
 
 // ---- heartbeats (§7 step 5) and silences (§7 step 11) --------------------------------------
 function noteSilence(now) {
+  // Before the first heartbeat nothing was claimed, and a wait for acceptance (a deferred
+  // registration: AGENT_ID_IN_USE) is no silence the manager could have declared us lost in.
+  if (lastBeatAt === null) return;
   if (now - lastBeatAt > FENCE_AFTER_MS && fencedBefore < lastBeatAt) {
     fencedBefore = now;
     log("silent long enough to be declared lost: results of earlier tasks wait for the manager");

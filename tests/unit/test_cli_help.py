@@ -44,3 +44,13 @@ def test_the_broker_url_may_come_before_or_after_the_command() -> None:
     assert before.amqp_url == "amqp://u:p@elsewhere:5672/"
     neither = parse(["status"])
     assert neither.amqp_url == parse(["drain", "a-1"]).amqp_url  # the default, unchanged
+
+
+def test_the_conformance_help_names_every_check_of_the_kit_in_order() -> None:
+    from mesh.conformance import CHECK_KEYS
+
+    [(_, conformance)] = [(p, c) for p, c in _parsers(build_parser()) if p == "mesh conformance"]
+    [check] = [a for a in conformance._actions if "--check" in a.option_strings]
+    assert check.help is not None
+    named = check.help.split(": ", 1)[1].replace(" ", "").split(",")
+    assert named == list(CHECK_KEYS)
