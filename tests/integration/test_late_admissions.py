@@ -48,6 +48,25 @@ async def manager_then_away(amqp_url: str, namespace: str, tmp_path: Path) -> Ma
     return first
 
 
+async def tap_on_admissions(
+    amqp_url: str, producer: MeshClient
+) -> tuple[AmqpTransport, asyncio.Queue[Delivery]]:
+    """A queue of the test's own bound where admission requests go (the control exchange's
+    ``rpc.admit``): a copy of every request, in order."""
+    tap = await AmqpTransport.connect(amqp_url, name="tap")
+    seen: asyncio.Queue[Delivery] = asyncio.Queue()
+    queue = f"{producer.topology.namespace}.test.tap"
+    control, admit_key = producer.topology.control_exchange, names.rpc_key("admit")
+    await tap.declare(
+        Declarations(
+            queues=(QueueSpec(queue, durable=False),),
+            bindings=(BindingSpec(queue, control, admit_key),),
+        )
+    )
+    await tap.consume(queue, seen.put, no_ack=True)
+    return tap, seen
+
+
 async def test_a_grant_decided_after_its_caller_gave_up_is_given_back(
     amqp_url: str, namespace: str, tmp_path: Path
 ) -> None:
@@ -113,18 +132,9 @@ async def test_a_second_answer_to_an_answered_admission_leaves_its_grant_with_th
     settings = settings_for(amqp_url, namespace, tmp_path, admission_capacity="descriptor")
     manager = await start_manager(settings)
     producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
-    tap = await AmqpTransport.connect(amqp_url, name="tap")
-    seen: asyncio.Queue[Delivery] = asyncio.Queue()
+    tap, seen = await tap_on_admissions(amqp_url, producer)
     control, admit_key = producer.topology.control_exchange, names.rpc_key("admit")
     try:
-        queue = f"{namespace}.test.tap"
-        await tap.declare(
-            Declarations(
-                queues=(QueueSpec(queue, durable=False),),
-                bindings=(BindingSpec(queue, control, admit_key),),
-            )
-        )
-        await tap.consume(queue, seen.put, no_ack=True)
         assert (await producer.publish_descriptor(echo_descriptor(4))).type.endswith("accepted.v1")
 
         decision = await producer.admit(echo_requirements(), admission_id="adm-twice")
@@ -163,18 +173,8 @@ async def test_submit_tells_the_manager_its_deadline(
     settings = settings_for(amqp_url, namespace, tmp_path, admission_capacity="descriptor")
     manager = await start_manager(settings)
     producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
-    tap = await AmqpTransport.connect(amqp_url, name="tap")
-    seen: asyncio.Queue[Delivery] = asyncio.Queue()
-    control, admit_key = producer.topology.control_exchange, names.rpc_key("admit")
+    tap, seen = await tap_on_admissions(amqp_url, producer)
     try:
-        queue = f"{namespace}.test.tap"
-        await tap.declare(
-            Declarations(
-                queues=(QueueSpec(queue, durable=False),),
-                bindings=(BindingSpec(queue, control, admit_key),),
-            )
-        )
-        await tap.consume(queue, seen.put, no_ack=True)
         assert (await producer.publish_descriptor(echo_descriptor(4))).type.endswith("accepted.v1")
         requirements = echo_requirements()
         assert requirements.deadline is None
