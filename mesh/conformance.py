@@ -720,11 +720,15 @@ async def takes_nothing_before_its_restart_is_accepted(kit: Kit) -> str:
     restarted under its pod name): the manager still counts the killed incarnation, so the
     new one's registration is deferred (``AGENT_ID_IN_USE``). Meanwhile the pool's epoch is
     announced (every 2 s here) on its control queue: it must consume neither its pool queue
-    nor its task queue until the manager accepted *this* incarnation — then it serves."""
+    nor its task queue until the manager accepted *this* incarnation — then it serves (a task
+    on the lease path)."""
     assert kit.raw is not None and kit.manager is not None and kit.agent is not None
-    raw, manager = kit.raw, kit.manager
-    grant = await kit.grant()  # the pool is described: its queue exists, its epoch announced
-    pool_queue = kit.topology.pool_task_queue(grant.pool_id)
+    assert kit.client is not None
+    raw, manager, client = kit.raw, kit.manager, kit.client
+    # The pool described (its queue exists, its epoch announced every 2 s); no grant taken:
+    # earlier checks may hold the pool's live slots until their grants expire.
+    descriptor = kit.descriptor or await kit.described_pool(kit.watch.registrations[-1])
+    pool_queue = kit.topology.pool_task_queue(descriptor.pool_id)
     old = manager.core.agents[kit.agent_id].incarnation
     kit.agent.signal(signal.SIGKILL)
     await kit.agent.wait(5.0)
@@ -759,8 +763,8 @@ async def takes_nothing_before_its_restart_is_accepted(kit: Kit) -> str:
         "the new incarnation accepted once the killed one was lost",
     )
     took = time.monotonic() - killed
-    served = await kit.send_granted(await kit.grant(), kit.s.payload)
-    _expect_ok(served, "a pool task after the restart was answered")
+    served = await client.run_task(kit.s.capability, kit.s.payload, timeout_s=ANSWER_TIMEOUT_S)
+    expect(served.lease.agent_id == kit.agent_id, f"served by {served.lease.agent_id}")
     return (
         f"deferred while the killed incarnation was live, consuming nothing; accepted "
         f"{took:.0f} s after the kill, then served"
