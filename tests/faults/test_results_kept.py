@@ -20,7 +20,6 @@ from mesh.producer import MeshClient
 
 from .tcp_proxy import TcpProxy
 
-BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/"
 SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
@@ -52,12 +51,14 @@ class GatedAgent(Agent):
 
 
 async def test_a_result_the_broker_could_not_take_is_published_on_redelivery_not_run_again(
-    namespace: str, tmp_path: Path
+    amqp_url: str, namespace: str, tmp_path: Path
 ) -> None:
+    # (amqp_url: the shared broker the proxy fronts; asking for it also has the namespace's
+    # queues deleted after the test.)
     manager = await start_manager(
-        manager_settings(namespace, tmp_path / "journal.sqlite3", amqp_url=BROKER_URL)
+        manager_settings(namespace, tmp_path / "journal.sqlite3", amqp_url=amqp_url)
     )
-    client = await MeshClient.connect(BROKER_URL, namespace=namespace, name="results-kept")
+    client = await MeshClient.connect(amqp_url, namespace=namespace, name="results-kept")
     agent = GatedAgent("gated-1")
     async with TcpProxy() as proxy:
         runtime = AgentRuntime(
