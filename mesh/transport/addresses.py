@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mesh.errors import LocalProtocolError
 
@@ -43,8 +43,8 @@ class BrokerAddresses:
             if _identity(url) != first:
                 raise LocalProtocolError(
                     "the broker URLs in one setting must share the user, the password and "
-                    f"the virtual host (one cluster): {_redacted(urls[0])!r} and "
-                    f"{_redacted(url)!r} differ"
+                    f"the virtual host (one cluster): {redact(urls[0])!r} and "
+                    f"{redact(url)!r} differ"
                 )
         if shuffle and len(urls) > 1:
             (rng or random.Random()).shuffle(urls)
@@ -77,7 +77,7 @@ def _identity(url: str) -> tuple[str, str, str, str]:
     parts = urlsplit(url)
     if parts.scheme not in ("amqp", "amqps"):
         raise LocalProtocolError(
-            f"{_redacted(url)!r} is not an AMQP URL (amqp://user:password@host:port/vhost); "
+            f"{redact(url)!r} is not an AMQP URL (amqp://user:password@host:port/vhost); "
             "several are separated by commas"
         )
     return (
@@ -88,8 +88,10 @@ def _identity(url: str) -> tuple[str, str, str, str]:
     )
 
 
-def _redacted(url: str) -> str:
+def redact(url: str) -> str:
+    """The URL with its password replaced, for messages and logs."""
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    return url.replace(f":{parts.password}@", ":***@", 1)
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

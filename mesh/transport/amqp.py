@@ -56,6 +56,7 @@ from mesh.ids import IdSequence
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec, reply_queue
 from mesh.transport import dead_letters, moves
 from mesh.transport.addresses import BrokerAddresses, first_url
+from mesh.transport.addresses import redact as redact  # re-exported
 from mesh.transport.delivery import DEFAULT_EXCHANGE as DEFAULT_EXCHANGE  # re-exported
 from mesh.transport.delivery import NO_SETTLE, Handler, Settlement
 from mesh.transport.delivery import Delivery as Delivery  # re-exported
@@ -152,15 +153,6 @@ def url_user(url: str) -> str | None:
     """The broker user an AMQP URL logs in as (percent-decoded, as the client sends it), or
     ``None`` if it names none (the client then logs in as ``guest``)."""
     return unquote(urlsplit(first_url(url)).username or "") or None
-
-
-def redact(url: str) -> str:
-    """The URL with its password replaced, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 async def _resubscribe(consumer: Consumer) -> None:
@@ -584,11 +576,15 @@ class AmqpTransport:
         """Before ``spec`` is declared: if an older version declared its queue classic (or a
         move was left half-done), move it to ``spec``, messages and all."""
         connection = self._connection
-        old_type = await moves.is_other_type(connection, spec)
-        if not (old_type or await moves.has_holding_queue(connection, spec)):
-            return
-        own = [b for b in bindings if b.queue == spec.name]
-        moved = await moves.move_in_place(connection, spec, own, old_type=old_type)
+        try:
+            async with asyncio.timeout(60):
+                old_type = await moves.is_other_type(connection, spec)
+                if not (old_type or await moves.has_holding_queue(connection, spec)):
+                    return
+                own = [b for b in bindings if b.queue == spec.name]
+                moved = await moves.move_in_place(connection, spec, own, old_type=old_type)
+        except (aiormq.exceptions.AMQPError, RuntimeError, TimeoutError) as exc:
+            raise TransportError(f"could not move queue {spec.name!r}: {exc}") from exc
         log.warning(
             "a queue an older version declared was moved to its new type",
             extra={"queue": spec.name, "type": spec.arguments.queue_type, "moved": moved},
@@ -1166,16 +1162,10 @@ class AmqpTransport:
         """``(ready, consumers)`` of ``queue``; :class:`TopologyMissing` if it does not
         exist (not declared yet, or deleted)."""
         async with asyncio.timeout(_CONTROL_TIMEOUT_S):
-            channel = await self._connection.channel()
-            try:
-                q = await channel.declare_queue(queue, passive=True, robust=False)
-            except aiormq.exceptions.ChannelNotFoundEntity as exc:
-                raise TopologyMissing(f"no queue {queue!r}: {exc}") from None
-            try:
-                result = q.declaration_result
-                return int(result.message_count or 0), int(result.consumer_count or 0)
-            finally:
-                await channel.close()
+            counts = await moves.queue_counts(self._connection, queue)
+        if counts is None:
+            raise TopologyMissing(f"no queue {queue!r} (not declared yet, or deleted)")
+        return counts
 
 
 def _arguments_text(spec: QueueSpec) -> str:

@@ -31,6 +31,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractQueue, AbstractRobustChannel, AbstractRobustConnection
 
+from mesh.errors import TopologyMismatch
 from mesh.topology.specs import BindingSpec, QueueSpec
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,15 @@ async def move_in_place(
     ``old_type``: the queue of that name is still the old type (else a move left half-done
     is finished)."""
     holding = holding_queue(spec.name)
+    counts = await queue_counts(connection, spec.name) if old_type else None
+    if counts is not None and counts[1] > 0:
+        # Another process (an older one under the same agent ID) still consumes it: the tasks
+        # it holds unacked would go with the old queue. Nothing is touched; moved later.
+        raise TopologyMismatch(
+            f"queue {spec.name!r} is of an older version's type and still has {counts[1]} "
+            "consumer(s): it is moved once nothing consumes it (stop the older process, then "
+            "start this one again)"
+        )
     channel = await connection.channel(publisher_confirms=True)
     try:
         hold = await _declare(channel, holding, spec)
@@ -175,14 +185,21 @@ async def _declare(channel: AbstractRobustChannel, name: str, spec: QueueSpec) -
     )
 
 
-async def _exists(connection: AbstractRobustConnection, name: str) -> bool:
-    """A passive declare on a channel of its own (a missing queue closes its channel)."""
+async def queue_counts(connection: AbstractRobustConnection, name: str) -> tuple[int, int] | None:
+    """``(ready, consumers)`` of the queue ``name``, by a passive declare on a channel of its
+    own (a missing queue closes its channel); ``None`` if there is no such queue. (What
+    ``AmqpTransport.queue_depth`` and ``queue_consumers`` read, too.)"""
     probe = await connection.channel()
     try:
-        await probe.declare_queue(name, passive=True, robust=False)
+        queue = await probe.declare_queue(name, passive=True, robust=False)
     except aiormq.exceptions.ChannelNotFoundEntity:
-        return False
+        return None
     finally:
         if not probe.is_closed:
             await probe.close()
-    return True
+    result = queue.declaration_result
+    return int(result.message_count or 0), int(result.consumer_count or 0)
+
+
+async def _exists(connection: AbstractRobustConnection, name: str) -> bool:
+    return await queue_counts(connection, name) is not None

@@ -14,13 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from mesh.errors import TopologyMismatch
 from mesh.topology import Declarations, QueueArguments, QueueSpec, Topology
 from mesh.topology.specs import BindingSpec
-from mesh.transport import DEFAULT_EXCHANGE
+from mesh.transport import DEFAULT_EXCHANGE, Delivery
 from mesh.transport.amqp import AmqpTransport
 from mesh.transport.moves import holding_queue
 
-from .harness import manager_settings, start_manager
+from .harness import eventually, manager_settings, start_manager
 
 AGENT_ID = "upgraded-1"
 
@@ -134,3 +137,36 @@ async def test_a_manager_empties_the_old_classic_dead_letter_queue_into_the_quor
         ]
     finally:
         await manager.stop()
+
+
+async def test_a_classic_task_queue_another_process_still_consumes_is_not_moved(
+    transport_factory: Any, topology: Topology, management_api: Any
+) -> None:
+    """An older process under the same agent ID still consumes the classic queue (the tasks
+    it holds unacked would go with the old queue): nothing is touched, and the start says
+    why; the move happens on a start once nothing consumes it."""
+    old = await transport_factory(suffix="old-version")
+    await old.declare(classic_task_queue(topology, 16))
+    for n in range(3):
+        await old.publish(topology.tasks_exchange, AGENT_ID, f"task-{n}".encode())
+    held: list[Delivery] = []
+
+    async def hold(delivery: Delivery) -> None:
+        held.append(delivery)  # never acked: the old process is working on it
+
+    consumer = await old.consume(topology.agent_task_queue(AGENT_ID), hold, prefetch=1)
+    await eventually(lambda: len(held) == 1, what="the old process holding a task")
+
+    new = await transport_factory(suffix="new-version")
+    with pytest.raises(TopologyMismatch, match="still has 1 consumer"):
+        await new.declare(topology.agent(AGENT_ID, 16))
+
+    name = topology.agent_task_queue(AGENT_ID)
+    assert management_api.get_queue(name)["type"] == "classic"
+    assert management_api.list_names("queues", holding_queue(name)) == []
+    await consumer.cancel()
+    await old.close()  # its unacked task goes back to the queue
+
+    await new.declare(topology.agent(AGENT_ID, 16))
+    assert management_api.get_queue(name)["type"] == "quorum"
+    assert sorted(await drain(new, name)) == [b"task-0", b"task-1", b"task-2"]
