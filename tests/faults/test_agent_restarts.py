@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -36,7 +35,7 @@ from mesh.errors import MeshError
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 
-from .test_effects_once import AgentProcesses
+from .test_effects_once import AgentProcesses, agent_processes
 
 RESTARTS = 5
 WORKERS = 2  # per path
@@ -48,17 +47,7 @@ LIVE = (AgentState.READY, AgentState.BUSY)
 async def restartable(
     amqp_url: str, namespace: str, tmp_path: Path, pg_schema: PgSchema
 ) -> AsyncIterator[AgentProcesses]:
-    out = tmp_path / "runs"
-    out.mkdir()
-    env = {
-        **os.environ,
-        "MESH_AMQP_URL": amqp_url,
-        "MESH_NAMESPACE": namespace,
-        "MESH_EFFECTS_DIR": str(out),
-        "MESH_EFFECTS_DSN": pg_schema.dsn,
-        "MESH_EFFECTS_SCHEMA": pg_schema.schema,
-    }
-    processes = AgentProcesses(out, env)
+    processes = agent_processes(amqp_url, namespace, tmp_path, pg_schema)
     yield processes
     await processes.close()
 

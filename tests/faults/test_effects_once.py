@@ -118,19 +118,27 @@ class AgentProcesses:
 async def agents(
     node: BrokerNode, namespace: str, tmp_path: Path, pg_schema: PgSchema
 ) -> AsyncIterator[AgentProcesses]:
+    processes = agent_processes(node.amqp_url + URL_OPTIONS, namespace, tmp_path, pg_schema)
+    yield processes
+    await processes.close()
+
+
+def agent_processes(
+    amqp_url: str, namespace: str, tmp_path: Path, pg_schema: PgSchema
+) -> AgentProcesses:
+    """``effects_agent.py`` processes of ``namespace``, writing their logs under
+    ``tmp_path / "effects"`` and sharing an effect log in ``pg_schema``."""
     out = tmp_path / "effects"
     out.mkdir()
     env = {
         **os.environ,
-        "MESH_AMQP_URL": node.amqp_url + URL_OPTIONS,
+        "MESH_AMQP_URL": amqp_url,
         "MESH_NAMESPACE": namespace,
         "MESH_EFFECTS_DIR": str(out),
         "MESH_EFFECTS_DSN": pg_schema.dsn,
         "MESH_EFFECTS_SCHEMA": pg_schema.schema,
     }
-    processes = AgentProcesses(out, env)
-    yield processes
-    await processes.close()
+    return AgentProcesses(out, env)
 
 
 def payload_for(business_id: str, guarded: bool, rng: random.Random) -> dict[str, Any]:

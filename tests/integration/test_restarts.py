@@ -13,6 +13,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,22 @@ def the_restarted_process(amqp_url: str, namespace: str) -> AgentRuntime:
     )
 
 
+@asynccontextmanager
+async def deferred_start(runtime: AgentRuntime) -> AsyncIterator[asyncio.Task[None]]:
+    """``runtime.start()`` under way, entered once its registration was deferred
+    (``AGENT_ID_IN_USE``); the runtime stopped on the way out."""
+    starting = asyncio.create_task(runtime.start())
+    try:
+        await eventually(
+            lambda: runtime.counters["registration_deferred"] >= 1, what="the deferral"
+        )
+        yield starting
+    finally:
+        await runtime.stop()
+        if not starting.done():
+            starting.cancel()
+
+
 async def announce_epoch(transport: AmqpTransport, topology: Topology, pool: str) -> None:
     """What the manager announces when a pool's descriptor is published: its active epoch."""
     event = OrchestrationEvent(
@@ -107,11 +124,7 @@ async def test_a_restarted_agent_takes_no_pool_task_before_its_own_incarnation_i
     old, _, _ = await a_live_old_incarnation(fencing_manager, amqp_url, topology, pool)
     operator = await transport_factory(suffix="operator")
     await operator.declare(topology.pool(pool))
-    starting = asyncio.create_task(runtime.start())
-    try:
-        await eventually(
-            lambda: runtime.counters["registration_deferred"] >= 1, what="the deferral"
-        )
+    async with deferred_start(runtime) as starting:
         await announce_epoch(operator, topology, pool)
         await eventually(lambda: runtime.core.active_epoch == 1, what="the epoch heard")
         await asyncio.sleep(0.5)  # time for a subscription the announcement would start
@@ -122,10 +135,6 @@ async def test_a_restarted_agent_takes_no_pool_task_before_its_own_incarnation_i
         await asyncio.wait_for(starting, 20)
         assert fencing_manager.core.agents[AGENT_ID].incarnation != old.incarnation
         assert runtime.counters["pool_subscriptions"] == 1
-    finally:
-        await runtime.stop()
-        if not starting.done():
-            starting.cancel()
 
 
 async def test_fencing_a_lost_incarnation_leaves_its_successor_connected(
@@ -142,11 +151,7 @@ async def test_fencing_a_lost_incarnation_leaves_its_successor_connected(
         fencing_manager, amqp_url, topology, "raw"
     )
     reconnected = asyncio.Event()
-    starting = asyncio.create_task(runtime.start())
-    try:
-        await eventually(
-            lambda: runtime.counters["registration_deferred"] >= 1, what="the deferral"
-        )
+    async with deferred_start(runtime) as starting:
         runtime.transport.on_disconnect(reconnected.set)
         await old.stop_heartbeats()
         await asyncio.wait_for(starting, 20)
@@ -159,10 +164,6 @@ async def test_fencing_a_lost_incarnation_leaves_its_successor_connected(
         assert not reconnected.is_set(), "the fence cut the new incarnation's connection"
         assert runtime.counters["reconnects"] == 0
         assert fencing_manager.core.agents[AGENT_ID].incarnation != old.incarnation
-    finally:
-        await runtime.stop()
-        if not starting.done():
-            starting.cancel()
 
 
 async def test_work_leased_to_a_lost_incarnation_is_served_by_its_successor_through_run_task(
