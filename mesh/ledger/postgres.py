@@ -71,6 +71,7 @@ from mesh.ledger.model import (
     Reservation,
     SetCapacity,
 )
+from mesh.ledger.pg_connection import PgConnection
 from mesh.ledger.store import _HOLDING, Db, SqlLedger, Tables, _gather, _Plan
 
 log = logging.getLogger(__name__)
@@ -480,7 +481,10 @@ class PostgresLedger(SqlLedger):
         self._max_attempts = max_attempts
         self._fence_sql = f"SELECT nextval('\"{schema}\".ledger_fence')"
         self._fences_sql = f"SELECT nextval('\"{schema}\".ledger_fence') FROM generate_series(1, ?)"
-        self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._pg = PgConnection(
+            dsn, what=f"the ledger database (schema {schema})", on_open=_read_committed,
+            **self._connect_kwargs,
+        )  # fmt: skip
         self._lazy: _LazyBatch | None = None  # while an unplanned batch runs
         q = f'"{schema}"'
         self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
@@ -523,12 +527,7 @@ class PostgresLedger(SqlLedger):
             db.execute(statement)
 
     def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
-        if self._conn is None or self._conn.closed or self._conn.broken:
-            if self._conn is not None:
-                log.warning("reconnecting to the ledger database", extra={"schema": self.schema})
-            self._conn = psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs)
-            self._conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        return self._conn
+        return self._pg.get()
 
     def _transaction(self, work: Callable[[Db], T], *, write: bool, retry: bool = True) -> T:
         attempts = self._max_attempts if retry else 1
@@ -795,14 +794,17 @@ class PostgresLedger(SqlLedger):
 
     def close(self) -> None:
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
+            self._pg.close()
 
 
 _BATCH_CLOSED = (
     "this ledger batch committed its writes with its releases: release_many must be a batch's"
     " last call"
 )
+
+
+def _read_committed(conn: psycopg.Connection[tuple[Any, ...]]) -> None:
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
 
 
 @dataclass(slots=True)

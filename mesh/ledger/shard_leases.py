@@ -43,6 +43,7 @@ from psycopg import sql
 from mesh.core.capacity import LiveOffer, PoolLive
 from mesh.core.shards import check_shard_count
 from mesh.errors import LocalProtocolError, StoreError
+from mesh.ledger.pg_connection import PgConnection
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,9 @@ class ShardLeases:
             "application_name": application_name,
             "connect_timeout": connect_timeout_s,
         }
-        self._conn: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._pg = PgConnection(
+            dsn, what=f"the shard lease table (schema {schema})", **self._connect_kwargs
+        )
         self._lock = threading.Lock()
         try:
             self._transaction(self._create)
@@ -368,8 +371,7 @@ class ShardLeases:
 
     def close(self) -> None:
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
+            self._pg.close()
 
     # ---- plumbing -----------------------------------------------------------------------------
     def _check_shard(self, shard: int) -> None:
@@ -403,11 +405,7 @@ class ShardLeases:
         )
 
     def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
-        if self._conn is None or self._conn.closed or self._conn.broken:
-            if self._conn is not None:
-                log.warning("reconnecting to the shard lease table", extra={"schema": self.schema})
-            self._conn = psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs)
-        return self._conn
+        return self._pg.get()
 
     def _statement(self, work: Callable[[psycopg.Cursor[Any]], T]) -> T:
         """``work`` that runs a single statement: in autocommit it is its own transaction,

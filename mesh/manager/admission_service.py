@@ -240,35 +240,18 @@ class AdmissionService:
         if isinstance(message, DescriptorShadow):
             return await self._shadow_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
-            started = self.clock.now().mono
-            record = await self._on_ledger(admitter.recorded, message.admission_id)
-            if not self._may_release(record, request.user_id):
-                self.counters["not_authorized.admission_release"] += 1
+            try:
+                return await self._release(admitter, message, request, now)
+            except StoreError as exc:  # nothing changed: the holder asks again (idempotent)
+                self.counters["release_ledger_unavailable"] += 1
+                log.warning("a release found the ledger unavailable", extra={"error": str(exc)})
                 return AdmissionReleaseReply(
                     admission_id=message.admission_id,
                     released=False,
-                    reason=AdmissionReason.NOT_AUTHORIZED,
-                    detail="an admission is released by the tenant it was granted to (or the "
-                    f"operator); this came from {request.user_id!r}",
+                    reason=AdmissionReason.LEDGER_UNAVAILABLE,
+                    detail=f"the reservation ledger failed: {exc}"[:1000]
+                    + "; release again with the same fence",
                 )
-            settled = await self._batches.submit(_Release(message.admission_id, message.fence))
-            if isinstance(settled, BaseException):  # the ledger failed: as a failed batch
-                raise settled
-            assert not isinstance(settled, AdmissionDecision)
-            reply, released_now, pool_id = settled
-            if released_now:  # a retried release is answered the same, and counted once
-                self.host.observer.metrics.release_latency.observe(self.clock.now().mono - started)
-                self.host.observer.metrics.settled(
-                    record.estimate if record else None,
-                    message.actual_tokens,
-                    message.actual_duration_s,
-                    message.finished_at,
-                )
-                if pool_id is not None:
-                    await self._publish_revocation(
-                        pool_id, message.admission_id, message.fence, "RELEASED", now
-                    )
-            return reply
         tenant = request.user_id  # validated by RabbitMQ against the connection's user
         if not tenant:
             self.counters["admission_unauthenticated"] += 1
@@ -281,6 +264,41 @@ class AdmissionService:
         decision = await self._batches.submit((message, tenant))
         assert isinstance(decision, AdmissionDecision)
         return decision
+
+    async def _release(
+        self, admitter: Admitter, message: AdmissionRelease, request: Delivery, now: float
+    ) -> AdmissionReleaseReply:
+        """Settle a grant (fenced) for its tenant or the operator; the ledger's failure is
+        the caller's (a :class:`StoreError`)."""
+        started = self.clock.now().mono
+        record = await self._on_ledger(admitter.recorded, message.admission_id)
+        if not self._may_release(record, request.user_id):
+            self.counters["not_authorized.admission_release"] += 1
+            return AdmissionReleaseReply(
+                admission_id=message.admission_id,
+                released=False,
+                reason=AdmissionReason.NOT_AUTHORIZED,
+                detail="an admission is released by the tenant it was granted to (or the "
+                f"operator); this came from {request.user_id!r}",
+            )
+        settled = await self._batches.submit(_Release(message.admission_id, message.fence))
+        if isinstance(settled, BaseException):  # the ledger failed (a StoreError)
+            raise settled
+        assert not isinstance(settled, AdmissionDecision)
+        reply, released_now, pool_id = settled
+        if released_now:  # a retried release is answered the same, and counted once
+            self.host.observer.metrics.release_latency.observe(self.clock.now().mono - started)
+            self.host.observer.metrics.settled(
+                record.estimate if record else None,
+                message.actual_tokens,
+                message.actual_duration_s,
+                message.finished_at,
+            )
+            if pool_id is not None:
+                await self._publish_revocation(
+                    pool_id, message.admission_id, message.fence, "RELEASED", now
+                )
+        return reply
 
     def _may_release(self, record: DecisionRecord | None, user_id: str | None) -> bool:
         """The tenant an admission was decided for, or the operator, may release it (a

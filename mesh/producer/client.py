@@ -102,6 +102,7 @@ knows (docs/protocol.md 1.2), sent with the requests whose replies have such fie
 
 REPLY_MAX_BYTES = 64 * 1024 * 1024
 _QUEUE_FULL_RETRY_MS = 250  # a full pool queue drains as its agents claim tasks
+_SETTLE_RETRY_S = 60.0  # a release is asked again this long (a ledger failover, a manager's)
 _ANSWERED_KEPT = 10_000  # answered correlation IDs remembered, to tell duplicates from late
 
 _METHODS: dict[type[Message], str] = {
@@ -677,16 +678,35 @@ class MeshClient:
                 await self._settle_quietly(grant, **actuals)
 
     async def _settle_quietly(self, grant: AdmissionGrant, **actuals: Any) -> None:
-        try:
-            reply = await self.release_admission(grant, **actuals)
-        except Exception as exc:  # the reservation expires on its own; never mask the outcome
-            self.counters["settle_failed"] += 1
-            log.warning(
-                "settlement failed", extra={"admission_id": grant.admission_id, "error": str(exc)}
-            )
-            return
-        if not reply.released:
-            self.counters["settle_refused"] += 1
+        """Release ``grant``, again while the manager cannot reach its ledger or does not
+        answer (a release is fenced and idempotent: asking twice changes nothing), for up to
+        ``_SETTLE_RETRY_S``; after that the reservation expires on its own. Never raises: the
+        task's outcome is not masked by its settlement."""
+        give_up_at = time.monotonic() + _SETTLE_RETRY_S
+        pause = 0.25
+        while True:
+            try:
+                reply = await self.release_admission(grant, **actuals)
+            except (TransportError, OSError) as exc:
+                failure = str(exc)
+            except Exception as exc:  # not a transient fault: no use asking again
+                give_up_at, failure = 0.0, str(exc)
+            else:
+                if reply.reason is not AdmissionReason.LEDGER_UNAVAILABLE:
+                    if not reply.released:
+                        self.counters["settle_refused"] += 1
+                    return
+                failure = reply.detail
+            if time.monotonic() + pause > give_up_at:
+                self.counters["settle_failed"] += 1
+                log.warning(
+                    "settlement failed; the reservation expires on its own",
+                    extra={"admission_id": grant.admission_id, "error": failure},
+                )
+                return
+            self.counters["settle_retried"] += 1
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 4.0)
 
     # ---- the lease path -----------------------------------------------------------------
     async def run_task(

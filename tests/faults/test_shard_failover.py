@@ -38,7 +38,16 @@ STEP_S = LEASE_S / 3
 class Fleet:
     """Three manager processes sharing a namespace, a ledger schema and the shard leases."""
 
-    def __init__(self, amqp_url: str, namespace: str, dsn: str, schema: str, tmp: Path) -> None:
+    def __init__(
+        self,
+        amqp_url: str,
+        namespace: str,
+        dsn: str,
+        schema: str,
+        tmp: Path,
+        *,
+        lease_s: float = LEASE_S,
+    ) -> None:
         self.amqp_url, self.namespace, self.dsn, self.schema, self.tmp = (
             amqp_url,
             namespace,
@@ -46,6 +55,7 @@ class Fleet:
             schema,
             tmp,
         )
+        self.lease_s = lease_s
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: list[IO[bytes]] = []
         self.leases = ShardLeases(dsn, SHARDS, schema=schema)
@@ -70,7 +80,7 @@ class Fleet:
                 "--shards",
                 str(SHARDS),
                 "--shard-lease",
-                str(LEASE_S),
+                str(self.lease_s),
                 "--http-port",
                 "-1",
                 "--operator-user",  # the test's producer publishes the descriptors
