@@ -1346,7 +1346,13 @@ class ManagerService:
         self, delivery: Delivery, queue: str, handle: Callable[[Delivery], Awaitable[None]]
     ) -> None:
         """Handle, then ack. Bad input is dead-lettered with its reason; nothing escapes —
-        not even a failure to dead-letter it (the message then goes back to the queue)."""
+        not even a failure to dead-letter it (the message then goes back to the queue). A
+        delivery whose channel is gone before it is handled (this process was frozen, and the
+        broker gave it to another manager) is left alone: nothing decided, journaled or
+        answered for it here."""
+        if not delivery.held():
+            self.counters["deliveries_dropped_channel_gone"] += 1
+            return
         try:
             try:
                 await handle(delivery)
@@ -1732,8 +1738,13 @@ class ManagerService:
         )
 
     async def _reply(self, request: Delivery, message: Message) -> bool:
-        """Best-effort: a reply that cannot be delivered is counted, never retried forever."""
+        """Best-effort: a reply that cannot be delivered is counted, never retried forever.
+        No reply for a request whose channel is gone since it arrived: the broker has given it
+        back to the queue, and whoever takes it answers (two answers could disagree)."""
         if not request.reply_to:
+            return False
+        if not request.held():
+            self.counters["replies_withheld_channel_gone"] += 1
             return False
         try:
             await self.transport.publish(

@@ -325,6 +325,9 @@ class _NoAck:
     async def reject(self, requeue: bool = False) -> None:
         raise DeliverySettleError("this delivery was consumed with no_ack: nothing to reject")
 
+    def held(self) -> bool:
+        return True
+
 
 _NO_ACK = _NoAck()
 
@@ -350,6 +353,9 @@ class _Settlement:
             )
         self._settled = True
         return self._consumer.unacked.pop(self._tag, None)
+
+    def held(self) -> bool:
+        return self._consumer.epoch == self._epoch
 
     async def ack(self) -> None:
         self._take()

@@ -182,6 +182,9 @@ class _Settle:
     async def reject(self, requeue: bool = False) -> None:
         await self._settle(self._channel.basic_reject(self._tag, requeue=requeue), "reject")
 
+    def held(self) -> bool:
+        return not self._channel.is_closed
+
     async def _settle(self, operation: Awaitable[Any], what: str) -> None:
         try:
             await operation

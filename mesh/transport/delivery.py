@@ -21,6 +21,11 @@ class Settlement(Protocol):
 
     async def reject(self, requeue: bool = False) -> None: ...
 
+    def held(self) -> bool:
+        """Whether the channel the message came on is still open: once it is gone the broker
+        has given the message back to its queue, and another consumer may hold it now."""
+        ...
+
 
 class NoSettle:
     """A delivery consumed without acks: there is nothing to settle."""
@@ -32,6 +37,9 @@ class NoSettle:
 
     async def reject(self, requeue: bool = False) -> None:
         return None
+
+    def held(self) -> bool:
+        return True  # consumed without acks: never given to anyone else
 
 
 NO_SETTLE = NoSettle()
@@ -57,6 +65,12 @@ class Delivery:
 
     async def reject(self, requeue: bool = False) -> None:
         await self._raw.reject(requeue=requeue)
+
+    def held(self) -> bool:
+        """Whether this consumer still holds the message: False once the channel it came on
+        is gone, when the broker has requeued it and may have given it to another consumer
+        (a manager that answered it now would answer a request someone else answers too)."""
+        return self._raw.held()
 
 
 Handler = Callable[[Delivery], Awaitable[None]]

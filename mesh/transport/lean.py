@@ -249,6 +249,12 @@ class _Settle:
     async def reject(self, requeue: bool = False) -> None:
         self._wire.settle(self._consuming, self._tag, requeue)
 
+    def held(self) -> bool:
+        wire = self._wire
+        return wire.consumers.get(self._consuming.channel) is self._consuming and not (
+            wire.lost.done()
+        )
+
 
 class _Wire(asyncio.Protocol):
     """One TCP connection: the handshake, then frames parsed as they arrive."""

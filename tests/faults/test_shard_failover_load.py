@@ -200,7 +200,21 @@ async def assert_nothing_lost(
     fences = [fence for _, fence in ledger.replay_log().values()]
     assert len(fences) == len(set(fences))
     assert lost_in_journals(fleet) == []
+    # No request answered twice (a manager woken from a freeze answered requests the broker
+    # had already given to another), and no grant journaled by two managers.
+    assert load.producer.counters["duplicate_replies"] == 0, dict(load.producer.counters)
+    assert grants_journaled_twice(fleet) == {}
     await until(lambda: live_capacity_from_the_owners(fleet), "live figures from the owners")
+
+
+def grants_journaled_twice(fleet: Fleet) -> dict[str, int]:
+    """Admission IDs journaled ``admitted`` more than once over every manager's journal."""
+    granted: Counter[str] = Counter()
+    for manager_id in fleet.procs:
+        for e in journal_of(fleet, manager_id):
+            if e.kind == "admission" and e.detail.get("outcome") == "admitted":
+                granted[str(e.detail["admission_id"])] += 1
+    return {a: n for a, n in granted.items() if n > 1}
 
 
 def live_capacity_from_the_owners(fleet: Fleet) -> bool:

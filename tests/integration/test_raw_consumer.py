@@ -227,6 +227,24 @@ async def test_an_acked_consumer_gets_a_rejected_delivery_again_and_a_cancelled_
     await eventually(settled, what="the cancelled consumer's acks kept")
 
 
+async def test_an_acked_delivery_is_held_until_the_broker_closes_its_connection(
+    transport_factory: Any, namespace: str, management_api: Any
+) -> None:
+    """``Delivery.held`` on the consume-only connection (the manager's intake): False once the
+    broker closed the connection the delivery came on, as it does to a frozen process."""
+    transport, queue = await backlog(transport_factory, namespace, "acked-held")
+    got: list[Delivery] = []
+    await transport.consume_acked(queue, got.extend, prefetch=2)
+    await eventually(lambda: len(got) == 2, what="a prefetch's worth")
+    assert all(d.held() for d in got)
+    name = f"{transport.name}:consume"
+    await eventually(
+        lambda: asyncio.to_thread(management_api.connections, name), what="listed"
+    )  # fmt: skip
+    assert await asyncio.to_thread(management_api.close_connections, name) == 1
+    await eventually(lambda: not any(d.held() for d in got[:2]), what="not held once closed")
+
+
 # ---- replies (a client's exclusive reply queue) -----------------------------------------------
 
 

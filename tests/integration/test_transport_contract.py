@@ -484,3 +484,28 @@ async def _get(transport: ContractTransport, queue: str) -> Delivery:
     delivery = await transport.get_one(queue)
     assert delivery is not None, f"{queue} is empty"
     return delivery
+
+
+async def test_a_delivery_is_held_until_the_connection_it_came_on_is_gone(
+    backend: Backend,
+) -> None:
+    """``Delivery.held``: once the channel a message came on is gone, the broker has given
+    it back to its queue — the manager then answers nothing for it (another consumer may)."""
+    first, second = await backend.transport("first"), await backend.transport("second")
+    q = backend.name("held")
+    await first.declare(Declarations(queues=(classic(q),)))
+    inbox = Inbox()
+    await first.consume(q, inbox, prefetch=1)
+    await first.publish("", q, b"hold me")
+    [delivery] = await inbox.wait_for(1)
+    assert delivery.held()
+
+    await first.close()
+    assert not delivery.held()
+    again = Inbox()
+    await second.consume(q, again, prefetch=1)
+    [redelivered] = await again.wait_for(1)  # the broker gave it to someone else
+    assert (redelivered.body, redelivered.redelivered, redelivered.held()) == (
+        b"hold me", True, True,
+    )  # fmt: skip
+    await redelivered.ack()
