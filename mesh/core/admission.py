@@ -274,6 +274,9 @@ class Batch:
     live_checked: tuple[int, int] | None = None  # (live version, descriptors version) written
     misses: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) deferred
     line_marks: dict[str, int] = field(default_factory=dict)  # per pool: undo to here
+    # Admission IDs answered with the grant the ledger already holds for them (a retried or
+    # redelivered request), not granted by this batch.
+    replayed: set[str] = field(default_factory=set)
 
     def take(self, items: tuple[Item, ...]) -> Refused | None:
         """Take every item from the batch's counters, or none (the first shortage)."""
@@ -566,6 +569,8 @@ class AdmissionCore:
         digest = requirement_digest(request.requirements, tenant)
         earlier = self._earlier_decision(batch, request.admission_id, digest)
         if earlier is not None:
+            if earlier.outcome == "admitted":
+                batch.replayed.add(request.admission_id)
             return earlier
         # The verdicts only (the result's own ``now`` may be older): the record keeps ``now``.
         eligibility = self.eligibility_cache.lookup(

@@ -102,6 +102,9 @@ class Admitted:
     misses: list[tuple[str, str]]
     evictions: list[Eviction]
     settled: list[tuple[AdmissionReleaseReply, bool, str | None]] | StoreError
+    # The decisions that gave the grant the ledger already held for their ID (a retried or
+    # redelivered request): journaled as replays, not as second grants.
+    replayed: frozenset[str] = frozenset()
 
 
 class ExternalGrantor(Protocol):
@@ -132,6 +135,8 @@ class Admitter:
     pools_seen: Mapping[str, PoolPressure] = field(default_factory=dict, init=False)
     # Every stored descriptor's epoch, as the last batch's view read it (LedgerView.epochs).
     stored_epochs: Mapping[str, int] = field(default_factory=dict, init=False)
+    # Replayed grants committed since admit_batch last handed them on (Admitted.replayed).
+    _replayed: set[str] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         self.core = AdmissionCore(
@@ -384,7 +389,10 @@ class Admitter:
                 settled = self.settle_many(releases, now)
             except StoreError as exc:  # the releases' callers hear of it; the decisions stand
                 settled = exc
-        return Admitted(decisions, records, self.drain_misses(), self.drain_evictions(), settled)
+        replayed, self._replayed = frozenset(self._replayed), set()
+        return Admitted(
+            decisions, records, self.drain_misses(), self.drain_evictions(), settled, replayed
+        )
 
     def observe(
         self,
@@ -445,6 +453,7 @@ class Admitter:
                 self.core.abandoned(decided[0], now)
             raise
         self.core.committed(batch)
+        self._replayed |= batch.replayed
         return batch.final(), released
 
     def _take_external(

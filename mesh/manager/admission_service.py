@@ -343,16 +343,23 @@ class AdmissionService:
         for (request, tenant), decision, record in zip(
             requests, decisions, batch.records, strict=True
         ):
-            self.counters[f"admission.{decision.outcome}"] += 1
-            self.host.observer.admitted(
-                now, request.requirements, decision, record.eligibility if record else None
-            )
             grant = decision.grant
+            if decision.admission_id in batch.replayed:
+                # The same grant again, for a retried or redelivered request: journaled so
+                # (``replayed``), and counted neither as a grant nor in the metrics again.
+                self.counters["admission.replayed"] += 1
+                reason = "replayed"
+            else:
+                self.counters[f"admission.{decision.outcome}"] += 1
+                self.host.observer.admitted(
+                    now, request.requirements, decision, record.eligibility if record else None
+                )
+                reason = decision.reason.value if decision.reason else decision.outcome
             entries.append(
                 LogEntry(
                     at=now,
                     kind="admission",
-                    reason=decision.reason.value if decision.reason else decision.outcome,
+                    reason=reason,
                     detail={
                         "admission_id": decision.admission_id,
                         "outcome": decision.outcome,

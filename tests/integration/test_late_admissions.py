@@ -152,7 +152,9 @@ async def test_a_second_answer_to_an_answered_admission_leaves_its_grant_with_th
 
         assert producer.counters["late_admissions_released"] == 0
         assert producer.counters["duplicate_replies"] == 1
-        assert manager.counters["admission.admitted"] == 2  # decided twice: the same grant
+        # Decided twice, the same grant: the second is counted (and journaled) as a replay.
+        assert manager.counters["admission.admitted"] == 1
+        assert manager.counters["admission.replayed"] == 1
         assert reservations(tmp_path) == {"adm-twice": "ACTIVE"}
         settled = await producer.release_admission(decision.grant)
         assert settled.released, settled

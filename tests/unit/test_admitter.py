@@ -749,3 +749,22 @@ def test_the_loop_reads_the_pressure_pools_from_a_copy_the_admitter_made(
     assert seen is not a.pressure.pools  # a pool added later does not change what it reads
     a.pressure.pool("another")
     assert set(seen) == {DESCRIPTOR.pool_id}
+
+
+def test_a_grant_given_again_for_the_same_request_is_marked_replayed(
+    tmp_path: Path,
+) -> None:
+    """A request the ledger already granted (a producer's retry, or a redelivery to another
+    manager on the same ledger) gets the same grant, marked replayed: the manager journals
+    it so instead of as a second grant."""
+    with SqliteLedger(tmp_path / "shared.sqlite3") as store:
+        first, second = admitter(store), admitter(store)
+        granted = first.admit_batch([(request("adm-1"), "tenant-a")], T0)
+        assert granted.replayed == frozenset()
+        again = second.admit_batch(
+            [(request("adm-1"), "tenant-a"), (request("adm-2"), "tenant-a")], T0 + 1
+        )
+        assert again.decisions[0] == granted.decisions[0]
+        assert again.replayed == {"adm-1"}  # adm-2 granted afresh: not a replay
+        assert again.decisions[1].outcome == "admitted"
+        assert first.admit_batch([(request("adm-1"), "tenant-a")], T0 + 2).replayed == {"adm-1"}
