@@ -87,6 +87,7 @@ H_ADMISSION_ID: Final = "x-mesh-admission-id"  # the business ID of a granted ta
 # lists it, as it does for an agent that lists a feature in its registration.
 H_FEATURES: Final = "x-mesh-features"
 FEATURE_UNANSWERED: Final = "unanswered-shards"  # {Status,Find}Reply.unanswered_shards
+FEATURE_SETTLING: Final = "settling-shards"  # StatusReply.settling_shards
 
 CONTENT_TYPE: Final = "application/json"
 

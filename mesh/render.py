@@ -37,6 +37,11 @@ def render_status(reply: StatusReply) -> str:
             f"partial: the owners of {reply.unanswered_shards} shard(s) did not answer in time;"
             " the agents in them are missing from these figures: ask again"
         )
+    if reply.settling_shards:
+        lines.append(
+            f"settling: {reply.settling_shards} shard(s) changed hands just now; their agents"
+            " may still be registering again with the new owner (missing here until then)"
+        )
     if by_pool:
         lines += ["", f"{'POOL':<24} " + " ".join(f"{s.upper():>11}" for s in order)]
         for pool_id, states in by_pool.items():

@@ -965,7 +965,9 @@ class ManagerService:
         if isinstance(message, StatusRequest):
             await self._shards_checked()
             if self.peers is not None and not self._from_a_manager(delivery):
-                merged = await self._status_everywhere(message, _knows_unanswered(delivery))
+                merged = await self._status_everywhere(
+                    message, _knows_unanswered(delivery), _knows(delivery, c.FEATURE_SETTLING)
+                )
                 await self._reply(delivery, merged)
             else:
                 await self._reply(delivery, self.status(message))
@@ -1198,6 +1200,15 @@ class ManagerService:
             retry_after_ms=max(1, round(1000 * self._settling_hold_s())),
         )
 
+    def _partial(self, unanswered: int, say_unanswered: bool, say_settling: bool) -> dict[str, Any]:
+        """What a merged status says of its own completeness, in the fields the client knows:
+        shards whose owners did not answer, shards whose agents may be registering again."""
+        extra: dict[str, Any] = {"unanswered_shards": unanswered} if say_unanswered else {}
+        if say_settling:
+            assert self.shards is not None
+            extra["settling_shards"] = self.shards.settling_shards(c.DEFAULT_HEARTBEAT_INTERVAL_S)
+        return extra
+
     def _settling_hold_s(self) -> float:
         """How long an acquire for a capability nobody offers is held while shards move:
         a lease period (a dead owner's shards are taken within it, and their agents asked to
@@ -1242,7 +1253,7 @@ class ManagerService:
         return await self._answer_here(event)
 
     async def _status_everywhere(
-        self, request: StatusRequest, say_unanswered: bool = False
+        self, request: StatusRequest, say_unanswered: bool = False, say_settling: bool = False
     ) -> StatusReply:
         """Several managers: the fleet over every owner's registry. The summaries (totals,
         pools by state, capabilities) are added up — each a running tally, so this stays
@@ -1265,7 +1276,7 @@ class ManagerService:
         _, unanswered = _unanswered(routes, answers)
         if unanswered:
             self.counters["status_shards_unanswered"] += unanswered
-        extra = {"unanswered_shards": unanswered} if say_unanswered else {}
+        extra = self._partial(unanswered, say_unanswered, say_settling)
         for _, answer in answers:
             # An owner reached through two of its queues answers twice: counted once.
             if isinstance(answer, StatusReply) and all(
@@ -1822,8 +1833,13 @@ def _unanswered(
 def _knows_unanswered(delivery: Delivery) -> bool:
     """The client lists ``unanswered-shards`` in its request's features
     (``x-mesh-features``)."""
+    return _knows(delivery, c.FEATURE_UNANSWERED)
+
+
+def _knows(delivery: Delivery, feature: str) -> bool:
+    """The client lists ``feature`` in its request's features (``x-mesh-features``)."""
     features = _header(delivery, c.H_FEATURES) or ""
-    return c.FEATURE_UNANSWERED in (f.strip() for f in features.split(","))
+    return feature in (f.strip() for f in features.split(","))
 
 
 def _header(delivery: Delivery, name: str) -> str | None:

@@ -68,6 +68,8 @@ class ShardOwnership:
         self.taken_at: dict[int, float] = {}  # held shard -> monotonic time this tenure began
         # The monotonic time a step last saw shards change hands (see ``moving``).
         self.moved_at = float("-inf")
+        # Per shard, the monotonic time a step last saw its holder change (``settling_shards``).
+        self.changed_at: dict[int, float] = {}
 
     def lapsed(self) -> list[int]:
         """The shards this manager still counts as held though their leases may have run
@@ -147,10 +149,30 @@ class ShardOwnership:
             return True
         return time.monotonic() - self.moved_at < window_s
 
+    def settling_shards(self, window_s: float) -> int:
+        """How many shards have no live lease, or changed holders within the last
+        ``window_s`` as this manager saw the lease table: their agents may still be
+        registering again with the new owner (every shard, before the first step)."""
+        view = self.last_view
+        if view is None:
+            return self.leases.shard_count
+        since = time.monotonic() - window_s
+        leased = set(view.leases) | set(self.keeper.held)  # its own takes are newer than view
+        return sum(
+            1
+            for shard in range(self.leases.shard_count)
+            if shard not in leased or self.changed_at.get(shard, float("-inf")) > since
+        )
+
     async def _rebalance(self) -> None:
         view: ShardView = await self._run(self.leases.view)
-        if self.last_view is None or view.owners() != self.last_view.owners():
+        before = {} if self.last_view is None else self.last_view.owners()
+        if self.last_view is None or view.owners() != before:
             self.moved_at = time.monotonic()
+            owners = view.owners()
+            for shard in set(before) | set(owners):
+                if before.get(shard) != owners.get(shard) and self.last_view is not None:
+                    self.changed_at[shard] = self.moved_at
         self.last_view = view
         moves = self.keeper.plan(view.managers, view.owners())
         changes: list[tuple[Change, int, int | None]] = []
@@ -170,6 +192,8 @@ class ShardOwnership:
                 changes.append(("taken", shard, fence))
         if changes:
             self.moved_at = time.monotonic()
+            for _, shard, _ in changes:
+                self.changed_at[shard] = self.moved_at
             self.counters["shards_taken"] += sum(1 for c in changes if c[0] == "taken")
             self.counters["shards_given_back"] += sum(1 for c in changes if c[0] == "given_back")
             await self._log(changes)

@@ -96,7 +96,9 @@ from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
 
-_FEATURES: Mapping[str, str] = MappingProxyType({c.H_FEATURES: c.FEATURE_UNANSWERED})
+_FEATURES: Mapping[str, str] = MappingProxyType(
+    {c.H_FEATURES: f"{c.FEATURE_UNANSWERED},{c.FEATURE_SETTLING}"}
+)
 """The header naming the reply fields added since their messages' release that this client
 knows (docs/protocol.md 1.2), sent with the requests whose replies have such fields."""
 

@@ -743,7 +743,10 @@ class StatusReply(Message):
     does not hold went unanswered (their owner, or the shard's own queue where nobody was
     seen holding it, did not answer in time): their agents are missing from the figures. It
     is set only for a client that lists ``unanswered-shards`` in its request's
-    ``x-mesh-features`` header."""
+    ``x-mesh-features`` header. ``settling_shards`` (for a client that lists
+    ``settling-shards``) is how many shards have no live lease or changed hands within the
+    last default heartbeat interval, as this manager last read the lease table: their agents
+    may still be registering again with the new owner and be missing from the figures."""
 
     TYPE = "mesh.status-reply.v1"
     ADDED_FIELDS = frozenset(
@@ -755,6 +758,7 @@ class StatusReply(Message):
             "shard_count",
             "shards",
             "unanswered_shards",
+            "settling_shards",
         }
     )
     type: Literal["mesh.status-reply.v1"] = "mesh.status-reply.v1"
@@ -770,6 +774,7 @@ class StatusReply(Message):
     shard_count: int | None = Field(default=None, ge=1)
     shards: list[ShardOwner] | None = None
     unanswered_shards: int | None = Field(default=None, ge=0)
+    settling_shards: int | None = Field(default=None, ge=0)
 
 
 CORE_MESSAGE_TYPES: tuple[type[Message], ...] = (

@@ -178,6 +178,17 @@ async def test_two_managers_split_the_shards_and_a_clean_stop_hands_them_over(
     # No lease to wait out: a's next step (a third of a lease) takes them.
     took = await until(lambda: owned(a) == set(range(SHARDS)), "a takes b's shards back")
     assert took < LEASE_S
+    # Their agents are registering again with a: a status says so, to a client that knows
+    # the field (settling_shards), for a default heartbeat interval after the move.
+    client = await MeshClient.connect(a.settings.amqp_url, namespace=a.settings.namespace)
+    try:
+        settling = await client.status(agents_limit=10)
+    finally:
+        await client.close()
+    # Every shard moved within the interval: a took all at its start, b's just now.
+    assert settling.settling_shards == SHARDS, settling
+    assert f"settling: {SHARDS} shard(s) changed hands just now" in render_status(settling)
+    assert a.shards.settling_shards(window_s=0.0) == 0  # every shard leased, none moving now
     reopened = SqliteJournal(b.settings.journal_path)  # b's own journal, closed with b
     try:
         given = [e.detail["shard"] for e in reopened.query(limit=None) if e.reason == "given_back"]
