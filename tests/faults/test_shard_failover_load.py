@@ -45,10 +45,12 @@ LOAD_S = 3.0  # of load before the kill
 AFTER_S = LEASE_S + HEARTBEAT_S + 4.0  # of load after it: takeover and re-registration
 
 
-def agent_of(amqp_url: str, namespace: str, pool: str, n: int) -> AgentRuntime:
+def agent_of(
+    amqp_url: str, namespace: str, pool: str, n: int, heartbeat_s: float = HEARTBEAT_S
+) -> AgentRuntime:
     agent_class = type(f"Echo_{pool}", (EchoAgent,), {"deployment": pool})
     return AgentRuntime(
-        agent_class(f"{pool}-{n}", heartbeat_interval_s=HEARTBEAT_S),
+        agent_class(f"{pool}-{n}", heartbeat_interval_s=heartbeat_s),
         AgentSettings(amqp_url=amqp_url, namespace=namespace),
     )
 
