@@ -1114,8 +1114,8 @@ def build_parser() -> argparse.ArgumentParser:
         # manager into every `mesh` command; tests/unit/test_cli_help.py keeps them equal).
         help="run only this check (repeatable; the registration check always runs): "
         "register, heartbeats, lease-path, input-schema, admission-path, grants, epochs, "
-        "reregister, hand-over, signed, pool-queue, restart, fence, drain, sigterm, "
-        "short-interval",
+        "reregister, hand-over, signed, pool-queue, forged-heartbeat, restart, fence, drain, "
+        "sigterm, short-interval",
     )
     p.set_defaults(func=cmd_conformance)
 

@@ -687,6 +687,60 @@ async def takes_control_only_from_the_managers(kit: Kit) -> str:
     return "an unsigned drain notice left it serving, not draining"
 
 
+FORGED_SEQ = 10**9
+
+
+async def is_not_fooled_by_a_forged_heartbeat(kit: Kit) -> str:
+    """A heartbeat forged in the agent's name — its live incarnation, ``seq`` 10^9 — is
+    published on the heartbeat exchange. The manager bounds how far one heartbeat may move
+    ``seq`` (docs/protocol.md), so the agent's own heartbeats must advance in steps it allows:
+    two of them later they are still accepted, and the agent is Ready and serves."""
+    assert kit.raw is not None and kit.manager is not None and kit.client is not None
+    manager, agent_id = kit.manager, kit.agent_id
+    record = manager.core.agents.get(agent_id)
+    expect(record is not None, "the agent is not registered with the kit's manager")
+    assert record is not None
+    incarnation = kit.watch.registrations[-1].incarnation
+    forged: list[Heartbeat] = []
+
+    def real_beats() -> list[Heartbeat]:
+        return [
+            hb
+            for _, hb in kit.watch.heartbeats
+            if hb.agent_id == agent_id and hb.incarnation == incarnation and hb not in forged
+        ]
+
+    await kit.watch.until(lambda: bool(real_beats()), 2 * HEARTBEAT_S, "heartbeat of the agent")
+    real = real_beats()
+    forged.append(real[-1].model_copy(update={"seq": FORGED_SEQ, "sent_at": time.time()}))
+    leaps = manager.core.counters["heartbeat_seq_leap"]
+    await kit.raw.publish(
+        kit.topology.heartbeat_exchange, names.heartbeat_key(agent_id), forged[0]
+    )  # fmt: skip
+    await kit.watch.until(
+        lambda: manager.core.counters["heartbeat_seq_leap"] > leaps, HEARTBEAT_S, "the forgery"
+    )
+    seen = len(real)
+    await kit.watch.until(
+        lambda: len(real_beats()) >= seen + 2,
+        3 * HEARTBEAT_S,
+        "two more heartbeats of the agent",
+    )
+    await asyncio.sleep(0.5)  # the manager has taken the last one
+    record = manager.core.agents.get(agent_id)
+    expect(record is not None, "the agent was declared lost after a forged heartbeat")
+    assert record is not None
+    last_real = max(hb.seq for hb in real_beats())
+    expect(
+        record.last_heartbeat_seq == last_real,
+        f"the manager's last accepted seq is {record.last_heartbeat_seq}, the agent's last "
+        f"heartbeat says {last_real}: its heartbeats are refused (seq steps too large?)",
+    )
+    outcome = await kit.client.run_task(kit.s.capability, kit.s.payload, timeout_s=ANSWER_TIMEOUT_S)
+    expect(outcome.result.agent_id == agent_id, f"answered by {outcome.result.agent_id}")
+    return f"forged seq {FORGED_SEQ} refused; its own heartbeats up to seq {last_real} accepted"
+
+
 async def consumes_a_replaced_pool_queue(kit: Kit) -> str:
     """The pool queue is deleted (an operator in the management UI) and declared again (as
     the manager does when it finds it gone): the broker cancelled the agent's consumer, and
@@ -915,6 +969,11 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
         "pool-queue",
         "consumes its pool queue again once it is deleted and declared again",
         consumes_a_replaced_pool_queue,
+    ),
+    (
+        "forged-heartbeat",
+        "keeps being accepted after a heartbeat forged in its name",
+        is_not_fooled_by_a_forged_heartbeat,
     ),
     (
         "restart",

@@ -4,6 +4,9 @@ defect must fail the kit's matching check (``test_conformance.py``).
 Usage: ``python broken_agent.py DEFECT`` (the kit's environment names the agent and broker):
 
 * ``seq``: every heartbeat carries ``seq`` 0 (it must increase);
+* ``seq-leap``: ``seq`` is the time in milliseconds — increasing, but by more per heartbeat
+  than the manager lets one heartbeat move it (the bound that makes a forged ``seq`` 10^9
+  harmless), so its heartbeats after the first are refused;
 * ``revocations``: ``grant_revoked`` events are ignored (a revoked grant's task runs);
 * ``drain``: results of tasks still running when a drain begins are never sent (the tasks
   are acked: lost for their producers);
@@ -17,6 +20,7 @@ Usage: ``python broken_agent.py DEFECT`` (the kit's environment names the agent 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from mesh.agent.core import AgentCore
@@ -30,6 +34,16 @@ def heartbeats_without_seq() -> None:
 
     def heartbeat(self: AgentCore, *args: Any, **kwargs: Any) -> Heartbeat:
         return original(self, *args, **kwargs).model_copy(update={"seq": 0})
+
+    AgentCore.heartbeat = heartbeat  # type: ignore[method-assign]
+
+
+def heartbeats_leaping() -> None:
+    original = AgentCore.heartbeat
+
+    def heartbeat(self: AgentCore, *args: Any, **kwargs: Any) -> Heartbeat:
+        leap = int(time.time() * 1000)
+        return original(self, *args, **kwargs).model_copy(update={"seq": leap})
 
     AgentCore.heartbeat = heartbeat  # type: ignore[method-assign]
 
@@ -80,6 +94,7 @@ def deaf_to_pool_cancels() -> None:
 
 DEFECTS = {
     "seq": heartbeats_without_seq,
+    "seq-leap": heartbeats_leaping,
     "revocations": ignoring_revocations,
     "drain": dropping_tasks_on_drain,
     "hand-over": forgetting_leases_on_hand_over,

@@ -46,6 +46,7 @@ async def test_the_python_sample_agent_passes_every_check(
         ("hand-over", "hand-over"),
         ("signed", "signed"),
         ("pool-queue", "pool-queue"),
+        ("seq-leap", "forged-heartbeat"),
     ],
 )
 async def test_an_agent_with_a_defect_fails_its_check(
