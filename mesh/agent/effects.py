@@ -106,7 +106,7 @@ async def once(
         raise MeshError("once() runs inside a task handler (no task is current)")
     key = f"{task.idempotency_key}/{name}"
     # The stores do blocking I/O (an fsync per write): off the event loop.
-    found = await asyncio.to_thread(log.claim, key, time.time())
+    found = await _claimed(log, key)
     if found is not None:
         state, value = found
         if state == "done":
@@ -124,6 +124,25 @@ async def once(
         raise
     await asyncio.to_thread(log.done, key, result, time.time())
     return result
+
+
+async def _claimed(log: EffectLog, key: str) -> tuple[str, Any] | None:
+    """``log.claim`` in a worker thread. Cancelled while the claim runs (its handler cut off
+    with its connection, say), the effect has not begun: a claim the thread still takes is
+    given back, so the task's next run finds no half-made record (which would read as an
+    unknown outcome, ``EffectOutcomeUnknown``) and runs the effect itself."""
+    claim = asyncio.ensure_future(asyncio.to_thread(log.claim, key, time.time()))
+    try:
+        return await asyncio.shield(claim)
+    except asyncio.CancelledError:
+
+        def give_back(done: asyncio.Future[tuple[str, Any] | None]) -> None:
+            if not done.cancelled() and done.exception() is None and done.result() is None:
+                loop.run_in_executor(None, log.release, key)
+
+        loop = asyncio.get_running_loop()
+        claim.add_done_callback(give_back)
+        raise
 
 
 # ---- stores -----------------------------------------------------------------------------------

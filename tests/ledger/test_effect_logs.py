@@ -161,3 +161,50 @@ def test_the_agents_of_a_pool_can_open_one_postgres_log_at_the_same_moment(
             store.close()
         with psycopg.connect(postgres_dsn, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+class SlowClaims:
+    """``log``, with each claim held in its thread until ``go`` is set."""
+
+    def __init__(self, log: EffectLog) -> None:
+        self.log, self.go, self.claiming = log, threading.Event(), threading.Event()
+
+    def claim(self, key: str, now: float) -> tuple[str, Any] | None:
+        self.claiming.set()
+        self.go.wait(10)
+        return self.log.claim(key, now)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.log, name)
+
+
+async def test_a_handler_cancelled_while_it_claims_leaves_the_effect_to_its_next_run(
+    log: EffectLog,
+) -> None:
+    """Cancelled while the claim runs in its thread (the handler's connection lost), the
+    effect had not begun: the claim the thread still takes is given back, and the task's
+    next run makes the effect — it is not refused as an unknown outcome."""
+    runs: list[int] = []
+
+    async def charge() -> str:
+        runs.append(1)
+        return "r-3"
+
+    slow = SlowClaims(log)
+    in_task("admission:d1")
+    first = asyncio.create_task(once("charge", charge, log=slow))  # type: ignore[arg-type]
+    await asyncio.to_thread(slow.claiming.wait, 10)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    slow.go.set()  # the claim is taken now, after the cancel: then given back
+
+    key = "admission:d1/charge"
+    for _ in range(100):  # the give-back runs in a worker thread: until the key is free
+        await asyncio.sleep(0.02)
+        if log.claim(key, 0.0) is None:  # free: this probe took it, and gives it back
+            log.release(key)
+            break
+    in_task("admission:d1", attempt=2)
+    assert await once("charge", charge, log=log) == "r-3"
+    assert runs == [1]
