@@ -124,6 +124,7 @@ from mesh.wire.models import (
     RegistrationRefused,
     ReleaseRequest,
     ReRegisterRequest,
+    ShardOwner,
     Standing,
     StandingRequest,
     StatusReply,
@@ -1156,7 +1157,7 @@ class ManagerService:
             if (
                 isinstance(answer, LeaseGranted)
                 or not nobody_offers
-                or not self._unknown_while_moving(request.capability, hold_until)
+                or not await self._moving_for(request.capability, hold_until, look=not held)
             ):
                 break
             # Nobody offers it while shards change hands: its agents may be registering
@@ -1200,13 +1201,23 @@ class ManagerService:
             retry_after_ms=max(1, round(1000 * self._settling_hold_s())),
         )
 
-    def _partial(self, unanswered: int, say_unanswered: bool, say_settling: bool) -> dict[str, Any]:
+    async def _partial(
+        self,
+        unanswered: int,
+        say_unanswered: bool,
+        say_settling: bool,
+        theirs: list[ShardOwner],
+    ) -> dict[str, Any]:
         """What a merged status says of its own completeness, in the fields the client knows:
-        shards whose owners did not answer, shards whose agents may be registering again."""
+        shards whose owners did not answer, shards whose agents may be registering again
+        (``theirs``: the other owners' holdings as their replies say)."""
         extra: dict[str, Any] = {"unanswered_shards": unanswered} if say_unanswered else {}
         if say_settling:
             assert self.shards is not None
-            extra["settling_shards"] = self.shards.settling_shards(c.DEFAULT_HEARTBEAT_INTERVAL_S)
+            await self.shards.look()  # moves since its last step count too (one read)
+            extra["settling_shards"] = self.shards.settling_shards(
+                c.DEFAULT_HEARTBEAT_INTERVAL_S, theirs
+            )
         return extra
 
     def _settling_hold_s(self) -> float:
@@ -1214,6 +1225,14 @@ class ManagerService:
         a lease period (a dead owner's shards are taken within it, and their agents asked to
         register again), at most ``MAX_SETTLING_HOLD_S`` (producers' own timeouts)."""
         return min(self.settings.shard_lease_s, MAX_SETTLING_HOLD_S)
+
+    async def _moving_for(self, capability: str, hold_until: float, *, look: bool) -> bool:
+        """:meth:`_unknown_while_moving`; with ``look``, after reading the lease table (about
+        to say nobody offers it: a shard may have moved since this manager's last step)."""
+        if look:
+            assert self.shards is not None
+            await self.shards.look()
+        return self._unknown_while_moving(capability, hold_until)
 
     def _unknown_while_moving(self, capability: str, hold_until: float) -> bool:
         """Whether no registry offers ``capability`` only because shards are moving (and the
@@ -1276,13 +1295,16 @@ class ManagerService:
         _, unanswered = _unanswered(routes, answers)
         if unanswered:
             self.counters["status_shards_unanswered"] += unanswered
-        extra = self._partial(unanswered, say_unanswered, say_settling)
         for _, answer in answers:
             # An owner reached through two of its queues answers twice: counted once.
             if isinstance(answer, StatusReply) and all(
                 answer.manager_id != r.manager_id for r in replies
             ):
                 replies.append(answer)
+        theirs = [
+            row for r in replies[1:] for row in r.shards or [] if row.owner == r.manager_id
+        ]  # fmt: skip
+        extra = await self._partial(unanswered, say_unanswered, say_settling, theirs)
         offset = request.agents_offset or 0
         rows = sorted((row for reply in replies for row in reply.agents), key=_agent_key)
         if request.agents_limit is None:  # an older client: every row, no summary

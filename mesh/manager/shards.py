@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar
 
 from mesh.core.events import LogEntry
@@ -149,23 +149,43 @@ class ShardOwnership:
             return True
         return time.monotonic() - self.moved_at < window_s
 
-    def settling_shards(self, window_s: float) -> int:
+    def settling_shards(self, window_s: float, held_elsewhere: Iterable[ShardOwner] = ()) -> int:
         """How many shards have no live lease, or changed holders within the last
         ``window_s`` as this manager saw the lease table: their agents may still be
-        registering again with the new owner (every shard, before the first step)."""
+        registering again with the new owner (every shard, before the first step).
+        ``held_elsewhere``: other managers' own holdings as they just said (their status
+        replies); one this manager's last read does not show was taken since it read."""
         view = self.last_view
         if view is None:
             return self.leases.shard_count
         since = time.monotonic() - window_s
         leased = set(view.leases) | set(self.keeper.held)  # its own takes are newer than view
+        unseen = {
+            row.shard
+            for row in held_elsewhere
+            if (lease := view.leases.get(row.shard)) is None
+            or (lease.owner, lease.fence) != (row.owner, row.fence)
+        }
         return sum(
             1
             for shard in range(self.leases.shard_count)
-            if shard not in leased or self.changed_at.get(shard, float("-inf")) > since
+            if shard not in leased
+            or shard in unseen
+            or self.changed_at.get(shard, float("-inf")) > since
         )
 
-    async def _rebalance(self) -> None:
-        view: ShardView = await self._run(self.leases.view)
+    async def look(self) -> None:
+        """Read the lease table now (one statement), so ``moving`` and ``settling_shards``
+        know of moves made since the last step: asked before an answer that would be
+        definite ("nobody offers it") or a status. A failed read counts as a move."""
+        try:
+            self._saw(await self._run(self.leases.view))
+        except StoreError as exc:
+            self.moved_at = time.monotonic()
+            log.warning("could not read the shard leases", extra={"error": str(exc)})
+
+    def _saw(self, view: ShardView) -> None:
+        """Take ``view`` as the last read of the table, noting which shards changed hands."""
         before = {} if self.last_view is None else self.last_view.owners()
         if self.last_view is None or view.owners() != before:
             self.moved_at = time.monotonic()
@@ -174,6 +194,10 @@ class ShardOwnership:
                 if before.get(shard) != owners.get(shard) and self.last_view is not None:
                     self.changed_at[shard] = self.moved_at
         self.last_view = view
+
+    async def _rebalance(self) -> None:
+        view: ShardView = await self._run(self.leases.view)
+        self._saw(view)
         moves = self.keeper.plan(view.managers, view.owners())
         changes: list[tuple[Change, int, int | None]] = []
         for shard in moves.give_back:

@@ -197,6 +197,8 @@ class MeshClient:
         self._consumer: Subscription | None = None
         self._owns_transport = False
         self._background: set[asyncio.Task[None]] = set()
+        # Releases being asked again (see _settle_quietly); cancelled by close().
+        self._retrying: set[asyncio.Task[None]] = set()
         # Admission IDs a call here still waits on (admit, or a whole submit): a grant for
         # one of them that arrives late is its retry's, not to be released.
         self._awaited: Counter[str] = Counter()
@@ -231,6 +233,10 @@ class MeshClient:
         return client
 
     async def close(self) -> None:
+        for retry in self._retrying:  # releases asked again: their reservations expire
+            retry.cancel()
+        if self._retrying:
+            await asyncio.gather(*self._retrying, return_exceptions=True)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._consumer is not None:
@@ -310,6 +316,11 @@ class MeshClient:
             # than leave its slots held until the grant's TTL.
             self.counters["late_admissions_released"] += 1
             self._in_background(self._settle_quietly(reply.grant))
+
+    async def _settle_again(self, grant: AdmissionGrant, actuals: Mapping[str, Any] | None) -> None:
+        self.counters["settle_retried"] += 1
+        await asyncio.sleep(0.25)
+        await self._settle_quietly(grant, actuals, again=True)
 
     def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -677,28 +688,41 @@ class MeshClient:
         finally:  # exactly one settlement, whatever happened: the slot goes back
             self._pending.pop(task.task_id, None)
             if not evicted:  # an evicted grant is released already
-                await self._settle_quietly(grant, **actuals)
+                await self._settle_quietly(grant, actuals)
 
-    async def _settle_quietly(self, grant: AdmissionGrant, **actuals: Any) -> None:
-        """Release ``grant``, again while the manager cannot reach its ledger or does not
-        answer (a release is fenced and idempotent: asking twice changes nothing), for up to
-        ``_SETTLE_RETRY_S``; after that the reservation expires on its own. Never raises: the
-        task's outcome is not masked by its settlement."""
-        give_up_at = time.monotonic() + _SETTLE_RETRY_S
+    async def _settle_quietly(
+        self,
+        grant: AdmissionGrant,
+        actuals: Mapping[str, Any] | None = None,
+        *,
+        again: bool = False,
+    ) -> None:
+        """Release ``grant``. When the manager cannot reach its ledger or does not answer, it
+        is asked again in the background (a release is fenced and idempotent: asking twice
+        changes nothing) for up to ``_SETTLE_RETRY_S``, so the caller has its result at once;
+        :meth:`close` stops those retries, and the reservation then expires on its own.
+        Never raises: the task's outcome is not masked by its settlement."""
+        give_up_at = time.monotonic() + (_SETTLE_RETRY_S if again else 0.0)
         pause = 0.25
         while True:
+            transient = True
             try:
-                reply = await self.release_admission(grant, **actuals)
+                reply = await self.release_admission(grant, **(actuals or {}))
             except (TransportError, OSError) as exc:
                 failure = str(exc)
             except Exception as exc:  # not a transient fault: no use asking again
-                give_up_at, failure = 0.0, str(exc)
+                transient, give_up_at, failure = False, 0.0, str(exc)
             else:
                 if reply.reason is not AdmissionReason.LEDGER_UNAVAILABLE:
                     if not reply.released:
                         self.counters["settle_refused"] += 1
                     return
                 failure = reply.detail
+            if not again and transient:
+                retry = asyncio.create_task(self._settle_again(grant, actuals))
+                self._retrying.add(retry)
+                retry.add_done_callback(self._retrying.discard)
+                return
             if time.monotonic() + pause > give_up_at:
                 self.counters["settle_failed"] += 1
                 log.warning(

@@ -34,7 +34,7 @@ from mesh.wire.admission import AdmissionDecision
 
 from .pg_node import PgPair, pg_unavailable_reason
 from .test_shard_failover import Fleet, balanced, until
-from .test_shard_failover_load import Load, agents, lost_in_journals, ready_for_load
+from .test_shard_failover_load import Load, agents, all_released, lost_in_journals, ready_for_load
 from .test_shard_failover_load import producer as producer  # the fixture, used by name
 
 assert agents  # the fixture, used by name (it asks for this module's ``fleet``)
@@ -134,6 +134,7 @@ async def _under_fault(
     await until(everyone_registered, "every agent registered")
     await asyncio.sleep(3.0)
     await load.stop()
+    await until(lambda: all_released(ledger), "every grant released (releases asked again)")
 
     reservations = {r: state for r, (state, _) in ledger.replay_log().items()}
     fences = [fence for _, fence in ledger.replay_log().values()]
