@@ -33,7 +33,7 @@ from mesh.producer import MeshClient
 from mesh.wire.admission import AdmissionDecision
 
 from .pg_node import PgPair, pg_unavailable_reason
-from .test_shard_failover import Fleet, balanced, until
+from .test_shard_failover import Fleet, balanced, managers_of, until
 from .test_shard_failover_load import Load, agents, all_released, lost_in_journals, ready_for_load
 from .test_shard_failover_load import producer as producer  # the fixture, used by name
 
@@ -60,12 +60,7 @@ def pg() -> Iterator[PgPair]:
 @pytest.fixture
 def fleet(amqp_url: str, namespace: str, pg: PgPair, tmp_path: Path) -> Iterator[Fleet]:
     fleet = Fleet(amqp_url, namespace, pg.multi_host_dsn(), SCHEMA, tmp_path, lease_s=LEASE_S)
-    try:
-        for n in range(2):
-            fleet.start(f"m{n}")
-        yield fleet
-    finally:
-        fleet.stop_all()
+    yield from managers_of(fleet, 2)
 
 
 @pytest.fixture

@@ -133,15 +133,19 @@ class Fleet:
         self.leases.close()
 
 
-@pytest.fixture
-def fleet(amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path) -> Iterator[Fleet]:
-    fleet = Fleet(amqp_url, namespace, pg_schema.dsn, pg_schema.schema, tmp_path)
+def managers_of(fleet: Fleet, count: int) -> Iterator[Fleet]:
+    """``fleet`` with managers ``m0`` … running, stopped afterwards (a fixture's body)."""
     try:
-        for n in range(3):
+        for n in range(count):
             fleet.start(f"m{n}")
         yield fleet
     finally:
-        fleet.stop_all()  # before pg_schema drops the schema
+        fleet.stop_all()  # before the schema is dropped
+
+
+@pytest.fixture
+def fleet(amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path) -> Iterator[Fleet]:
+    yield from managers_of(Fleet(amqp_url, namespace, pg_schema.dsn, pg_schema.schema, tmp_path), 3)
 
 
 async def until(

@@ -41,13 +41,14 @@ from mesh.producer import MeshClient
 from mesh.samples.calc import CalcAgent
 from mesh.wire.reasons import Reason
 
-from .test_shard_failover import SHARDS, Fleet, until
+from .test_shard_failover import SHARDS, Fleet, managers_of, until
 from .test_shard_failover_load import (
     Load,
     agent_of,
     assert_nothing_lost,
     ready_for_load,
     replays,
+    running,
 )
 from .test_shard_failover_load import producer as producer  # the fixture, used by name
 
@@ -60,12 +61,7 @@ DEFINITE = (Reason.UNKNOWN_CAPABILITY.value, Reason.CAPABILITY_NOT_OFFERED.value
 @pytest.fixture
 def fleet(amqp_url: str, namespace: str, pg_schema: PgSchema, tmp_path: Path) -> Iterator[Fleet]:
     fleet = Fleet(amqp_url, namespace, pg_schema.dsn, pg_schema.schema, tmp_path, lease_s=LEASE_S)
-    try:
-        for n in range(3):
-            fleet.start(f"m{n}")
-        yield fleet
-    finally:
-        fleet.stop_all()
+    yield from managers_of(fleet, 3)
 
 
 @pytest.fixture
@@ -78,13 +74,8 @@ async def agents(fleet: Fleet, amqp_url: str, namespace: str) -> AsyncIterator[l
             AgentSettings(amqp_url=amqp_url, namespace=namespace),
         )
     )
-    try:
-        for runtime in runtimes:
-            await runtime.start()
-        yield [r.agent.agent_id for r in runtimes]
-    finally:
-        for runtime in runtimes:
-            await runtime.stop()
+    async for ids in running(runtimes):
+        yield ids
 
 
 class TruthLoad(Load):

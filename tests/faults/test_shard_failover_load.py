@@ -59,6 +59,12 @@ def agent_of(
 async def agents(fleet: Fleet, amqp_url: str, namespace: str) -> AsyncIterator[list[str]]:
     runtimes = [agent_of(amqp_url, namespace, pool, 1) for pool in POOLS]
     runtimes.append(agent_of(amqp_url, namespace, "echo", 2))  # the admission path's pool
+    async for ids in running(runtimes):
+        yield ids
+
+
+async def running(runtimes: list[AgentRuntime]) -> AsyncIterator[list[str]]:
+    """The agents started, their IDs yielded, stopped afterwards (a fixture's body)."""
     try:
         for runtime in runtimes:
             await runtime.start()
