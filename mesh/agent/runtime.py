@@ -348,6 +348,9 @@ class AgentRuntime:
         # ... and the results of finished tasks not published yet (the broker away): a
         # redelivery publishes it rather than running the handler again (ANSWERS_KEPT most recent)
         self._unpublished: OrderedDict[str, _Finished] = OrderedDict()
+        # ... and the tasks being handled here now (done when that handling ends): a
+        # redelivery of one waits for it instead of running the task a second time at once
+        self._handling: dict[str, asyncio.Future[None]] = {}
         # admission ID -> the manager's answer awaited on a redelivered pool task
         self._admission_states: dict[str, asyncio.Future[AdmissionState]] = {}
         self._standing_check: asyncio.Future[float | None] | None = None  # last silence's
@@ -1302,6 +1305,26 @@ class AgentRuntime:
         if problem is not None:  # at claim: the task never runs
             await self._refuse_at_claim(delivery, task, problem, extra)
             return
+        key = _answer_key(task)
+        while (earlier := self._handling.get(key)) is not None:
+            # Redelivered (its connection was lost) while its first run here still goes on —
+            # its handler, or the publish of its result waiting for the broker: the task is
+            # not run twice at once; once that run is done, it answers this delivery.
+            self.counters["redeliveries_waited_for_first_run"] += 1
+            log.info("task redelivered while its first run here goes on: waiting", extra=extra)
+            await asyncio.wait([earlier])  # (awaiting it bare would cancel it with us)
+        handling = self._handling[key] = asyncio.get_running_loop().create_future()
+        try:
+            await self._handle_once_here(delivery, task, from_pool, extra)
+        finally:
+            del self._handling[key]
+            handling.set_result(None)
+
+    async def _handle_once_here(
+        self, delivery: Delivery, task: Task, from_pool: bool, extra: dict[str, Any]
+    ) -> None:
+        """Answer a task no other delivery of is being handled here: from an earlier run, or
+        by running it."""
         if await self._done_before(delivery, task, from_pool, extra):
             return
         counted = task.capability in self._in_flight

@@ -757,6 +757,34 @@ async def test_a_task_redelivered_to_the_agent_that_answered_it_is_answered_agai
         await runtime.stop()
 
 
+async def test_a_task_redelivered_while_its_first_run_here_goes_on_waits_and_is_not_rerun() -> None:
+    # The connection was lost while the handler ran: the broker redelivers the task (to the
+    # new consumer) before the first run is done. The redelivery waits for that run, then is
+    # answered with its result; the handler ran once, and never twice at once.
+    transport = FakeTransport(manager=accepting)
+    runtime = runtime_with(transport)
+    await runtime.start()
+    try:
+        task = make_task("toy.raw", payload={"sleep": 0.2, "return": {"x": 1}}, task_id="t-9")
+        first = make_delivery(task, reply_to="reply.q")
+        again = dataclasses.replace(make_delivery(task, reply_to="reply.q"), redelivered=True)
+        running = transport.deliver("t.agent.toy-1.tasks", first)
+        await asyncio.sleep(0.05)  # the handler is running
+        redelivered = transport.deliver("t.agent.toy-1.tasks", again)
+        await asyncio.sleep(0.05)
+        assert runtime.counters["redeliveries_waited_for_first_run"] == 1
+        assert runtime.counters["tasks_ok"] == 0 and not redelivered.done()
+        await asyncio.gather(running, redelivered)
+
+        assert runtime.counters["tasks_ok"] == 1  # the handler ran once
+        assert runtime.counters["tasks_answered_again"] == 1
+        results = [p.decoded for p in transport.of_type(TaskResult)]
+        assert len(results) == 2 and results[0] == results[1]
+        assert (settled(first), settled(again)) == ("ack", "ack")
+    finally:
+        await runtime.stop()
+
+
 async def test_a_task_error_is_a_result_too() -> None:
     transport = FakeTransport(manager=accepting)
     runtime = runtime_with(transport)
