@@ -47,7 +47,7 @@ request at a time.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +161,10 @@ class DecisionRecord:
     shadow: dict[str, Any] | None = None
     eligibility_ref: str | None = None
     inline: dict[str, Any] | None = None
+    # The places in line a deferred request holds after this decision, each
+    # ``[pool_id, service_class, joined_at, due_by]``: a restarted manager rebuilds its lines
+    # from them (AdmissionCore.rejoin_lines), so a place outlives the process that gave it.
+    line: list[list[Any]] | None = None
 
     @property
     def eligibility(self) -> dict[str, Any] | None:
@@ -187,6 +191,8 @@ class DecisionRecord:
                 record["shadow"] = self.shadow
         else:
             record["eligibility"] = self.inline
+        if self.line:
+            record["line"] = self.line
         return orjson.dumps(record).decode()
 
     @classmethod
@@ -204,6 +210,7 @@ class DecisionRecord:
             shadow=record.get("shadow"),
             eligibility_ref=record.get("eligibility_ref"),
             inline=record.get("eligibility"),
+            line=record.get("line"),
         )
 
 
@@ -597,6 +604,7 @@ class AdmissionCore:
         decided = DecisionRecord(
             digest, decision, tenant, _estimate(request.requirements),
             snapshot=snapshot, evaluated_at=now, shadow=shadow, eligibility_ref=snapshot.ref,
+            line=self._places(request.admission_id) if decision.outcome == "deferred" else None,
         )  # fmt: skip
         self._record(batch, decided, now)
         return decision
@@ -815,6 +823,37 @@ class AdmissionCore:
             if request.admission_id in line:
                 batch.line_marks.setdefault(pool_id, line.mark())
                 line.join(request.admission_id, tenant, cls, now, due_by)
+
+    def _places(self, admission_id: str) -> list[list[Any]] | None:
+        """The places ``admission_id`` holds in the lines, as its decision record keeps them."""
+        places = [
+            [pool_id, w.service_class, w.joined_at, w.due_by]
+            for pool_id, line in self.lines.items()
+            if (w := line.get(admission_id)) is not None
+        ]
+        return places or None
+
+    def rejoin_lines(self, waiting: Iterable[tuple[str, DecisionRecord]], now: float) -> int:
+        """Rebuild the lines from the records of deferred requests (after a restart): each
+        place not yet overdue at ``now`` is taken again with the time it was first taken, so
+        a request deferred before the restart stays ahead of one that first asks after it.
+        Returns how many places were taken."""
+        if not self._lines_on():
+            return 0
+        places = sorted(
+            (float(joined_at), admission_id, decided.tenant or "", pool_id, cls, float(due_by))
+            for admission_id, decided in waiting
+            for pool_id, cls, joined_at, due_by in decided.line or ()
+            if float(due_by) >= now
+        )
+        for joined_at, admission_id, tenant, pool_id, cls, due_by in places:
+            line = self.lines.get(pool_id)
+            if line is None:
+                line = self.lines[pool_id] = PoolLine(max_waiting=self.policy.pressure.line_max)
+            line.join(admission_id, tenant, cls, joined_at, due_by)
+        for line in self.lines.values():
+            line.forget_undo()
+        return len(places)
 
     def _leave_lines(self, batch: Batch, admission_id: str) -> None:
         for pool_id, line in self.lines.items():

@@ -14,9 +14,12 @@ time from that position and the pool's drain rate; its place is kept until ``due
 retry time plus a grace), after which it is dropped and counts for nobody. A freed slot is so
 held for the head of the line for as long as the head is due back, and no longer.
 
-Pure and in memory: nothing here is durable. After a manager restart the line is rebuilt from
-the retries as they arrive (each joins at its retry's time); a second manager keeps its own.
-Mutations made while deciding a batch are undone if the batch is abandoned (:meth:`undo`).
+Pure and in memory. What makes a place outlive its manager is the decision record: each
+deferral the ledger keeps names the places its request holds (pool, class, joined at, due
+by), and a restarted manager takes them again (``AdmissionCore.rejoin_lines``) before it
+decides anything, with the times they were first taken. Several managers on one ledger each
+keep their own line (a restarted one starts from every manager's deferrals). Mutations made
+while deciding a batch are undone if the batch is abandoned (:meth:`undo`).
 """
 
 from __future__ import annotations

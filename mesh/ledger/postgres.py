@@ -143,6 +143,9 @@ def _ddl(s: str) -> list[str]:
             outcome      TEXT NOT NULL,
             decided_at   DOUBLE PRECISION NOT NULL,
             record       TEXT NOT NULL)""",
+        # A restarted manager's admission lines are rebuilt from the recent deferrals.
+        f"""CREATE INDEX IF NOT EXISTS ledger_decision_deferred
+            ON "{s}".ledger_decision (decided_at) WHERE outcome = 'deferred'""",
         f"""CREATE TABLE IF NOT EXISTS "{s}".ledger_eligibility (
             ref  TEXT PRIMARY KEY,
             body TEXT NOT NULL)""",

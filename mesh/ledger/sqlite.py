@@ -108,6 +108,8 @@ CREATE TABLE IF NOT EXISTS ledger_decision (
     decided_at   REAL NOT NULL,
     record       TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS ledger_decision_deferred ON ledger_decision (decided_at)
+    WHERE outcome = 'deferred';
 CREATE TABLE IF NOT EXISTS ledger_eligibility (
     ref  TEXT PRIMARY KEY,
     body TEXT NOT NULL

@@ -249,6 +249,11 @@ class LedgerStore(Protocol):
 
     def decision(self, admission_id: str) -> DecisionRow | None: ...
 
+    def deferred_since(self, since: float) -> list[DecisionRow]:
+        """The recorded decisions that are deferrals made at ``since`` or later, oldest
+        first: what a restarted manager rebuilds its admission lines from."""
+        ...
+
     def save_eligibility(self, ref: str, body: str) -> None:
         """Keep an eligibility snapshot (JSON) under its content address ``ref``, once: a
         decision record names it instead of repeating it. Keeping one again changes nothing."""
@@ -684,6 +689,15 @@ class SqlLedger(abc.ABC):
 
     def decisions(self, admission_ids: Sequence[str]) -> dict[str, DecisionRow]:
         return self._read(lambda db: self._select_decisions(db, admission_ids))
+
+    def deferred_since(self, since: float) -> list[DecisionRow]:
+        # Served by the partial index on decided_at over the deferred rows alone.
+        sql = (
+            f"SELECT admission_id, digest, outcome, decided_at, record FROM {self._t.decision}"
+            " WHERE outcome = 'deferred' AND decided_at >= ? ORDER BY decided_at"
+        )
+        rows = self._read(lambda db: db.execute(sql, (since,)))
+        return [DecisionRow(str(a), str(d), str(o), float(t), str(r)) for a, d, o, t, r in rows]
 
     def _select_decision(self, db: Db, admission_id: str) -> DecisionRow | None:
         rows = self._select_decisions(db, [admission_id])

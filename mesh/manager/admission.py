@@ -191,6 +191,22 @@ class Admitter:
         self.observe_usage(now)
         return len(holding)
 
+    def recover_lines(self, now: float) -> int:
+        """Rebuild the admission lines from the ledger's recent deferrals (after a restart):
+        a request deferred with a place keeps it, ahead of the requests that first ask after
+        the restart. Only deferrals that could still be due are read (the longest retry time
+        and the grace). Returns how many places were taken again."""
+        pressure = self.core.policy.pressure
+        if not (pressure.enabled and pressure.line):
+            return 0
+        horizon_s = pressure.retry_max_ms / 1000.0 + pressure.line_grace_s
+        waiting = []
+        for row in self.ledger.deferred_since(now - horizon_s):
+            decided = self._parsed(row)
+            if decided is not None and decided.line:
+                waiting.append((row.admission_id, decided))
+        return self.core.rejoin_lines(waiting, now)
+
     def observe_usage(self, now: float, usage: Usage | None = None) -> None:
         """Refresh the board's utilisation from the ledger's counters (every tick: they
         include other managers' grants); ``usage``: a snapshot already read."""

@@ -163,7 +163,12 @@ class AdmissionService:
             )
         adopted = await self._on_ledger(self.admitter.load_descriptors)
         held = await self._on_ledger(self.admitter.recover_pressure, self.clock.now().wall)
-        log.info("descriptors loaded from the ledger", extra={"pools": adopted, "grants": held})
+        waiting = await self._on_ledger(self.admitter.recover_lines, self.clock.now().wall)
+        self.counters["line_places_recovered"] += waiting
+        log.info(
+            "descriptors loaded from the ledger",
+            extra={"pools": adopted, "grants": held, "places_in_line": waiting},
+        )
 
     async def bind_pool_queues(self) -> None:
         await self._ensure_pool_queues(list(self.descriptors.values()))

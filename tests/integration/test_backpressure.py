@@ -375,6 +375,50 @@ async def test_a_deferred_request_keeps_its_place_in_line_against_a_newcomer(
         assert again.outcome == "admitted", again
 
 
+async def test_a_place_in_line_outlives_the_manager_that_gave_it(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """The pool is full and ``first`` is deferred with position 1; the manager stops and a
+    new one starts on the same ledger. A grant ends and a newcomer asks before ``first``
+    comes back: the new manager rebuilt its line from the ledger's deferrals, so the newcomer
+    is deferred behind ``first`` (position 2), and ``first`` is then admitted. (With the line
+    in memory alone, the newcomer took the slot.)"""
+    policy = AdmissionPolicy(active_generation=DESCRIPTOR.policy_generation, grant_ttl_s=60)
+    settings = settings_for(
+        amqp_url, namespace, tmp_path, admission=policy, admission_capacity="descriptor"
+    )
+    manager = await start_manager(settings)
+    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    try:
+        accepted = await producer.publish_descriptor(echo_descriptor(2))
+        assert accepted.type == "mesh.descriptor-accepted.v1", accepted
+        holds = [
+            await producer.admit(echo_requirements(), admission_id=f"hold-{i}") for i in range(2)
+        ]
+        assert all(h.outcome == "admitted" for h in holds), holds
+        first = await producer.admit(echo_requirements(), admission_id="first")
+        assert (first.outcome, first.position) == ("deferred", 1), first
+
+        await manager.stop()
+        manager = await start_manager(settings)
+        assert manager.counters["line_places_recovered"] == 1
+        grant = holds[0].grant
+        assert grant is not None
+        assert (await producer.release_admission(grant)).released
+
+        newcomer = await producer.admit(echo_requirements(), admission_id="newcomer")
+        again = await producer.admit(echo_requirements(), admission_id="first")
+        assert (newcomer.outcome, newcomer.reason, newcomer.position) == (
+            "deferred",
+            AdmissionReason.CAPACITY,
+            2,
+        ), newcomer
+        assert again.outcome == "admitted", again
+    finally:
+        await producer.close()
+        await manager.stop()
+
+
 # ---- load: stair steps and pulses ----------------------------------------------------------
 @dataclass
 class Seen:

@@ -781,3 +781,21 @@ def test_descriptors_newer_than_the_callers_are_all_it_reads_back(ledger: Ledger
         ("pool-c", 3, '{"pool-c": 3}'),
     ]
     assert ledger.descriptors(known={"pool-a": 2, "pool-b": 1, "pool-c": 3}) == []
+
+
+def test_the_recent_deferrals_are_read_back_oldest_first(pool: LedgerStore) -> None:
+    """What a restarted manager rebuilds its admission lines from: the decisions still
+    recorded as deferrals, made at ``since`` or later — not one since admitted."""
+    pool.record_decision("adm-old", "d", "deferred", T0, '{"n": 0}')
+    pool.record_decision("adm-2", "d", "deferred", T0 + 20, '{"n": 2}')
+    pool.record_decision("adm-1", "d", "deferred", T0 + 10, '{"n": 1}')
+    pool.record_decision("adm-3", "d", "deferred", T0 + 11, "{}")
+    pool.record_decision("adm-3", "d", "admitted", T0 + 12, "{}")  # no longer waiting
+    pool.record_decision("adm-4", "d", "rejected", T0 + 13, "{}")
+
+    rows = pool.deferred_since(T0 + 5)
+
+    assert [(r.admission_id, r.decided_at, r.record) for r in rows] == [
+        ("adm-1", T0 + 10, '{"n": 1}'),
+        ("adm-2", T0 + 20, '{"n": 2}'),
+    ]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.core.admission import AdmissionCore, AdmissionPolicy
+from mesh.core.admission import AdmissionCore, AdmissionPolicy, DecisionRecord
 from mesh.core.capacity import LiveCapacity
 from mesh.core.eligibility import capacities
 from mesh.core.line import PoolLine
 from mesh.core.pressure import PressurePolicy
-from mesh.ledger.model import TENANT_POOL, LedgerView, Reserve
+from mesh.ledger.model import TENANT_POOL, DecisionRow, LedgerView, Reserve
 from mesh.wire import AdmissionDecision, AdmissionReason, AdmissionRequest
 
 from .samples import DESCRIPTOR, REQUIREMENTS, T0
@@ -227,3 +227,44 @@ def test_a_turn_that_would_come_after_the_deadline_is_refused_at_once(
     (decision,) = batch.final()
     assert (decision.outcome, decision.reason) == ("rejected", AdmissionReason.DEADLINE_UNREACHABLE)
     assert "urgent" not in pool.core.lines.get(POOL, PoolLine())
+
+
+def test_a_new_core_rebuilds_the_line_from_the_recorded_deferrals_in_arrival_order() -> None:
+    """What a restarted manager does: the records of the deferred requests (as the ledger
+    keeps them) give a fresh core the same line — the same order, the same deadlines — and a
+    place already overdue is not taken again."""
+    pool = Pool()
+    fill(pool, T0)
+    for n, name in enumerate(("first", "second", "third")):
+        assert pool.ask(name, T0 + 1 + n / 10).outcome == "deferred"
+    records = {
+        admission_id: DecisionRecord.from_row(DecisionRow(admission_id, "d", "deferred", 0, body))
+        for admission_id, body in (
+            (a, d.to_json()) for a, d in pool.core.decisions.items() if a in pool.core.lines[POOL]
+        )
+    }
+    before = pool.core.lines[POOL]
+    third_due = before.get("third").due_by  # type: ignore[union-attr]
+    second_due = before.get("second").due_by  # type: ignore[union-attr]
+    assert second_due < third_due
+
+    restarted = Pool()
+    restarted.counters = pool.counters
+    # Fed newest first: the order comes from the records, not from the reading.
+    taken = restarted.core.rejoin_lines(reversed(list(records.items())), T0 + 1.5)
+    assert taken == 3
+    line = restarted.core.lines[POOL]
+    assert [line.ahead(a, "t", "interactive", T0 + 1.5) for a in ("first", "second", "third")] == [
+        0,
+        1,
+        2,
+    ]
+    assert line.get("first") == before.get("first")
+
+    newcomer = restarted.ask("newcomer", T0 + 1.6)
+    assert (newcomer.outcome, newcomer.position) == ("deferred", 4)
+
+    late = Pool()
+    between = (second_due + third_due) / 2  # first's and second's places are overdue then
+    assert late.core.rejoin_lines(records.items(), between) == 1
+    assert "third" in late.core.lines[POOL] and len(late.core.lines[POOL]) == 1
