@@ -757,9 +757,11 @@ class MeshClient:
 
         An agent that answers ``UNKNOWN_LEASE`` did not run the task: it does not know the
         lease (it restarted under its ID after the lease was granted to its predecessor, whose
-        leases ended with it). The task is sent again under a new lease, until the deadline.
+        leases ended with it). The task is sent again under a new lease, until the deadline;
+        so is a task the agent's queue refused (``QUEUE_FULL``), after a pause.
         """
         deadline = time.time() + timeout_s
+        full = 0  # the agents' queues that refused the task, so far
         while True:
             lease = await self._acquire_until(capability, version_spec, deadline)
             if isinstance(lease, Refusal):
@@ -768,6 +770,18 @@ class MeshClient:
                 )
             try:
                 result = await self._send_and_wait(lease, payload, deadline)
+            except TaskRefused as refused:
+                # The agent's queue refused the task (full, or a channel RabbitMQ keeps
+                # refusing after a queue leader's death, which the transport reopens): the
+                # lease is given back and a new one asked for after a pause, until the
+                # deadline — backpressure is a wait, as on the admission path.
+                delay = retry_delay_s(_QUEUE_FULL_RETRY_MS, full, Backoff(), random.random)
+                if refused.code != Reason.QUEUE_FULL.value or time.time() + delay >= deadline:
+                    raise
+                full += 1
+                self.counters["run_task_queue_full_retries"] += 1
+                await asyncio.sleep(delay)
+                continue
             finally:
                 await self._release_quietly(lease.lease_id)
             if not _lease_unknown(result) or time.time() >= deadline:

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from mesh.agent import Agent, AgentRuntime, AgentSettings
-from mesh.errors import TaskInputInvalid, TaskRefused
+from mesh.errors import PublishNacked, TaskInputInvalid, TaskRefused, TaskTimeout
 from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
+from mesh.transport import AmqpTransport
 from mesh.wire import Lease, LeaseNotice
 
-from .harness import eventually, manager_settings, start_manager
+from .harness import echo_capability, eventually, live_member, manager_settings, start_manager
 
 RuntimeFactory = Callable[..., Awaitable[AgentRuntime]]
 
@@ -215,3 +216,40 @@ async def test_a_drain_that_outlasts_its_deadlines_answers_and_dead_letters_what
         assert letter is not None
         reasons.append(letter.headers["x-mesh-reason"])
     assert reasons == ["AGENT_SHUTDOWN"] * 3
+
+
+async def test_a_full_agent_queue_is_waited_out_by_run_task_until_its_deadline(
+    amqp_url: str, manager: ManagerService, client: MeshClient, management_api: Any
+) -> None:
+    """The agent's task queue refuses the task (full — or a channel RabbitMQ 3.10 keeps
+    refusing after a queue leader's death): ``run_task`` gives the lease back and asks again
+    after a pause, until its deadline; only then is ``QUEUE_FULL`` raised. Once the queue has
+    room the task goes in."""
+    transport = await AmqpTransport.connect(amqp_url, name="stuck-agent")
+    try:
+        member = await live_member(manager, transport, "stuck-1", "raw", echo_capability())
+        queue = manager.topology.agent_task_queue(member.agent_id)
+        for _ in range(20):  # nobody consumes it: fill it (a quorum queue takes one more)
+            try:
+                await transport.publish(manager.topology.tasks_exchange, member.agent_id, b"{}")
+            except PublishNacked:
+                break
+        else:
+            raise AssertionError(f"{queue} took 20 messages: not bounded")
+        started = time.monotonic()
+        with pytest.raises(TaskRefused) as refused:
+            await client.run_task("test.echo", {"message": "waits"}, timeout_s=2)
+        assert refused.value.code == "QUEUE_FULL"
+        assert time.monotonic() - started >= 1.0  # waited (to the last pause that fits)
+        retries = client.counters["run_task_queue_full_retries"]
+        assert retries >= 2
+
+        waiting = asyncio.create_task(client.run_task("test.echo", {"message": "in"}, timeout_s=4))
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(management_api.purge_queue, queue)  # room again
+        with pytest.raises(TaskTimeout):  # in the queue now; nobody runs it
+            await waiting
+        assert client.counters["run_task_queue_full_retries"] > retries
+        assert await transport.queue_depth(queue) == 1
+    finally:
+        await transport.close()
