@@ -604,7 +604,7 @@ class AdmissionCore:
         decided = DecisionRecord(
             digest, decision, tenant, _estimate(request.requirements),
             snapshot=snapshot, evaluated_at=now, shadow=shadow, eligibility_ref=snapshot.ref,
-            line=self._places(request.admission_id) if decision.outcome == "deferred" else None,
+            line=self._places(request) if decision.outcome == "deferred" else None,
         )  # fmt: skip
         self._record(batch, decided, now)
         return decision
@@ -824,33 +824,38 @@ class AdmissionCore:
                 batch.line_marks.setdefault(pool_id, line.mark())
                 line.join(request.admission_id, tenant, cls, now, due_by)
 
-    def _places(self, admission_id: str) -> list[list[Any]] | None:
-        """The places ``admission_id`` holds in the lines, as its decision record keeps them."""
+    def _places(self, request: AdmissionRequest) -> list[list[Any]] | None:
+        """The places ``request`` holds in the lines, as its decision record keeps them: pool,
+        class, when it joined, until when it is kept, and the request's deadline."""
+        deadline = request.requirements.deadline
         places = [
-            [pool_id, w.service_class, w.joined_at, w.due_by]
+            [pool_id, w.service_class, w.joined_at, w.due_by, deadline]
             for pool_id, line in self.lines.items()
-            if (w := line.get(admission_id)) is not None
+            if (w := line.get(request.admission_id)) is not None
         ]
         return places or None
 
     def rejoin_lines(self, waiting: Iterable[tuple[str, DecisionRecord]], now: float) -> int:
         """Rebuild the lines from the records of deferred requests (after a restart): each
-        place not yet overdue at ``now`` is taken again with the time it was first taken, so
-        a request deferred before the restart stays ahead of one that first asks after it.
+        place is taken again with the time it was first taken, so a request deferred before
+        the restart stays ahead of one that first asks after it. A holder could not come back
+        while no manager was there to hear it (its retry waits in the queue): a place is kept
+        at least ``line_grace_s`` from ``now`` — unless its request's deadline has passed.
         Returns how many places were taken."""
         if not self._lines_on():
             return 0
+        grace = self.policy.pressure.line_grace_s
         places = sorted(
             (float(joined_at), admission_id, decided.tenant or "", pool_id, cls, float(due_by))
             for admission_id, decided in waiting
-            for pool_id, cls, joined_at, due_by in decided.line or ()
-            if float(due_by) >= now
+            for pool_id, cls, joined_at, due_by, *more in decided.line or ()
+            if not more or more[0] is None or float(more[0]) > now
         )
         for joined_at, admission_id, tenant, pool_id, cls, due_by in places:
             line = self.lines.get(pool_id)
             if line is None:
                 line = self.lines[pool_id] = PoolLine(max_waiting=self.policy.pressure.line_max)
-            line.join(admission_id, tenant, cls, joined_at, due_by)
+            line.join(admission_id, tenant, cls, joined_at, max(due_by, now + grace))
         for line in self.lines.values():
             line.forget_undo()
         return len(places)

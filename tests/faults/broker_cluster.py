@@ -74,6 +74,16 @@ class BrokerCluster:
         status: dict[str, Any] = json.loads(via.ctl("cluster_status", "--formatter", "json"))
         return set(status.get("running_nodes", []))
 
+    def queues(self) -> list[dict[str, Any]]:
+        """Every queue as a running node lists it (depth, consumers, leader and members): what
+        a failing test prints, to tell a full queue from one nobody consumes."""
+        columns = ("name", "type", "messages", "messages_ready", "messages_unacknowledged")
+        columns += ("consumers", "leader", "members")
+        for node in self.nodes:
+            if node.running:
+                return list(json.loads(node.ctl("list_queues", *columns, "--formatter", "json")))
+        return []
+
     def wait_until_whole(self, timeout_s: float = 90.0) -> None:
         """Until every node runs and sees the other two."""
         names = {node.node_name for node in self.nodes}

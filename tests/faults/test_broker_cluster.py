@@ -125,6 +125,22 @@ async def call_forever(
             load.failed.append(f"{message}: {type(exc).__name__}: {exc}")
 
 
+async def show_the_queues_on_failures(
+    cluster: BrokerCluster, agents: list[AgentRuntime], load: Load, stop: asyncio.Event
+) -> None:
+    """At the first calls that fail, print what the broker says of every queue and what the
+    agents counted: a full queue, one no one consumes, or refusals of a queue not full."""
+    while not stop.is_set() and len(load.failed) < 3:  # noqa: ASYNC110 (a count, not an event)
+        await asyncio.sleep(0.2)
+    if not load.failed:
+        return
+    print(f"\ncalls failing: {load.failed[:3]}")
+    for queue in await asyncio.to_thread(cluster.queues):
+        print(f"  queue {queue}")
+    for agent in agents:
+        print(f"  {agent.agent_id}: {dict(agent.counters)}")
+
+
 @pytest.fixture
 async def mesh_on_cluster(
     cluster: BrokerCluster, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -178,6 +194,7 @@ async def test_each_node_killed_in_turn_under_load_loses_nothing_and_stops_nobod
         for n in range(3)
     ]
     recoveries: list[float] = []
+    watching = asyncio.create_task(show_the_queues_on_failures(cluster, agents, load, stop))
     try:
         await eventually(
             lambda: load.ok["submit"] >= 10 and load.ok["run_task"] >= 10,
@@ -210,6 +227,7 @@ async def test_each_node_killed_in_turn_under_load_loses_nothing_and_stops_nobod
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*workers), 120)
+        await watching
 
     twice_on_one = [key for key, runs in CountingEcho.runs.items() if runs > 1]
     restarted = sum(1 for key, runs in CountingEcho.started.items() if runs > 1)

@@ -231,40 +231,56 @@ def test_a_turn_that_would_come_after_the_deadline_is_refused_at_once(
 
 def test_a_new_core_rebuilds_the_line_from_the_recorded_deferrals_in_arrival_order() -> None:
     """What a restarted manager does: the records of the deferred requests (as the ledger
-    keeps them) give a fresh core the same line — the same order, the same deadlines — and a
-    place already overdue is not taken again."""
+    keeps them) give a fresh core the same line — the same order, the same times."""
     pool = Pool()
     fill(pool, T0)
     for n, name in enumerate(("first", "second", "third")):
         assert pool.ask(name, T0 + 1 + n / 10).outcome == "deferred"
-    records = {
-        admission_id: DecisionRecord.from_row(DecisionRow(admission_id, "d", "deferred", 0, body))
-        for admission_id, body in (
-            (a, d.to_json()) for a, d in pool.core.decisions.items() if a in pool.core.lines[POOL]
-        )
-    }
+    records = recorded_deferrals(pool)
     before = pool.core.lines[POOL]
-    third_due = before.get("third").due_by  # type: ignore[union-attr]
-    second_due = before.get("second").due_by  # type: ignore[union-attr]
-    assert second_due < third_due
 
     restarted = Pool()
     restarted.counters = pool.counters
     # Fed newest first: the order comes from the records, not from the reading.
-    taken = restarted.core.rejoin_lines(reversed(list(records.items())), T0 + 1.5)
-    assert taken == 3
+    assert restarted.core.rejoin_lines(reversed(list(records.items())), T0 + 1.5) == 3
     line = restarted.core.lines[POOL]
-    assert [line.ahead(a, "t", "interactive", T0 + 1.5) for a in ("first", "second", "third")] == [
-        0,
-        1,
-        2,
-    ]
+    ahead = [line.ahead(a, "t", "interactive", T0 + 1.5) for a in ("first", "second", "third")]
+    assert ahead == [0, 1, 2]
     assert line.get("first") == before.get("first")
 
     newcomer = restarted.ask("newcomer", T0 + 1.6)
     assert (newcomer.outcome, newcomer.position) == ("deferred", 4)
 
-    late = Pool()
-    between = (second_due + third_due) / 2  # first's and second's places are overdue then
-    assert late.core.rejoin_lines(records.items(), between) == 1
-    assert "third" in late.core.lines[POOL] and len(late.core.lines[POOL]) == 1
+
+def test_a_place_that_fell_due_while_no_manager_ran_is_kept_a_grace_after_the_restart() -> None:
+    """Its holder's retry waits in the queue while the manager is away: the place is not
+    lost for that. A place whose request's deadline has passed is not taken again."""
+    pool = Pool()
+    fill(pool, T0)
+    assert pool.ask("first", T0 + 1).outcome == "deferred"
+    assert pool.ask("second", T0 + 1.1).outcome == "deferred"
+    records = recorded_deferrals(pool)
+    second = records["second"]
+    assert second.line is not None
+    second.line[0][4] = T0 + 5  # second's request gives up at T0 + 5
+    line = pool.core.lines[POOL]
+    due = max(w.due_by for w in (line.get("first"), line.get("second")) if w is not None)
+    back = max(due, T0 + 5) + 1  # the manager is back after both fell due
+
+    restarted = Pool()
+    assert restarted.core.rejoin_lines(records.items(), back) == 1
+    kept = restarted.core.lines[POOL].get("first")
+    assert kept is not None and "second" not in restarted.core.lines[POOL]
+    assert kept.due_by == back + restarted.core.policy.pressure.line_grace_s
+    assert kept.joined_at == T0 + 1
+
+
+def recorded_deferrals(pool: Pool) -> dict[str, DecisionRecord]:
+    """The decision records of the requests in ``pool``'s line, as the ledger gives them back."""
+    return {
+        admission_id: DecisionRecord.from_row(
+            DecisionRow(admission_id, "d", "deferred", 0, decided.to_json())
+        )
+        for admission_id, decided in pool.core.decisions.items()
+        if admission_id in pool.core.lines[POOL]
+    }
