@@ -22,10 +22,14 @@ task) and the effect's name. The first run of an effect records ``started`` dura
 it runs, then its JSON result; every later run of the same key:
 
 * finds the result: returns it, and the effect does not run again;
-* finds ``started`` without a result (the process died during the effect, or the effect
-  raised): raises :class:`EffectOutcomeUnknown` — never a second run. Whether the effect
-  happened is for the handler to find out (ask the system it called); ``retry_on`` names the
-  exceptions that prove it did *not* happen, which free the key for a retry.
+* finds ``started`` with no result yet: the first run may still be making it — the broker
+  redelivers a task to another agent as soon as the first agent's connection dies, while its
+  handler goes on — so it waits up to ``wait_s`` (5 s) for that run's result, and returns it;
+* finds ``started`` without a result after that (the process died during the effect), or
+  with what the effect raised: raises :class:`EffectOutcomeUnknown` — never a second run.
+  Whether the effect happened is for the handler to find out (ask the system it called);
+  ``retry_on`` names the exceptions that prove it did *not* happen, which free the key for a
+  retry.
 
 At most once, not exactly once: a crash between the effect and its record leaves the outcome
 unknown, and the helper says so instead of guessing. A log every agent of the pool shares
@@ -98,15 +102,19 @@ async def once(
     *,
     log: EffectLog,
     retry_on: tuple[type[BaseException], ...] = (),
+    wait_s: float = 5.0,
 ) -> T:
     """Run ``effect`` at most once for the current task and this ``name``; its result is
-    recorded (JSON) and returned to every later run of the same task."""
+    recorded (JSON) and returned to every later run of the same task. ``wait_s``: how long a
+    run that finds the effect begun and not finished waits for its result."""
     task = current_task()
     if not task.idempotency_key:
         raise MeshError("once() runs inside a task handler (no task is current)")
     key = f"{task.idempotency_key}/{name}"
     # The stores do blocking I/O (an fsync per write): off the event loop.
     found = await _claimed(log, key)
+    if found == _BEGUN and wait_s > 0:
+        found = await _finished_elsewhere(log, key, wait_s)
     if found is not None:
         state, value = found
         if state == "done":
@@ -124,6 +132,23 @@ async def once(
         raise
     await asyncio.to_thread(log.done, key, result, time.time())
     return result
+
+
+_BEGUN = ("started", "")  # claimed, and neither a result nor an exception recorded yet
+
+
+async def _finished_elsewhere(log: EffectLog, key: str, wait_s: float) -> tuple[str, Any] | None:
+    """The row of an effect another run began, once that run records how it ended — or as
+    it is after ``wait_s``. ``None``: that run gave the key back (the effect did not happen)
+    and this one holds the claim now."""
+    give_up_at = time.monotonic() + wait_s
+    pause = 0.02
+    while True:
+        await asyncio.sleep(min(pause, max(0.0, give_up_at - time.monotonic())))
+        found = await _claimed(log, key)  # a claim of a key held is a read
+        if found != _BEGUN or time.monotonic() >= give_up_at:
+            return found
+        pause = min(pause * 2, 0.5)
 
 
 async def _claimed(log: EffectLog, key: str) -> tuple[str, Any] | None:

@@ -13,9 +13,11 @@ is connected to, the hardest case (they all reconnect at once, to the same next 
 
 Shown, and printed: every call answered ok (0 lost, 0 failed), both paths working again
 within 15 s of each kill, no agent declared lost, no task run to its end twice on one agent (a
-result it could not publish is kept and sent on the redelivery). Where docs/faults.md says
-so, a task runs again: on the other agent, when its agent lost its connection mid-task; or
-on the same one, when the connection's loss cancelled its handler before it finished.
+result it could not publish is kept and sent on the redelivery), and every task's effect
+(made through ``once`` on an effect log both agents share) made exactly once. Where
+docs/faults.md says so, a task runs again: on the other agent, when its agent lost its
+connection mid-task; or on the same one, when the connection's loss cancelled its handler
+before it finished.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from integration.harness import eventually, start_manager
 from integration.test_admission import settings_for
 from integration.test_backpressure import echo_descriptor, echo_requirements
 
-from mesh.agent import Agent, AgentRuntime, AgentSettings, capability, current_task
+from mesh.agent import Agent, AgentRuntime, AgentSettings, capability, current_task, once
+from mesh.agent.effects import EffectLog, MemoryEffectLog, SqliteEffectLog
 from mesh.producer import MeshClient
 from mesh.samples.echo import EchoAgent
 from mesh.transport import addresses
@@ -48,11 +51,14 @@ RECOVERY_BOUND_S = 15.0
 
 class CountingEcho(Agent):
     """``test.echo`` as the sample serves it, noting which agent started and which finished
-    which task (a handler cancelled with its channel, the connection lost, starts again)."""
+    which task (a handler cancelled with its channel, the connection lost, starts again), and
+    making one effect per task through ``once`` on an effect log both agents share."""
 
     deployment = "echo"
     started: Counter[tuple[str, str]] = Counter()  # (agent, message) -> runs begun
     runs: Counter[tuple[str, str]] = Counter()  # (agent, message) -> runs to the end
+    effects: Counter[str] = Counter()  # message -> effects made
+    effect_log: EffectLog = MemoryEffectLog()  # set per test: one both agents share
 
     @capability(
         "test.echo",
@@ -67,6 +73,12 @@ class CountingEcho(Agent):
         key = (self.agent_id or "", payload["message"])
         CountingEcho.started[key] += 1
         await asyncio.sleep(payload.get("sleep_ms", 0) / 1000)
+
+        async def effect() -> str:
+            CountingEcho.effects[payload["message"]] += 1
+            return str(self.agent_id)
+
+        await once("effect", effect, log=CountingEcho.effect_log)
         CountingEcho.runs[key] += 1
         return {"message": payload["message"], "slept_ms": payload.get("sleep_ms", 0)}
 
@@ -149,6 +161,7 @@ async def mesh_on_cluster(
     (each process would shuffle them), so each kill below hits the node every process is
     connected to — and they all move to the same next one."""
     monkeypatch.setattr(addresses.random.Random, "shuffle", lambda _self, _urls: None)
+    monkeypatch.setattr(CountingEcho, "effect_log", SqliteEffectLog(tmp_path / "effects.db"))
     urls = cluster.amqp_urls
     manager = await start_manager(settings_for(urls, namespace, tmp_path))
     agents = [
@@ -187,6 +200,7 @@ async def test_each_node_killed_in_turn_under_load_loses_nothing_and_stops_nobod
     transports = [manager.transport, client.transport, *(a.transport for a in agents)]
     CountingEcho.runs.clear()
     CountingEcho.started.clear()
+    CountingEcho.effects.clear()
     load, stop = Load(), asyncio.Event()
     workers = [
         asyncio.create_task(call_forever(client, path, n, load, stop))
@@ -237,6 +251,7 @@ async def test_each_node_killed_in_turn_under_load_loses_nothing_and_stops_nobod
     print(
         f"\ncluster: sent {dict(load.sent)}, completed {dict(load.ok)}, failed "
         f"{len(load.failed)}, executed twice {twice} (on one agent {len(twice_on_one)}; "
+        f"effects with once made twice {sum(1 for n in CountingEcho.effects.values() if n > 1)}; "
         f"handlers cut by the connection's loss and started again {restarted}), "
         f"agents declared lost {lost_agents}, recovery s "
         f"{[round(r, 2) for r in recoveries]}"
@@ -246,3 +261,5 @@ async def test_each_node_killed_in_turn_under_load_loses_nothing_and_stops_nobod
     assert max(recoveries) <= RECOVERY_BOUND_S, recoveries
     assert lost_agents == 0
     assert twice_on_one == []
+    assert [m for m, n in CountingEcho.effects.items() if n > 1] == []
+    assert sum(CountingEcho.effects.values()) == sum(load.ok.values())  # one effect per task

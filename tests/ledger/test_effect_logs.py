@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextvars import Context
@@ -208,3 +209,51 @@ async def test_a_handler_cancelled_while_it_claims_leaves_the_effect_to_its_next
     in_task("admission:d1", attempt=2)
     assert await once("charge", charge, log=log) == "r-3"
     assert runs == [1]
+
+
+async def test_a_run_that_finds_the_effect_begun_waits_for_its_result(log: EffectLog) -> None:
+    """The task redelivered to another agent while the first run still makes the effect (the
+    broker requeues as soon as the first agent's connection dies): the second run waits for
+    the first's result and returns it; the effect happens once."""
+    runs: list[int] = []
+    begun, go = asyncio.Event(), asyncio.Event()
+
+    async def charge() -> str:
+        runs.append(1)
+        begun.set()
+        await go.wait()
+        return "r-4"
+
+    async def first_run() -> str:
+        in_task("admission:e1")
+        return await once("charge", charge, log=log)
+
+    async def second_run() -> str:
+        in_task("admission:e1", attempt=2)
+        return await once("charge", charge, log=log)
+
+    first = asyncio.create_task(first_run())
+    await begun.wait()
+    second = asyncio.create_task(second_run())
+    await asyncio.sleep(0.2)
+    assert not second.done()  # waiting, not refused
+    go.set()
+    assert await first == await second == "r-4"
+    assert runs == [1]
+
+
+async def test_a_run_that_finds_the_effect_begun_long_ago_refuses_after_waiting(
+    log: EffectLog,
+) -> None:
+    """A claim left by a run that died during the effect: waited for ``wait_s``, then the
+    outcome is unknown — never a second run."""
+    assert log.claim("admission:f1/charge", 0.0) is None  # the run that died
+    in_task("admission:f1", attempt=2)
+    started = time.monotonic()
+    with pytest.raises(EffectOutcomeUnknown):
+        await once("charge", _never, log=log, wait_s=0.3)
+    assert time.monotonic() - started >= 0.3
+
+
+async def _never() -> str:
+    raise AssertionError("the effect ran a second time")
