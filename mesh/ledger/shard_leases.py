@@ -72,6 +72,9 @@ class ShardView:
     def owners(self) -> dict[int, str | None]:
         return {shard: lease.owner for shard, lease in self.leases.items()}
 
+    def fences(self) -> dict[int, int]:
+        return {shard: lease.fence for shard, lease in self.leases.items()}
+
 
 def _ddl(s: str) -> list[str]:
     return [

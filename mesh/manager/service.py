@@ -1170,19 +1170,22 @@ class ManagerService:
             # Nobody had room: the refusal this registry gives (it records the miss for the
             # scale planner and says when to retry), as the namespace's answer.
             answer = self._refusal_everywhere(
-                await self._answer_here(AcquireRequested(request, lease_id, holder)), silent
+                await self._answer_here(AcquireRequested(request, lease_id, holder)),
+                silent,
+                request.capability,
             )
         delivered = await self._reply(delivery, answer)
         if not delivered and isinstance(answer, LeaseGranted):
             self.counters["leases_released_unclaimed"] += 1
             await self._elsewhere(ReleaseRequest(lease_id=answer.lease.lease_id), holder)
 
-    def _refusal_everywhere(self, answer: Message, silent: int) -> Message:
+    def _refusal_everywhere(self, answer: Message, silent: int, capability: str) -> Message:
         """This registry's refusal as every manager's. "Nobody offers it"
         (``_NOBODY_OFFERS``) is only this registry's word, so it is said only when no other
         owner may hold such an agent: when an owner did not answer (dead or frozen, its
-        lease not yet run out) or shards changed hands within a (default) heartbeat interval
-        (their agents are registering again with the new owners), the answer is
+        lease not yet run out), shards changed hands within a (default) heartbeat interval,
+        or the shared live rows still count agents of the capability in a shard whose new
+        owner has not caught up (their agents are registering again with it), the answer is
         ``NO_AGENT_AVAILABLE`` with a retry hint instead — a producer retries rather than
         gives up on a capability that is there. Counted: ``acquires_refused_for_now.<reason>``."""
         assert self.shards is not None
@@ -1190,7 +1193,7 @@ class ManagerService:
             return answer
         if silent:
             why = f"{silent} other manager(s) did not answer"
-        elif self.shards.settling(c.DEFAULT_HEARTBEAT_INTERVAL_S):
+        elif self.shards.settling(c.DEFAULT_HEARTBEAT_INTERVAL_S) or self._handing_over(capability):
             why = "shards changed hands just now and their agents are registering again"
         else:
             return answer
@@ -1216,9 +1219,20 @@ class ManagerService:
             assert self.shards is not None
             await self.shards.look()  # moves since its last step count too (one read)
             extra["settling_shards"] = self.shards.settling_shards(
-                c.DEFAULT_HEARTBEAT_INTERVAL_S, theirs
+                c.DEFAULT_HEARTBEAT_INTERVAL_S, theirs, self._shards_handing_over()
             )
         return extra
+
+    def _shards_handing_over(self, capability: str | None = None) -> set[int]:
+        """The shards (with agents of ``capability``, if named) whose new owner has not yet
+        caught up with the agents the shared live rows count (ShardOwnership.handing_over);
+        none without shared live capacity."""
+        if self.shards is None or self.shared_live is None:
+            return set()
+        return self.shards.handing_over(self.shared_live.shared.values(), capability)
+
+    def _handing_over(self, capability: str) -> bool:
+        return bool(self._shards_handing_over(capability))
 
     def _settling_hold_s(self) -> float:
         """How long an acquire for a capability nobody offers is held while shards move:
@@ -1240,7 +1254,7 @@ class ManagerService:
         assert self.shards is not None
         return (
             capability not in self.core.index
-            and self.shards.moving()
+            and (self.shards.moving() or self._handing_over(capability))
             and time.monotonic() < hold_until
         )
 

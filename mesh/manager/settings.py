@@ -99,9 +99,11 @@ class ManagerSettings:
     peer_acquire_candidates: int = 8
     # With shards and live admission capacity (mesh.manager.live_share): how often each
     # manager writes its shards' live figures and reads everyone's, and how long a new owner
-    # keeps the previous owner's figures while the shard's agents register again.
+    # keeps the previous owner's figures while the shard's agents register again (each at its
+    # next heartbeat: two default intervals cover one delayed under load). While it does, a
+    # capability those figures count is "not available for now", never "not offered".
     live_share_interval_s: float = 0.25
-    live_handover_s: float = 15.0
+    live_handover_s: float = 2 * c.DEFAULT_HEARTBEAT_INTERVAL_S
 
 
 _POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar
 
+from mesh.core.capacity import PoolLive
 from mesh.core.events import LogEntry
 from mesh.core.shards import ShardKeeper
 from mesh.errors import StoreError
@@ -149,12 +150,18 @@ class ShardOwnership:
             return True
         return time.monotonic() - self.moved_at < window_s
 
-    def settling_shards(self, window_s: float, held_elsewhere: Iterable[ShardOwner] = ()) -> int:
+    def settling_shards(
+        self,
+        window_s: float,
+        held_elsewhere: Iterable[ShardOwner] = (),
+        handing_over: Iterable[int] = (),
+    ) -> int:
         """How many shards have no live lease, or changed holders within the last
         ``window_s`` as this manager saw the lease table: their agents may still be
         registering again with the new owner (every shard, before the first step).
         ``held_elsewhere``: other managers' own holdings as they just said (their status
-        replies); one this manager's last read does not show was taken since it read."""
+        replies); one this manager's last read does not show was taken since it read.
+        ``handing_over``: shards known to be mid-handover (:meth:`handing_over`)."""
         view = self.last_view
         if view is None:
             return self.leases.shard_count
@@ -166,6 +173,7 @@ class ShardOwnership:
             if (lease := view.leases.get(row.shard)) is None
             or (lease.owner, lease.fence) != (row.owner, row.fence)
         }
+        unseen.update(handing_over)
         return sum(
             1
             for shard in range(self.leases.shard_count)
@@ -173,6 +181,21 @@ class ShardOwnership:
             or shard in unseen
             or self.changed_at.get(shard, float("-inf")) > since
         )
+
+    def handing_over(self, rows: Iterable[PoolLive], capability: str | None = None) -> set[int]:
+        """The shards whose agents are registering again with a new owner, as the shared live
+        rows say (:mod:`mesh.manager.live_share`): a row counting live agents (of
+        ``capability``, if named) written under an older fence than the shard's lease now.
+        Its new owner writes its own rows only once every agent the last row counted is back
+        with it, or its handover time has passed — a fact, where ``settling`` is a window."""
+        current = {} if self.last_view is None else self.last_view.fences()
+        current.update(self.keeper.held)  # its own takes are newer than the view
+        return {
+            row.shard
+            for row in rows
+            if row.fence < current.get(row.shard, row.fence)
+            and any(offer.agents > 0 and capability in (None, name) for name, offer in row.offers)
+        }
 
     async def look(self) -> None:
         """Read the lease table now (one statement), so ``moving`` and ``settling_shards``

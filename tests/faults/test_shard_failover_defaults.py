@@ -141,15 +141,6 @@ def spread_over(fleet: Fleet, managers: set[str]) -> bool:
     return set(held) == managers and sum(map(len, held.values())) == SHARDS
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 47, open: under CI load re-registration after a kill or freeze took 17-24 s, "
-    "past the settling window (a heartbeat interval from the move as the asker saw it), and "
-    "math.evaluate was refused UNKNOWN_CAPABILITY 260 times (the loop asks again at once) and "
-    "7 statuses were partial unflagged; 0 of each in 3 local runs. A time window cannot be "
-    "exact: the new owner should treat a pool the ledger's live figures still count as "
-    "present-but-absent. See docs/faults.md, 'Not yet covered'",
-)
 async def test_three_managers_at_the_defaults_answer_only_what_is_true_while_shards_move(
     fleet: Fleet, agents: list[str], producer: MeshClient, ledger: PostgresLedger
 ) -> None:
