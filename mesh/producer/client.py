@@ -172,6 +172,12 @@ def retry_delay_s(
 OnDeferred = Callable[[AdmissionDecision], "bool | Awaitable[bool]"]
 
 
+def _answer_of(reply: Message | None) -> tuple[str, str | None]:
+    """What a reply says, to tell a repeated answer (the same) from a different one: its type
+    and what it grants."""
+    return ("", None) if reply is None else (reply.type, _granted(reply))
+
+
 def _granted(reply: Message) -> str | None:
     """What ``reply`` grants, as a key that tells two grants apart (``None``: nothing)."""
     if isinstance(reply, LeaseGranted):
@@ -191,9 +197,9 @@ class MeshClient:
         self.counters: Counter[str] = Counter()
         self._pending: dict[str, asyncio.Future[Message]] = {}
         self._correlation_ids = IdSequence()
-        # Correlation IDs answered lately (bounded), each with the grant its answer carried:
-        # a second answer to one is a duplicate.
-        self._answered: OrderedDict[str, str | None] = OrderedDict()
+        # Correlation IDs answered lately (bounded), each with its answer's type and the grant
+        # it carried: a second answer to one is a duplicate, and counted if it differs.
+        self._answered: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._consumer: Subscription | None = None
         self._owns_transport = False
         self._background: set[asyncio.Task[None]] = set()
@@ -275,11 +281,11 @@ class MeshClient:
             self._remember_answer(delivery.correlation_id, None)
             fut.set_exception(exc)
             return
-        self._remember_answer(delivery.correlation_id, _granted(reply))
+        self._remember_answer(delivery.correlation_id, reply)
         fut.set_result(reply)
 
-    def _remember_answer(self, correlation_id: str | None, grant: str | None) -> None:
-        self._answered[correlation_id or ""] = grant
+    def _remember_answer(self, correlation_id: str | None, reply: Message | None) -> None:
+        self._answered[correlation_id or ""] = _answer_of(reply)
         if len(self._answered) > _ANSWERED_KEPT:
             self._answered.popitem(last=False)
 
@@ -291,17 +297,24 @@ class MeshClient:
         except Exception:
             return
         correlation_id = delivery.correlation_id or ""
-        if correlation_id in self._answered:
+        first = self._answered.get(correlation_id)
+        if first is not None:
             # A second answer: the manager that answered first died before acknowledging the
             # request, and another manager answered it again. An admission is answered from
             # the ledger — the same grant, which the caller holds and will settle: releasing
             # it here would take it away from under its holder. Only a grant other than the
             # first answer's (a second lease) is nobody's. A second result: the task ran twice.
             self.counters["duplicate_replies"] += 1
+            if _answer_of(reply) != first:  # a grant then a refusal, two leases…: not true
+                self.counters["duplicate_replies_differing"] += 1
+                log.warning(
+                    "a request answered twice, differently",
+                    extra={"first": first[0], "second": reply.type},
+                )
             if isinstance(reply, TaskResult):
                 self.counters["duplicate_results"] += 1
                 log.warning("a second result for a task", extra={"task_id": reply.task_id})
-            if _granted(reply) in (None, self._answered[correlation_id]):
+            if _granted(reply) in (None, first[1]):
                 return
         if isinstance(reply, LeaseGranted):
             self.counters["late_grants_released"] += 1

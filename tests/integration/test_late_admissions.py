@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mesh.core.admission import refused
 from mesh.errors import RequestTimeout, SubmitDeadlineExceeded
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.manager.service import ManagerService
@@ -20,7 +21,7 @@ from mesh.topology import names
 from mesh.topology.specs import BindingSpec, Declarations, QueueSpec
 from mesh.transport import AmqpTransport
 from mesh.transport.delivery import Delivery
-from mesh.wire import AdmissionRequest, decode_as
+from mesh.wire import AdmissionReason, AdmissionRequest, decode_as, encode
 
 from .harness import eventually, start_manager
 from .test_admission import settings_for
@@ -152,10 +153,20 @@ async def test_a_second_answer_to_an_answered_admission_leaves_its_grant_with_th
 
         assert producer.counters["late_admissions_released"] == 0
         assert producer.counters["duplicate_replies"] == 1
+        assert producer.counters["duplicate_replies_differing"] == 0  # the same answer again
         # Decided twice, the same grant: the second is counted (and journaled) as a replay.
         assert manager.counters["admission.admitted"] == 1
         assert manager.counters["admission.replayed"] == 1
         assert reservations(tmp_path) == {"adm-twice": "ACTIVE"}
+        # A third answer that says otherwise (a woken manager's stale refusal, say) is
+        # counted apart: a fault test asserts there are none.
+        other = refused("adm-twice", AdmissionReason.NO_ELIGIBLE_POOL, "a stale answer")
+        await tap.publish(
+            "", request.reply_to or "", encode(other), correlation_id=request.correlation_id
+        )
+        await eventually(
+            lambda: producer.counters["duplicate_replies_differing"] == 1, what="the third answer"
+        )
         settled = await producer.release_admission(decision.grant)
         assert settled.released, settled
         assert reservations(tmp_path) == {"adm-twice": "RELEASED"}
