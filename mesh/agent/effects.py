@@ -24,7 +24,8 @@ it runs, then its JSON result; every later run of the same key:
 * finds the result: returns it, and the effect does not run again;
 * finds ``started`` with no result yet: the first run may still be making it — the broker
   redelivers a task to another agent as soon as the first agent's connection dies, while its
-  handler goes on — so it waits up to ``wait_s`` (5 s) for that run's result, and returns it;
+  handler goes on — so it waits up to ``wait_s`` (30 s: a durable write can stall for seconds
+  on a busy disk) for that run's result, and returns it;
 * finds ``started`` without a result after that (the process died during the effect), or
   with what the effect raised: raises :class:`EffectOutcomeUnknown` — never a second run.
   Whether the effect happened is for the handler to find out (ask the system it called);
@@ -102,7 +103,7 @@ async def once(
     *,
     log: EffectLog,
     retry_on: tuple[type[BaseException], ...] = (),
-    wait_s: float = 5.0,
+    wait_s: float = 30.0,
 ) -> T:
     """Run ``effect`` at most once for the current task and this ``name``; its result is
     recorded (JSON) and returned to every later run of the same task. ``wait_s``: how long a

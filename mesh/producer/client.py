@@ -27,6 +27,7 @@ Refusals and failures raise typed errors carrying the machine-readable code.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -103,6 +104,7 @@ _FEATURES: Mapping[str, str] = MappingProxyType(
 knows (docs/protocol.md 1.2), sent with the requests whose replies have such fields."""
 
 REPLY_MAX_BYTES = 64 * 1024 * 1024
+_ASK_AGAIN_FOR_S = 15.0  # after a reconnect, while the manager's request queue is not back
 _QUEUE_FULL_RETRY_MS = 250  # a full pool queue drains as its agents claim tasks
 _SETTLE_RETRY_S = 60.0  # a release is asked again this long (a ledger failover, a manager's)
 _ANSWERED_KEPT = 10_000  # answered correlation IDs remembered, to tell duplicates from late
@@ -196,6 +198,9 @@ class MeshClient:
         self.reply_queue = reply_queue
         self.counters: Counter[str] = Counter()
         self._pending: dict[str, asyncio.Future[Message]] = {}
+        # The requests waiting for their answers (correlation ID -> what was sent), asked
+        # again after a reconnect: one in a queue on a broker node that died is gone.
+        self._asked: dict[str, tuple[Message, str, Mapping[str, str] | None]] = {}
         self._correlation_ids = IdSequence()
         # Correlation IDs answered lately (bounded), each with its answer's type and the grant
         # it carried: a second answer to one is a duplicate, and counted if it differs.
@@ -236,6 +241,7 @@ class MeshClient:
         # Declared where it is read (over AMQP: the consume-only connection, which hands a
         # read's replies over at once instead of a task and pamqp objects for each).
         client._consumer = await transport.consume_replies(queue, client._on_replies)
+        transport.on_reconnect(client._ask_again)
         return client
 
     async def close(self) -> None:
@@ -355,17 +361,9 @@ class MeshClient:
         correlation_id = self._correlation_ids.next()
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[correlation_id] = fut
+        self._asked[correlation_id] = (message, method, headers)
         try:
-            await self.transport.publish(
-                self.topology.control_exchange,
-                names.rpc_key(method),
-                message,
-                reply_to=self.reply_queue,
-                correlation_id=correlation_id,
-                headers=headers,
-                timeout_s=timeout_s,
-                user_id=self.user_id,
-            )
+            await self._ask(correlation_id, message, method, headers, timeout_s)
             async with asyncio.timeout(timeout_s):  # cheaper than wait_for: no inner task
                 return await fut
         except PublishUnroutable:
@@ -378,6 +376,59 @@ class MeshClient:
             ) from None
         finally:
             self._pending.pop(correlation_id, None)
+            self._asked.pop(correlation_id, None)
+
+    async def _ask(
+        self,
+        correlation_id: str,
+        message: Message,
+        method: str,
+        headers: Mapping[str, str] | None,
+        timeout_s: float,
+    ) -> None:
+        await self.transport.publish(
+            self.topology.control_exchange,
+            names.rpc_key(method),
+            message,
+            reply_to=self.reply_queue,
+            correlation_id=correlation_id,
+            headers=headers,
+            timeout_s=timeout_s,
+            user_id=self.user_id,
+        )
+
+    async def _ask_again(self) -> None:
+        """After a reconnect, every request still waiting for its answer is sent again,
+        under the same correlation ID: a request (or its answer) in a classic queue on a
+        broker node that died is gone, and would otherwise cost its caller the whole request
+        timeout. Asking twice is safe: the manager answers a repeated admission from the
+        ledger and a repeated acquire with the same lease (its ID comes from the
+        correlation ID); a second answer is counted and dropped. In the background, a few
+        time while the manager's request queue is not back yet (unroutable)."""
+        waiting = list(self._asked.items())
+        if waiting:
+            self._in_background(self._ask_all_again(waiting))
+
+    async def _ask_all_again(
+        self, waiting: list[tuple[str, tuple[Message, str, Mapping[str, str] | None]]]
+    ) -> None:
+        give_up_at = time.monotonic() + _ASK_AGAIN_FOR_S
+        for attempt in itertools.count():
+            left = []
+            for correlation_id, (message, method, headers) in waiting:
+                if correlation_id not in self._pending:
+                    continue  # answered meanwhile
+                try:
+                    await self._ask(correlation_id, message, method, headers, 5.0)
+                    self.counters["requests_asked_again"] += 1
+                except PublishUnroutable:
+                    left.append((correlation_id, (message, method, headers)))
+                except TransportError as exc:  # the broker away again: its next reconnect
+                    log.info("a request not asked again", extra={"error": str(exc)})
+            if not left or time.monotonic() >= give_up_at:
+                return
+            waiting = left
+            await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
 
     # ---- the API --------------------------------------------------------------------------
     async def find(

@@ -186,13 +186,6 @@ async def mesh_on_cluster(
 
 
 @pytest.mark.timeout(900)  # the cluster's start (~50 s), and three kills with their restarts
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 47, open: after the third node's kill the lease path sometimes stalls for up "
-    "to 60 s (tasks granted to echo-1/echo-2 get no result before their deadline, or their "
-    "queues fill: QUEUE_FULL); seen in 3 of 5 runs on 2026-12-07, not yet understood. It "
-    "still runs and prints its counts; see docs/faults.md, 'Not yet covered'",
-)
 async def test_each_node_killed_in_turn_under_load_loses_nothing_and_stops_nobody(
     cluster: BrokerCluster, mesh_on_cluster: tuple[Any, list[AgentRuntime], MeshClient]
 ) -> None:
