@@ -24,7 +24,7 @@ it arrives, for a warm-up and then a measured window. The capacity is the same i
   the tasks the slots can finish within a deadline: ``slots x (deadline - service) /
   service``) and ``x-overflow: reject-publish``, with publisher confirms and a per-message
   TTL of the task's deadline; a nack is retried with full-jitter exponential backoff (the
-  SDK's :class:`~mesh.producer.client.Backoff`) until the task could no longer finish in
+  SDK's :class:`~mesh.backoff.Backoff`) until the task could no longer finish in
   time. Consumers with ``prefetch = slots`` on their own connection take each task, drop it
   (ack) if it can no longer finish before its deadline, else work for the service time and
   reply to the producer's exclusive reply queue. aio-pika throughout, as a competent user
@@ -75,13 +75,14 @@ from report import Report, Target, add_json_argument
 
 from mesh import constants as c
 from mesh.agent import AgentRuntime, AgentSettings
+from mesh.backoff import Backoff
 from mesh.core.pressure import PressurePolicy
 from mesh.errors import AdmissionRefused, SubmitDeadlineExceeded, TaskFailed
 from mesh.manager.admission import AdmissionPolicy
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.producer import MeshClient
-from mesh.producer.client import Backoff, retry_delay_s
+from mesh.producer.client import retry_delay_s
 from mesh.samples import SAMPLES
 from mesh.topology import Topology
 from mesh.transport import AmqpTransport

@@ -125,6 +125,7 @@ from mesh.agent.core import AgentCore, Phase
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
 from mesh.agent.http import AgentHttpServer, default_drain_deadline_s
 from mesh.agent.processing import process_task
+from mesh.backoff import Backoff
 from mesh.errors import (
     LocalProtocolError,
     MeshError,
@@ -273,12 +274,10 @@ class AgentSettings:
 def backoff_delay(
     attempt: int, *, rng: random.Random, base_s: float = 0.5, cap_s: float = 10.0
 ) -> float:
-    """Exponential backoff with equal jitter for retry number ``attempt`` (from 0).
-
-    Half of the step is fixed and half random, so retries spread out but never collapse to 0.
-    """
-    step = min(cap_s, base_s * 2.0 ** min(attempt, 32))
-    return step / 2 + rng.uniform(0, step / 2)
+    """The agent's retries (registration, result publishes): :mod:`mesh.backoff` with equal
+    jitter — half of each step fixed and half random, so retries spread out but never
+    collapse to 0."""
+    return Backoff(base_s, cap_s, spread=0.5).delay_s(attempt, rng.random)
 
 
 class AgentRuntime:

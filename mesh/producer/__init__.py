@@ -1,5 +1,6 @@
 """Producer SDK: the manager's client API and the run-a-task helper."""
 
-from mesh.producer.client import Backoff, MeshClient, Submitted, TaskOutcome, retry_delay_s
+from mesh.backoff import Backoff
+from mesh.producer.client import MeshClient, Submitted, TaskOutcome, retry_delay_s
 
 __all__ = ["Backoff", "MeshClient", "Submitted", "TaskOutcome", "retry_delay_s"]

@@ -39,6 +39,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from mesh import constants as c
+from mesh.backoff import Backoff
 from mesh.errors import (
     AdmissionRefused,
     LocalProtocolError,
@@ -106,6 +107,8 @@ knows (docs/protocol.md 1.2), sent with the requests whose replies have such fie
 REPLY_MAX_BYTES = 64 * 1024 * 1024
 _ASK_AGAIN_FOR_S = 15.0  # after a reconnect, while the manager's request queue is not back
 _QUEUE_FULL_RETRY_MS = 250  # a full pool queue drains as its agents claim tasks
+# Releases asked again, spread so that producers do not come back together after a failover.
+_SETTLE_BACKOFF = Backoff(base_s=0.25, cap_s=4.0, spread=0.5)
 _SETTLE_RETRY_S = 60.0  # a release is asked again this long (a ledger failover, a manager's)
 _ANSWERED_KEPT = 10_000  # answered correlation IDs remembered, to tell duplicates from late
 
@@ -154,21 +157,13 @@ class Submitted:
         return [item for d in self.result.degradations for item in d.missing_evidence]
 
 
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    """How ``submit`` spaces its retries: never sooner than the manager's ``retry_after_ms``,
-    plus a random share (full jitter) of an exponential step ``base_s * 2**attempt``, capped."""
-
-    base_s: float = 0.05
-    cap_s: float = 5.0
-
-
 def retry_delay_s(
     retry_after_ms: int | None, attempt: int, backoff: Backoff, rand: Callable[[], float]
 ) -> float:
-    """Seconds to wait before retry number ``attempt`` (from 0) after a deferral."""
-    step = min(backoff.cap_s, backoff.base_s * 2.0 ** min(attempt, 32))
-    return (retry_after_ms or 0) / 1000.0 + step * rand()
+    """Seconds to wait before retry number ``attempt`` (from 0) after a deferral: never
+    sooner than the manager's ``retry_after_ms``, then ``backoff`` (:mod:`mesh.backoff`; by
+    default full jitter over a step from 50 ms to 5 s)."""
+    return backoff.delay_s(attempt, rand, at_least_s=(retry_after_ms or 0) / 1000.0)
 
 
 OnDeferred = Callable[[AdmissionDecision], "bool | Awaitable[bool]"]
@@ -767,7 +762,7 @@ class MeshClient:
         :meth:`close` stops those retries, and the reservation then expires on its own.
         Never raises: the task's outcome is not masked by its settlement."""
         give_up_at = time.monotonic() + (_SETTLE_RETRY_S if again else 0.0)
-        pause = 0.25
+        attempt = 0
         while True:
             transient = True
             try:
@@ -787,6 +782,8 @@ class MeshClient:
                 self._retrying.add(retry)
                 retry.add_done_callback(self._retrying.discard)
                 return
+            pause = _SETTLE_BACKOFF.delay_s(attempt, random.random)
+            attempt += 1
             if time.monotonic() + pause > give_up_at:
                 self.counters["settle_failed"] += 1
                 log.warning(
@@ -796,7 +793,6 @@ class MeshClient:
                 return
             self.counters["settle_retried"] += 1
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 4.0)
 
     # ---- the lease path -----------------------------------------------------------------
     async def run_task(
