@@ -125,14 +125,22 @@ async def once(
     try:
         result = await effect()
     except retry_on:
-        await asyncio.to_thread(log.release, key)
+        await _written(log.release, key)
         raise
     except BaseException as exc:
         why = f"the effect raised {type(exc).__name__}: {exc}"[:500]
-        await asyncio.to_thread(log.note, key, why, time.time())
+        await _written(log.note, key, why, time.time())
         raise
-    await asyncio.to_thread(log.done, key, result, time.time())
+    await _written(log.done, key, result, time.time())
     return result
+
+
+async def _written(write: Callable[..., None], *args: Any) -> None:
+    """A record of how the effect ended, written in a worker thread even if the handler is
+    cancelled while it waits (its connection lost): a plain ``to_thread`` whose wait is
+    cancelled before a worker is free drops the write, and the claim would read as an
+    unknown outcome to every later run although the effect completed."""
+    await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(write, *args)))
 
 
 _BEGUN = ("started", "")  # claimed, and neither a result nor an exception recorded yet

@@ -58,6 +58,7 @@ class CountingEcho(Agent):
     started: Counter[tuple[str, str]] = Counter()  # (agent, message) -> runs begun
     runs: Counter[tuple[str, str]] = Counter()  # (agent, message) -> runs to the end
     effects: Counter[str] = Counter()  # message -> effects made
+    keys: dict[str, set[str]] = {}  # message -> the idempotency keys its runs had
     effect_log: EffectLog = MemoryEffectLog()  # set per test: one both agents share
 
     @capability(
@@ -72,6 +73,7 @@ class CountingEcho(Agent):
         assert current_task().task_id
         key = (self.agent_id or "", payload["message"])
         CountingEcho.started[key] += 1
+        CountingEcho.keys.setdefault(payload["message"], set()).add(current_task().idempotency_key)
         await asyncio.sleep(payload.get("sleep_ms", 0) / 1000)
 
         async def effect() -> str:
@@ -194,6 +196,7 @@ async def test_each_node_killed_in_turn_under_load_loses_nothing_and_stops_nobod
     CountingEcho.runs.clear()
     CountingEcho.started.clear()
     CountingEcho.effects.clear()
+    CountingEcho.keys.clear()
     load, stop = Load(), asyncio.Event()
     workers = [
         asyncio.create_task(call_forever(client, path, n, load, stop))
@@ -247,12 +250,16 @@ async def test_each_node_killed_in_turn_under_load_loses_nothing_and_stops_nobod
         f"effects with once made twice {sum(1 for n in CountingEcho.effects.values() if n > 1)}; "
         f"handlers cut by the connection's loss and started again {restarted}), "
         f"agents declared lost {lost_agents}, recovery s "
-        f"{[round(r, 2) for r in recoveries]}"
+        f"{[round(r, 2) for r in recoveries]}; producer {dict(client.counters)}"
     )
     assert load.failed == [], load.failed[:5]
     assert sum(load.ok.values()) == sum(load.sent.values())
     assert max(recoveries) <= RECOVERY_BOUND_S, recoveries
     assert lost_agents == 0
-    assert twice_on_one == []
-    assert [m for m, n in CountingEcho.effects.items() if n > 1] == []
+    # A message run twice: under which idempotency keys (one: a redelivery; two: the
+    # producer sent it again as a new task or admission) and on which agents.
+    seen = {m: sorted(keys) for m, keys in CountingEcho.keys.items() if len(keys) > 1}
+    assert twice_on_one == [], (twice_on_one, seen)
+    twice_made = [m for m, n in CountingEcho.effects.items() if n > 1]
+    assert twice_made == [], [(m, sorted(CountingEcho.keys.get(m, ()))) for m in twice_made]
     assert sum(CountingEcho.effects.values()) == sum(load.ok.values())  # one effect per task

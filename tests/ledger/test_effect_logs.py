@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import Context
 from pathlib import Path
 from typing import Any
@@ -257,3 +258,36 @@ async def test_a_run_that_finds_the_effect_begun_long_ago_refuses_after_waiting(
 
 async def _never() -> str:
     raise AssertionError("the effect ran a second time")
+
+
+async def test_a_handler_cancelled_while_its_record_waits_for_a_worker_still_records_it(
+    log: EffectLog,
+) -> None:
+    """The effect completed; the handler is cancelled (its connection lost) while the write
+    of the result waits for a free worker thread. The write still happens, so a later run
+    gets the result — not an unknown outcome for an effect that completed."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    gate, made = threading.Event(), asyncio.Event()
+    busy: list[asyncio.Future[bool]] = []
+
+    async def charge() -> str:
+        busy.append(loop.run_in_executor(None, gate.wait, 10))  # the only worker, taken
+        made.set()
+        return "r-5"
+
+    in_task("admission:g1")
+    first = asyncio.create_task(once("charge", charge, log=log))
+    await made.wait()
+    await asyncio.sleep(0.05)  # the result's write is queued behind the busy worker
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    gate.set()
+    await busy[0]
+    for _ in range(100):  # the write runs once the worker is free
+        if log.claim("admission:g1/charge", 0.0) == ("done", "r-5"):
+            break
+        await asyncio.sleep(0.02)
+    in_task("admission:g1", attempt=2)
+    assert await once("charge", _never, log=log, wait_s=0.5) == "r-5"
