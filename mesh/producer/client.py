@@ -821,7 +821,6 @@ class MeshClient:
         so is a task the agent's queue refused (``QUEUE_FULL``), after a pause.
         """
         deadline = time.time() + timeout_s
-        full = 0  # the agents' queues that refused the task, so far
         while True:
             lease = await self._acquire_until(capability, version_spec, deadline)
             if isinstance(lease, Refusal):
@@ -830,18 +829,6 @@ class MeshClient:
                 )
             try:
                 result = await self._send_and_wait(lease, payload, deadline)
-            except TaskRefused as refused:
-                # The agent's queue refused the task (full, or a channel RabbitMQ keeps
-                # refusing after a queue leader's death, which the transport reopens): the
-                # lease is given back and a new one asked for after a pause, until the
-                # deadline — backpressure is a wait, as on the admission path.
-                delay = retry_delay_s(_QUEUE_FULL_RETRY_MS, full, Backoff(), random.random)
-                if refused.code != Reason.QUEUE_FULL.value or time.time() + delay >= deadline:
-                    raise
-                full += 1
-                self.counters["run_task_queue_full_retries"] += 1
-                await asyncio.sleep(delay)
-                continue
             finally:
                 await self._release_quietly(lease.lease_id)
             if not _lease_unknown(result) or time.time() >= deadline:
@@ -866,7 +853,7 @@ class MeshClient:
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[task.task_id] = fut
         try:
-            await self._publish_task(lease.agent_id, task, {c.H_LEASE_ID: lease.lease_id}, deadline)
+            await self._publish_until_taken(lease, task, deadline)
             reply = await asyncio.wait_for(fut, max(0.0, deadline - time.time()))
         except PublishNacked:
             raise TaskRefused(
@@ -886,6 +873,28 @@ class MeshClient:
             self._pending.pop(task.task_id, None)
         return _expect(reply, TaskResult)
 
+    async def _publish_until_taken(self, lease: Lease, task: Task, deadline: float) -> None:
+        """Publish ``task`` to its agent's queue; a refusal (the queue full, or a channel
+        RabbitMQ 3.10 keeps refusing after a queue leader's death, which the transport
+        reopens) is waited out: the same task under the same lease again after a pause, until
+        the deadline — backpressure is a wait, as on the admission path. The same task, not a
+        new one: a refused publish RabbitMQ did enqueue after all is then the same task
+        twice, which the agent answers once (one task ID, one idempotency key)."""
+        refused = 0
+        while True:
+            try:
+                await self._publish_task(
+                    lease.agent_id, task, {c.H_LEASE_ID: lease.lease_id}, deadline
+                )
+                return
+            except PublishNacked:
+                delay = retry_delay_s(_QUEUE_FULL_RETRY_MS, refused, Backoff(), random.random)
+                if time.time() + delay >= deadline:
+                    raise
+                refused += 1
+                self.counters["run_task_queue_full_retries"] += 1
+                await asyncio.sleep(delay)
+
     async def _acquire_until(
         self, capability: str, version_spec: str, deadline: float
     ) -> Lease | Refusal:
@@ -894,9 +903,21 @@ class MeshClient:
         while True:
             remaining = max(0.1, deadline - time.time())
             try:
-                return await self.acquire(
+                answer = await self.acquire(
                     capability, version_spec, ttl_s=remaining + 5, timeout_s=min(10.0, remaining)
                 )
+                if not (isinstance(answer, Refusal) and answer.reason is Reason.UNKNOWN_LEASE):
+                    return answer
+                # The request was asked again after a reconnect, and the lease its first ask
+                # was granted is gone (its grant could not be delivered: released at once).
+                # A new request is a new lease.
+                self.counters["acquire_lease_gone_retries"] += 1
+                delay = retry_delay_s(None, retries, Backoff(), random.random)
+                retries += 1
+                if time.time() + delay >= deadline:
+                    return answer
+                await asyncio.sleep(delay)
+                continue
             except (RequestTimeout, TransportError):
                 delay = retry_delay_s(None, retries, Backoff(), random.random)
                 retries += 1

@@ -16,7 +16,8 @@ from mesh.manager.service import ManagerService
 from mesh.producer import MeshClient
 from mesh.samples import SAMPLES
 from mesh.transport import AmqpTransport
-from mesh.wire import Lease, LeaseNotice
+from mesh.wire import Lease, LeaseNotice, Refusal
+from mesh.wire.reasons import Reason
 
 from .harness import echo_capability, eventually, live_member, manager_settings, start_manager
 
@@ -222,9 +223,9 @@ async def test_a_full_agent_queue_is_waited_out_by_run_task_until_its_deadline(
     amqp_url: str, manager: ManagerService, client: MeshClient, management_api: Any
 ) -> None:
     """The agent's task queue refuses the task (full — or a channel RabbitMQ 3.10 keeps
-    refusing after a queue leader's death): ``run_task`` gives the lease back and asks again
-    after a pause, until its deadline; only then is ``QUEUE_FULL`` raised. Once the queue has
-    room the task goes in."""
+    refusing after a queue leader's death): ``run_task`` publishes the same task again after
+    a pause, until its deadline; only then is ``QUEUE_FULL`` raised. Once the queue has room
+    the task goes in."""
     transport = await AmqpTransport.connect(amqp_url, name="stuck-agent")
     try:
         member = await live_member(manager, transport, "stuck-1", "raw", echo_capability())
@@ -253,3 +254,29 @@ async def test_a_full_agent_queue_is_waited_out_by_run_task_until_its_deadline(
         assert await transport.queue_depth(queue) == 1
     finally:
         await transport.close()
+
+
+async def test_an_acquire_answered_lease_gone_is_asked_anew(
+    client: MeshClient, start_agent: RuntimeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request asked again after a reconnect (same correlation ID, so the same lease ID) can
+    be answered UNKNOWN_LEASE: its first ask was granted, the grant could not be delivered
+    (the reply queue gone with a node) and the manager released it at once. ``run_task``
+    then asks anew — a new request, a new lease — instead of failing the call (it failed
+    one call in a cluster run)."""
+    await start_agent("calc", "calc-gone")
+    real_acquire, answers = client.acquire, []
+
+    async def first_one_gone(*args: Any, **kwargs: Any) -> Any:
+        if not answers:
+            answers.append("gone")
+            return Refusal(
+                reason=Reason.UNKNOWN_LEASE, detail="lease 'x' was already granted and has ended"
+            )
+        return await real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(client, "acquire", first_one_gone)
+    outcome = await client.run_task("math.evaluate", {"expression": "6 * 7"}, timeout_s=10)
+
+    assert outcome.output["value"] == 42
+    assert client.counters["acquire_lease_gone_retries"] == 1
