@@ -189,7 +189,11 @@ _POOL_BACK_FIRST_S = 0.5
 _POOL_BACK_MAX_S = 5.0
 ANSWERS_KEPT = 4096  # published results remembered for redeliveries of the same task
 # Results that are no answer to the task's work: a redelivery must run it after all.
-_NOT_DONE = frozenset({Reason.AGENT_SHUTDOWN, Reason.EVICTED, Reason.DEADLINE_EXCEEDED})
+# (GRANT_INVALID: this copy's grant or lease was refused, which says nothing of the task: the
+# producer may send the same task under a new lease.)
+_NOT_DONE = frozenset(
+    {Reason.AGENT_SHUTDOWN, Reason.EVICTED, Reason.DEADLINE_EXCEEDED, Reason.GRANT_INVALID}
+)
 _SETTLE_POLL_S = 0.2
 # How long a redelivered pool task waits for the ledger's word on its admission before it
 # runs anyway (its grant checked as always).

@@ -818,19 +818,38 @@ class MeshClient:
         An agent that answers ``UNKNOWN_LEASE`` did not run the task: it does not know the
         lease (it restarted under its ID after the lease was granted to its predecessor, whose
         leases ended with it). The task is sent again under a new lease, until the deadline;
-        so is a task the agent's queue refused (``QUEUE_FULL``), after a pause.
+        so is a task the agent's queue refused (``QUEUE_FULL``: full, or a channel RabbitMQ
+        3.10 keeps refusing after a queue leader's death), after a pause — backpressure is a
+        wait, as on the admission path. Always the same task (one task ID, so one idempotency
+        key): if its first copy ran after all (a refused publish RabbitMQ enqueued; a
+        predecessor killed mid-run), effects kept with :func:`mesh.agent.once` happen once.
         """
         deadline = time.time() + timeout_s
+        task_id = uuid.uuid4().hex
+        refused = 0  # publishes the agents' queues refused, so far
         while True:
             lease = await self._acquire_until(capability, version_spec, deadline)
             if isinstance(lease, Refusal):
                 raise TaskRefused(
                     lease.reason.value, lease.detail, retry_after_ms=lease.retry_after_ms
                 )
+            full: TaskRefused | None = None
             try:
-                result = await self._send_and_wait(lease, payload, deadline)
+                result = await self._send_and_wait(lease, payload, deadline, task_id)
+            except TaskRefused as refusal:
+                if refusal.code != Reason.QUEUE_FULL.value:
+                    raise
+                full = refusal
             finally:
                 await self._release_quietly(lease.lease_id)
+            if full is not None:
+                delay = retry_delay_s(_QUEUE_FULL_RETRY_MS, refused, Backoff(), random.random)
+                if time.time() + delay >= deadline:
+                    raise full
+                refused += 1
+                self.counters["run_task_queue_full_retries"] += 1
+                await asyncio.sleep(delay)
+                continue
             if not _lease_unknown(result) or time.time() >= deadline:
                 return TaskOutcome(_output_of(result), result, lease)
             self.counters["run_task_lease_retries"] += 1
@@ -840,10 +859,10 @@ class MeshClient:
             )
 
     async def _send_and_wait(
-        self, lease: Lease, payload: dict[str, Any], deadline: float
+        self, lease: Lease, payload: dict[str, Any], deadline: float, task_id: str | None = None
     ) -> TaskResult:
         task = Task(
-            task_id=uuid.uuid4().hex,
+            task_id=task_id or uuid.uuid4().hex,
             capability=lease.capability,
             lease_id=lease.lease_id,
             payload=payload,
@@ -853,7 +872,7 @@ class MeshClient:
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[task.task_id] = fut
         try:
-            await self._publish_until_taken(lease, task, deadline)
+            await self._publish_task(lease.agent_id, task, {c.H_LEASE_ID: lease.lease_id}, deadline)
             reply = await asyncio.wait_for(fut, max(0.0, deadline - time.time()))
         except PublishNacked:
             raise TaskRefused(
@@ -872,28 +891,6 @@ class MeshClient:
         finally:
             self._pending.pop(task.task_id, None)
         return _expect(reply, TaskResult)
-
-    async def _publish_until_taken(self, lease: Lease, task: Task, deadline: float) -> None:
-        """Publish ``task`` to its agent's queue; a refusal (the queue full, or a channel
-        RabbitMQ 3.10 keeps refusing after a queue leader's death, which the transport
-        reopens) is waited out: the same task under the same lease again after a pause, until
-        the deadline — backpressure is a wait, as on the admission path. The same task, not a
-        new one: a refused publish RabbitMQ did enqueue after all is then the same task
-        twice, which the agent answers once (one task ID, one idempotency key)."""
-        refused = 0
-        while True:
-            try:
-                await self._publish_task(
-                    lease.agent_id, task, {c.H_LEASE_ID: lease.lease_id}, deadline
-                )
-                return
-            except PublishNacked:
-                delay = retry_delay_s(_QUEUE_FULL_RETRY_MS, refused, Backoff(), random.random)
-                if time.time() + delay >= deadline:
-                    raise
-                refused += 1
-                self.counters["run_task_queue_full_retries"] += 1
-                await asyncio.sleep(delay)
 
     async def _acquire_until(
         self, capability: str, version_spec: str, deadline: float

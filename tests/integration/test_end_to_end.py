@@ -223,9 +223,9 @@ async def test_a_full_agent_queue_is_waited_out_by_run_task_until_its_deadline(
     amqp_url: str, manager: ManagerService, client: MeshClient, management_api: Any
 ) -> None:
     """The agent's task queue refuses the task (full — or a channel RabbitMQ 3.10 keeps
-    refusing after a queue leader's death): ``run_task`` publishes the same task again after
-    a pause, until its deadline; only then is ``QUEUE_FULL`` raised. Once the queue has room
-    the task goes in."""
+    refusing after a queue leader's death): ``run_task`` sends the same task (one task ID)
+    under a new lease after a pause, until its deadline; only then is ``QUEUE_FULL`` raised.
+    Once the queue has room the task goes in."""
     transport = await AmqpTransport.connect(amqp_url, name="stuck-agent")
     try:
         member = await live_member(manager, transport, "stuck-1", "raw", echo_capability())
