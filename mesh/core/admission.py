@@ -900,6 +900,7 @@ class AdmissionCore:
             decision = self._admitted(known, [], tools=tools, now=now)
             if admission_id not in self.held:  # granted by a manager that stopped mid-way
                 self._count_grant(batch, known, request.requirements, tenant, now)
+            batch.replayed.add(admission_id)  # granted before: not a second grant
             return decision
         if known.state is ReservationState.PREPARING and known.expires_at > now:
             if self.external_grants:
@@ -1236,12 +1237,18 @@ class AdmissionCore:
         return None
 
     def _recorded_for(self, batch: Batch, admission_id: str) -> DecisionRecord | None:
-        """This batch's decision about ``admission_id``, the cache's, or the view's."""
-        decided = batch.decided.get(admission_id) or self.decisions.get(admission_id)
+        """This batch's decision about ``admission_id``, else the view's, else the cache's.
+        The view was read in the batch's transaction: with several managers it may hold a
+        decision newer than the one this manager remembers (the pool's shard moved away and
+        back, and another manager granted what this one had deferred)."""
+        decided = batch.decided.get(admission_id)
         if decided is not None:
             return decided
         row = batch.view.decisions.get(admission_id)
-        return None if row is None else parse_record(row)
+        cached = self.decisions.get(admission_id)
+        if row is None or remembered_as_kept(cached, row):
+            return cached  # spares parsing the row
+        return parse_record(row)
 
     def _record(self, batch: Batch, decided: DecisionRecord, now: float) -> None:
         """Have the ledger keep the decision — unless the ID's recorded decision is for
@@ -1331,6 +1338,16 @@ def by_preference(
         return (ranking.rank(cost, used / capacity if capacity else 1.0), pool_id)
 
     return sorted(pools, key=key)
+
+
+def remembered_as_kept(remembered: DecisionRecord | None, row: DecisionRow) -> bool:
+    """Whether a decision a manager remembers is the one the ledger keeps (``row``): the
+    same outcome for the same requirements. With several managers the ledger's may be newer
+    (another manager decided since), and then it is the one that holds."""
+    return remembered is not None and (remembered.decision.outcome, remembered.digest) == (
+        row.outcome,
+        row.digest,
+    )
 
 
 def parse_record(row: DecisionRow) -> DecisionRecord | None:

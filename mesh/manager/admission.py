@@ -47,6 +47,7 @@ from mesh.core.admission import (
     PendingExternal,
     parse_record,
     refused,
+    remembered_as_kept,
 )
 from mesh.core.capacity import LiveCapacity
 from mesh.core.eligibility import EligibilityCache, EligibilitySnapshot, capacities
@@ -70,6 +71,7 @@ from mesh.wire.admission import (
     AdmissionReleaseReply,
     AdmissionRequest,
     CapabilityDescriptor,
+    requirement_digest,
 )
 
 __all__ = [
@@ -507,14 +509,30 @@ class Admitter:
 
     # ---- decisions recorded ---------------------------------------------------------------
     def recorded(self, admission_id: str) -> DecisionRecord | None:
-        """The latest decision about ``admission_id``: the cache's, or the ledger's (made
-        before a restart, or by another manager). One read back from the ledger names its
-        eligibility snapshot without it: see :meth:`with_eligibility`."""
-        decided = self.core.decisions.get(admission_id)
-        if decided is not None:
-            return decided
+        """The latest decision about ``admission_id``: the ledger's (made here, before a
+        restart, or by another manager since), else the cache's. One read back from the
+        ledger names its eligibility snapshot without it: see :meth:`with_eligibility`."""
         row = self.ledger.decision(admission_id)
-        return None if row is None else self._parsed(row)
+        cached = self.core.decisions.get(admission_id)
+        if row is None or remembered_as_kept(cached, row):
+            return cached  # its snapshot at hand
+        return self._parsed(row)
+
+    def answered_before(self, request: AdmissionRequest, tenant: str) -> AdmissionDecision | None:
+        """For a redelivered request (the manager it went to stopped before acking it): the
+        deferral or refusal the ledger records for it, to be given again — the answer that
+        manager may already have sent — rather than decided anew, which could differ (a grant
+        where it had deferred: one request answered twice, differently). ``None``: nothing
+        recorded for these requirements, or a grant, which the batch gives again (journaled
+        ``replayed``). A recorded deferral may be an earlier attempt's, not this one's: its
+        caller then retries once more than it would have."""
+        row = self.ledger.decision(request.admission_id)
+        if row is None or row.outcome == "admitted":
+            return None
+        if row.digest != requirement_digest(request.requirements, tenant):
+            return None  # another request's: the batch answers CONFLICT
+        decided = self._parsed(row)
+        return None if decided is None else decided.decision
 
     @staticmethod
     def _parsed(row: DecisionRow) -> DecisionRecord | None:

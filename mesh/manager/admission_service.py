@@ -266,9 +266,27 @@ class AdmissionService:
                 reason=AdmissionReason.INVALID_REQUEST,
                 detail="no authenticated producer: publish with user_id set to your broker user",
             )
+        if request.redelivered:
+            again = await self._answered_before(admitter, message, tenant)
+            if again is not None:
+                return again
         decision = await self._batches.submit((message, tenant))
         assert isinstance(decision, AdmissionDecision)
         return decision
+
+    async def _answered_before(
+        self, admitter: Admitter, message: AdmissionRequest, tenant: str
+    ) -> AdmissionDecision | None:
+        """A redelivered request's recorded deferral or refusal, given again
+        (:meth:`Admitter.answered_before`); ``None`` (decide it) if there is none or the
+        ledger cannot say."""
+        try:
+            again = await self._on_ledger(admitter.answered_before, message, tenant)
+        except StoreError:
+            return None
+        if again is not None:
+            self.counters["admission.answered_again"] += 1
+        return again
 
     async def _release(
         self, admitter: Admitter, message: AdmissionRelease, request: Delivery, now: float

@@ -32,7 +32,7 @@ import logging
 import random
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -175,6 +175,21 @@ def _answer_of(reply: Message | None) -> tuple[str, str | None]:
     return ("", None) if reply is None else (reply.type, _granted(reply))
 
 
+def _said(reply: Message | None) -> str:
+    """One line for a log or a test's output: a reply's type, outcome, reason and grant."""
+    if reply is None:
+        return "(undecodable)"
+    parts = [reply.type]
+    for field in ("outcome", "reason"):
+        value = getattr(reply, field, None)
+        if value:
+            parts.append(str(value))
+    granted = _granted(reply)
+    if granted:
+        parts.append(granted)
+    return " ".join(parts)
+
+
 def _granted(reply: Message) -> str | None:
     """What ``reply`` grants, as a key that tells two grants apart (``None``: nothing)."""
     if isinstance(reply, LeaseGranted):
@@ -198,8 +213,11 @@ class MeshClient:
         self._asked: dict[str, tuple[Message, str, Mapping[str, str] | None]] = {}
         self._correlation_ids = IdSequence()
         # Correlation IDs answered lately (bounded), each with its answer's type and the grant
-        # it carried: a second answer to one is a duplicate, and counted if it differs.
-        self._answered: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        # it carried, and the answer in one line: a second answer to one is a duplicate, and
+        # counted if it differs.
+        self._answered: OrderedDict[str, tuple[tuple[str, str | None], str]] = OrderedDict()
+        # The last requests answered twice differently: (correlation ID, first, second).
+        self.answered_differently: deque[tuple[str, str, str]] = deque(maxlen=20)
         self._consumer: Subscription | None = None
         self._owns_transport = False
         self._background: set[asyncio.Task[None]] = set()
@@ -286,7 +304,7 @@ class MeshClient:
         fut.set_result(reply)
 
     def _remember_answer(self, correlation_id: str | None, reply: Message | None) -> None:
-        self._answered[correlation_id or ""] = _answer_of(reply)
+        self._answered[correlation_id or ""] = (_answer_of(reply), _said(reply))
         if len(self._answered) > _ANSWERED_KEPT:
             self._answered.popitem(last=False)
 
@@ -298,8 +316,9 @@ class MeshClient:
         except Exception:
             return
         correlation_id = delivery.correlation_id or ""
-        first = self._answered.get(correlation_id)
-        if first is not None:
+        answered = self._answered.get(correlation_id)
+        if answered is not None:
+            first, first_said = answered
             # A second answer: the manager that answered first died before acknowledging the
             # request, and another manager answered it again. An admission is answered from
             # the ledger — the same grant, which the caller holds and will settle: releasing
@@ -308,9 +327,14 @@ class MeshClient:
             self.counters["duplicate_replies"] += 1
             if _answer_of(reply) != first:  # a grant then a refusal, two leases…: not true
                 self.counters["duplicate_replies_differing"] += 1
+                self.answered_differently.append((correlation_id, first_said, _said(reply)))
                 log.warning(
                     "a request answered twice, differently",
-                    extra={"first": first[0], "second": reply.type},
+                    extra={
+                        "correlation_id": correlation_id,
+                        "first": first_said,
+                        "second": _said(reply),
+                    },
                 )
             if isinstance(reply, TaskResult):
                 self.counters["duplicate_results"] += 1

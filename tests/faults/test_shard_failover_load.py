@@ -196,10 +196,13 @@ async def ready_for_load(
 async def assert_nothing_lost(
     load: Load, before: dict[str, int], ledger: PostgresLedger, fleet: Fleet
 ) -> None:
-    """Every request answered on both paths, before and after the change; the ledger holds
-    each admission once, under a fence of its own, every one settled; no agent declared
-    lost by any manager."""
+    """Every request answered on both paths, before and after the change, and none answered
+    twice differently; the ledger holds each admission once, under a fence of its own, every
+    one settled; no agent declared lost by any manager."""
     assert load.failures == []
+    # Answered twice only the same (the first manager died before its ack), never differently.
+    differing = load.producer.counters["duplicate_replies_differing"]
+    assert differing == 0, list(load.producer.answered_differently)
     assert load.done["run_task"] > before.get("run_task", 0) > 0
     assert load.done["submit"] > before.get("submit", 0) > 0
     await until(lambda: all_released(ledger), "every grant released (releases asked again)")

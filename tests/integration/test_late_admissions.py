@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import aiormq
 import pytest
 
 from mesh.core.admission import refused
@@ -174,6 +175,68 @@ async def test_a_second_answer_to_an_answered_admission_leaves_its_grant_with_th
         await tap.close()
         await producer.close()
         await manager.stop()
+
+
+async def test_a_redelivered_request_gets_its_recorded_deferral_again_not_a_new_decision(
+    amqp_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Its manager deferred it, answered, and stopped before its ack: the broker gives the
+    request, marked redelivered, to the next manager. Capacity is free by then, and deciding
+    it anew would answer one request twice, differently (a deferral, then a grant): the
+    ledger's recorded deferral is given again. The redelivery is the broker's own: a copy of
+    the request is put in the manager's queue while no manager runs, taken by the test and
+    given back (requeue), so RabbitMQ marks it redelivered. A retry (a new request, not
+    redelivered) is decided anew and admitted."""
+    settings = settings_for(amqp_url, namespace, tmp_path, admission_capacity="descriptor")
+    manager = await start_manager(settings)
+    producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
+    tap, seen = await tap_on_admissions(amqp_url, producer)
+    control, admit_key = producer.topology.control_exchange, names.rpc_key("admit")
+    second = None
+    try:
+        assert (await producer.publish_descriptor(echo_descriptor(1))).type.endswith("accepted.v1")
+        holding = await producer.admit(echo_requirements(), admission_id="adm-hold")
+        assert holding.grant is not None, holding
+        waiting = await producer.admit(echo_requirements(), admission_id="adm-wait")
+        assert waiting.outcome == "deferred", waiting
+        await asyncio.wait_for(seen.get(), 5)  # adm-hold's request
+        request = await asyncio.wait_for(seen.get(), 5)  # adm-wait's
+        assert (await producer.release_admission(holding.grant)).released
+        await manager.stop()
+
+        await tap.publish(
+            control,
+            admit_key,
+            request.body,
+            reply_to=request.reply_to,
+            correlation_id=request.correlation_id,
+            user_id=request.user_id,
+        )
+        connection = await aiormq.connect(amqp_url)
+        try:
+            channel = await connection.channel()
+            taken = await channel.basic_get(producer.topology.rpc_queue, no_ack=False)
+            assert taken.delivery_tag is not None and taken.body == request.body
+            await channel.basic_reject(taken.delivery_tag, requeue=True)
+        finally:
+            await connection.close()
+
+        second = await start_manager(settings)
+        await eventually(lambda: producer.counters["late_replies"] == 1, what="the redelivery")
+        assert producer.counters["duplicate_replies"] == 1
+        assert producer.counters["duplicate_replies_differing"] == 0, list(
+            producer.answered_differently
+        )
+        assert second.admission.counters["admission.answered_again"] == 1
+        assert reservations(tmp_path) == {"adm-hold": "RELEASED"}  # nothing granted to it
+
+        retried = await producer.admit(echo_requirements(), admission_id="adm-wait")
+        assert retried.grant is not None, retried
+        assert (await producer.release_admission(retried.grant)).released
+    finally:
+        await tap.close()
+        await producer.close()
+        await (second or manager).stop()
 
 
 async def test_submit_tells_the_manager_its_deadline(

@@ -131,6 +131,40 @@ def test_the_same_request_recorded_as_admitted_gets_the_same_grant_and_writes_no
     assert [op for op in again.ops if not isinstance(op, SaveEligibility)] == []
 
 
+@pytest.mark.parametrize("then", ["held", "released"])
+def test_a_deferral_kept_here_gives_way_to_the_grant_another_manager_recorded_since(
+    then: str,
+) -> None:
+    """This manager deferred adm-1 when its pool was full; the pool's shard moved, another
+    manager granted it, and the shard came back. A redelivered or retried adm-1 is answered
+    with that grant (journaled as a replay), not decided again from the old deferral: the
+    ledger's record is newer than what this manager remembers. Before, the remembered
+    deferral hid the record: a held grant was journaled as granted a second time, and a
+    released one was refused STALE_FENCE — a second, different answer to one request."""
+    here = core()
+    full = counters(model_slots=DESCRIPTOR.model_limits.slots)
+    deferred = here.decide([request("adm-1")], view(full), T0)
+    assert deferred.final()[0].outcome == "deferred"
+    here.committed(deferred)
+
+    elsewhere = core().decide([request("adm-1")], view(counters(), fences=(201,)), T0 + 1)
+    (granted,) = elsewhere.final()
+    (record,) = [op.row for op in elsewhere.ops if isinstance(op, RecordDecision)]
+    (reserve,) = [op.reservation for op in elsewhere.ops if isinstance(op, Reserve)]
+    if then == "released":
+        reserve = dataclasses.replace(reserve, state=ReservationState.RELEASED)
+
+    again = here.decide(
+        [request("adm-1")],
+        view(counters(), reservations={"adm-1": reserve}, decisions={"adm-1": record}),
+        T0 + 2,
+    )
+
+    assert again.final() == [granted]
+    assert again.replayed == {"adm-1"}
+    assert [op for op in again.ops if not isinstance(op, SaveEligibility)] == []
+
+
 def test_a_reservation_keeps_its_epoch_and_a_replay_after_a_new_epoch_reports_it() -> None:
     """A grant replayed from its reservation (the decision record was not written: the
     manager stopped in between) reports the epoch it was granted under, not the pool's
