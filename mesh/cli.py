@@ -165,10 +165,26 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
         return 130
 
 
-async def _with_client(args: argparse.Namespace, fn: Callable[[Any], Awaitable[int]]) -> int:
+async def _with_client(
+    args: argparse.Namespace, fn: Callable[[Any], Awaitable[int]], *, read_only: bool = False
+) -> int:
+    """Run ``fn`` with a client. ``read_only``: a command that only asks (status, explain)
+    declares nothing on the broker; a namespace no manager has set up is said in one
+    sentence, with the exit code of a manager that does not answer (3)."""
+    from mesh.errors import TopologyMissing
     from mesh.producer import MeshClient
 
-    client = await MeshClient.connect(args.amqp_url, namespace=args.namespace, name="mesh-cli")
+    try:
+        client = await MeshClient.connect(
+            args.amqp_url, namespace=args.namespace, name="mesh-cli", declare=not read_only
+        )
+    except TopologyMissing:
+        print(
+            f"mesh: no manager has set up namespace {args.namespace!r} on this broker (its "
+            "exchanges do not exist): is `mesh manager` running, and is --namespace right?",
+            file=sys.stderr,
+        )
+        return 3
     try:
         return await fn(client)
     finally:
@@ -288,7 +304,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(render_status(reply))
         return 0
 
-    return _run(_with_client(args, show))
+    return _run(_with_client(args, show, read_only=True))
 
 
 # ---- mesh drain -----------------------------------------------------------------------------
@@ -556,7 +572,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(render_explain(reply, now=time.time()))
         return 0 if reply.found else 1
 
-    return _run(_with_client(args, explain))
+    return _run(_with_client(args, explain, read_only=True))
 
 
 # ---- mesh descriptor ------------------------------------------------------------------------

@@ -237,16 +237,28 @@ class MeshClient:
         name: str = "client",
         transport: ClientTransport | None = None,
         user_id: str | None = None,
+        declare: bool = True,
     ) -> MeshClient:
         """Connect to ``url`` (or use ``transport``). Requests carry ``user_id``: on a
         connection of its own, the URL's user (RabbitMQ validates it); with a transport
         handed in, ``user_id`` — the in-memory broker of :mod:`mesh.testing` takes it as
-        said, so a test can speak as its manager's operator."""
+        said, so a test can speak as its manager's operator. ``declare``: declare the
+        namespace's shared exchanges (any client may); ``False`` only checks they exist, so a
+        read-only caller (``mesh status``) changes nothing on the broker, and a namespace no
+        manager ever set up raises :class:`~mesh.errors.TopologyMissing`."""
         owns = transport is None
         if transport is None:
             transport = await AmqpTransport.connect(url, name=name)
         topology = Topology(namespace=namespace)
-        await transport.declare(topology.shared())
+        try:
+            if declare:
+                await transport.declare(topology.shared())
+            else:
+                await transport.check_exchanges(topology.shared_exchanges())
+        except BaseException:
+            if owns:
+                await transport.close()
+            raise
         queue = names.reply_queue(namespace, name.replace(":", "-"), uuid.uuid4().hex[:8])
         client = cls(transport, topology, queue)
         client._owns_transport = owns

@@ -10,6 +10,7 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -72,12 +73,19 @@ def test_an_unreachable_broker_is_one_clear_sentence_not_a_traceback() -> None:
     assert "rabbitmq-server -detached" in run.stderr
 
 
-def test_status_without_a_manager_says_so(amqp_url: str, namespace: str) -> None:
+def test_status_without_a_manager_says_so_and_declares_nothing(
+    amqp_url: str, namespace: str, management_api: Any
+) -> None:
     run = mesh("--amqp-url", amqp_url, "--namespace", namespace, "status", "--timeout", "2")
 
     assert run.returncode == 3
     assert "Traceback" not in run.stderr
-    assert "mesh manager" in run.stderr or "is it running" in run.stderr
+    assert f"no manager has set up namespace {namespace!r}" in run.stderr, run.stderr
+    # Read-only: it left the namespace as it found it (it used to declare its exchanges).
+    assert management_api.list_names("exchanges", f"{namespace}.") == []
+    explain = mesh("--amqp-url", amqp_url, "--namespace", namespace, "explain", "adm-1")
+    assert explain.returncode == 3 and "is `mesh manager` running" in explain.stderr
+    assert management_api.list_names("exchanges", f"{namespace}.") == []
 
 
 def test_schemas_check_passes_on_the_committed_schemas() -> None:
