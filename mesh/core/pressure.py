@@ -81,7 +81,10 @@ and the metrics. ``PressurePolicy(enabled=False)`` turns all of this off: no sta
 shares, no deadline prediction, a constant retry time — the baseline ``bench/overload.py``
 compares against.
 
-Pure: time and randomness are parameters; nothing here does I/O.
+Pure: time and randomness are parameters; nothing here does I/O. This module keeps the
+board — every pool's counters, holders, waiting requests and the stage it holds; the policies
+it asks (which stage the state calls for, which victim, which retry time) are functions in
+:mod:`mesh.core.policy`, one module each.
 """
 
 from __future__ import annotations
@@ -92,71 +95,27 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
+from mesh.core.policy.retry_times import line_retry_ms, refusal_retry_ms
+from mesh.core.policy.settings import PressurePolicy, Stage
+from mesh.core.policy.stages import RANK_STOPS_AT, shed_rank, stage_called_for, stage_limits
+from mesh.core.policy.victims import EVICTION_ORDER, choose_victim, evict_order
 from mesh.core.tally import move_count
 
-
-class Stage(IntEnum):
-    NORMAL = 0
-    SHED_SPECULATIVE = 1
-    PAUSE_BATCH = 2
-    TIGHTEN = 3
-    REJECT_INTERACTIVE = 4
-
-
-@dataclass(frozen=True, slots=True)
-class PressurePolicy:
-    enabled: bool = True
-    # Utilisation (model slots) at which SHED_SPECULATIVE, PAUSE_BATCH and TIGHTEN begin.
-    thresholds: tuple[float, float, float] = (0.7, 0.85, 0.95)
-    queue_age_s: float = 5.0  # the oldest queued task waited longer: one stage up
-    # Batch work at or below this priority is low-priority fan-out, shed with speculative work
-    # (None: only the speculative service class is; priority 0 is every request's default).
-    low_priority: int | None = None
-    retry_min_ms: int = 50
-    retry_max_ms: int = 30_000
-    retry_default_ms: int = 1_000  # constant when disabled; before any service time is known
-    jitter: float = 0.5  # retry times spread over wait * (1 ± jitter)
-    service_window: int = 256  # releases whose hold times make the service-time estimate
-    demand_window_s: float = 5.0  # a tenant or a refusal this recent still counts
-    evict: bool = True  # a full pool's interactive requests may evict recoverable work
-    # A stage steps down only once utilisation has stayed below its threshold less this
-    # (a fraction of capacity) for min_dwell_s; and no stage is left sooner than min_dwell_s
-    # after it was entered (a broker alarm excepted): a pool at steady load holds still.
-    hysteresis: float = 0.1
-    min_dwell_s: float = 2.0
-    # Requests deferred for capacity keep a place in the pool's line (mesh.core.line): a free
-    # slot goes to those ahead first. A place is kept for the retry time plus this grace.
-    line: bool = True
-    line_grace_s: float = 2.0
-    line_max: int = 10_000  # waiting requests per pool; beyond, deferred without a place
-    # A placed request comes back up to this share of one drain interval (capacity / service
-    # time) before its turn, never after: its place already spreads the returns, and a slot
-    # kept for a waiter that comes late stands idle, while one that comes early only asks again.
-    line_jitter: float = 0.5
-    # A newcomer gets a place only if its predicted finish, plus this share of the time until
-    # then, is still before its deadline; once placed, only the predicted finish must be. A
-    # place is a promise: kept loosely, given strictly, so a prediction that slips still ends
-    # in time instead of in a refusal at the turn (a missed deadline the producer waited for).
-    line_join_slack: float = 1.0
-    line_retry_min_ms: int = 10  # the head of the line may ask again this soon: its slot waits
-
-
-def shed_rank(service_class: str, priority: int, policy: PressurePolicy) -> int:
-    """0: speculative and low-priority fan-out; 1: batch; 2: interactive."""
-    if service_class == "interactive":
-        return 2
-    if service_class == "speculative":
-        return 0
-    if policy.low_priority is not None and priority <= policy.low_priority:
-        return 0
-    return 1
-
-
-# The stage at which each rank stops being admitted (interactive: only on signals or full).
-_RANK_STOPS_AT = {0: Stage.SHED_SPECULATIVE, 1: Stage.PAUSE_BATCH, 2: Stage.REJECT_INTERACTIVE}
+# The policies live in mesh.core.policy, one module each; these names stay importable here.
+__all__ = [
+    "EVICTION_ORDER",
+    "Holding",
+    "PoolPressure",
+    "PressureBoard",
+    "PressurePolicy",
+    "Shed",
+    "Stage",
+    "StageChange",
+    "evict_order",
+    "shed_rank",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,15 +128,6 @@ class Holding:
     rank: int = 1
     evict_order: int | None = None  # None: never evicted; lower: evicted first
     run: str | None = None  # "<tenant>/<run_id>", when the task names its run
-
-
-EVICTION_ORDER = ("rebuildable", "retryable")
-"""The recoverabilities whose admitted work may be evicted, first to go first."""
-
-
-def evict_order(recoverability: str | None) -> int | None:
-    """A recoverability's place in :data:`EVICTION_ORDER`; ``None``: never evicted."""
-    return EVICTION_ORDER.index(recoverability) if recoverability in EVICTION_ORDER else None
 
 
 class _Youngest:
@@ -274,14 +224,8 @@ class PoolPressure:
         return self._lowered
 
     def _compute_limits(self, policy: PressurePolicy) -> None:
-        capacity, lowered = self.capacity, policy.hysteresis
-        low, mid, high = (max(1, math.floor(t * capacity)) for t in policy.thresholds)
-        self._limits = (low, mid, high)
-        low, mid, high = (
-            max(1, math.floor(max(0.0, t - lowered) * capacity)) for t in policy.thresholds
-        )
-        self._lowered = (low, mid, high)
-        self._limits_capacity, self._limits_policy = capacity, policy
+        self._limits, self._lowered = stage_limits(self.capacity, policy)
+        self._limits_capacity, self._limits_policy = self.capacity, policy
 
     def limit(self, stage: Stage, policy: PressurePolicy) -> int:
         """Slots in use at which ``stage`` begins (by utilisation alone)."""
@@ -434,11 +378,7 @@ class PressureBoard:
         if not (self.policy.enabled and self.policy.evict) or rank < 2 or p.blocked:
             return None
         below_share = p.holders.get(tenant, 0) < self.fair_share(pool_id, tenant, now)
-        heaps = p.evictable if below_share else p.evictable_of.get(tenant, {})
-        for kind in sorted(heaps):
-            if kind[1] < rank and (chosen := heaps[kind].youngest()) is not None:
-                return chosen
-        return None
+        return choose_victim(rank, below_share, p.evictable, p.evictable_of.get(tenant, {}))
 
     # ---- the gate ------------------------------------------------------------------------
     def check(
@@ -461,7 +401,7 @@ class PressureBoard:
         if run is not None:
             p.run_demand[run] = now
         rank = shed_rank(service_class, priority, self.policy)
-        stops_at = _RANK_STOPS_AT[rank]
+        stops_at = RANK_STOPS_AT[rank]
         stage = p.stage
         limit = p.limit(stops_at, self.policy)
         if self._signalled(p) >= stops_at or (rank < 2 and p.used + 1 > limit):
@@ -504,25 +444,16 @@ class PressureBoard:
         the tenant's next refused request is told to wait behind this one while it waits:
         each tenant queues behind its own waiting requests only, so a bursting tenant's
         crowd does not push back a tenant that asks now and then."""
-        policy = self.policy
-        if not policy.enabled:
-            return policy.retry_default_ms
+        if not self.policy.enabled:
+            return self.policy.retry_default_ms
         p = self.pool(pool_id)
         ahead = [at for at in p.waiting.get(tenant, ()) if at > now]
-        competitors = len(ahead)
         service_s = self._service_s(p, estimated_duration_s)
-        if p.capacity <= 0 or service_s <= 0:
-            wait_ms = float(policy.retry_default_ms)
-        else:
-            drain_rate = p.capacity / service_s  # grants ending per second when busy
-            wait_ms = 1000.0 * (max(1, slots_to_free) + competitors) / drain_rate
-        wait_ms = min(max(wait_ms, policy.retry_min_ms), policy.retry_max_ms)
-        spread = wait_ms * (1.0 + policy.jitter * (2.0 * rand() - 1.0))
-        retry_ms = int(min(max(spread, policy.retry_min_ms), policy.retry_max_ms))
-        if deadline is not None and now + retry_ms / 1000.0 + service_s > deadline:
-            p.waiting[tenant] = ahead
-            return None
-        ahead.append(now + retry_ms / 1000.0)
+        retry_ms = refusal_retry_ms(
+            slots_to_free, len(ahead), p.capacity, service_s, now, deadline, self.policy, rand
+        )
+        if retry_ms is not None:
+            ahead.append(now + retry_ms / 1000.0)
         p.waiting[tenant] = ahead
         return retry_ms
 
@@ -535,7 +466,7 @@ class PressureBoard:
         if rank == 2:
             return None
         p = self.pool(pool_id)
-        stops_at = _RANK_STOPS_AT[rank]
+        stops_at = RANK_STOPS_AT[rank]
         if self._signalled(p) >= stops_at:
             return 0
         return max(0, p.limit(stops_at, self.policy) - p.used)
@@ -555,28 +486,21 @@ class PressureBoard:
         """When a request at ``position`` in the pool's line (``free`` slots free now) should
         come back: once the ``position - free`` grants before its turn have ended at the
         pool's drain rate; ``None`` when the deadline would pass first — for a request
-        ``joining`` the line, with ``line_join_slack`` of the wait to spare."""
-        policy = self.policy
+        ``joining`` the line, with ``line_join_slack`` of the wait to spare
+        (:func:`mesh.core.policy.retry_times.line_retry_ms`)."""
         p = self.pool(pool_id)
-        service_s = self._service_s(p, estimated_duration_s)
-        if p.capacity <= 0 or service_s <= 0:
-            interval_ms = wait_ms = float(policy.retry_default_ms)
-        else:
-            interval_ms = 1000.0 * service_s / p.capacity  # between grants ending, when busy
-            wait_ms = interval_ms * max(1, position - free)
-        floor = policy.line_retry_min_ms
-        wait_ms = min(max(wait_ms, floor), policy.retry_max_ms)
-        spread = wait_ms - policy.line_jitter * interval_ms * rand()
-        retry_ms = int(min(max(spread, floor), policy.retry_max_ms))
-        if deadline is not None:
-            # What the gate will predict when it comes back (queue wait and service), and a
-            # slack for coming back a little late: better told now than refused at its turn.
-            back = now + retry_ms / 1000.0
-            finish = back + self._queue_wait_s(p) + service_s
-            slack = policy.line_join_slack if joining else 0.1
-            if finish + 0.05 + slack * (finish - now) > deadline:
-                return None
-        return retry_ms
+        return line_retry_ms(
+            position,
+            free,
+            p.capacity,
+            self._service_s(p, estimated_duration_s),
+            self._queue_wait_s(p),
+            now,
+            deadline,
+            self.policy,
+            rand,
+            joining=joining,
+        )
 
     def fair_share(self, pool_id: str, tenant: str, now: float) -> int:
         return max(
@@ -661,27 +585,15 @@ class PressureBoard:
         """The stage the pool's state calls for now, and which source calls for it;
         ``lowered``: by the lowered thresholds (those a stage steps down at)."""
         policy = self.policy
-        if not policy.enabled:
-            return Stage.NORMAL, "off"
-        by_use = Stage.NORMAL
-        if p.capacity > 0:  # the highest stage whose limit is reached
-            shed, pause, tighten = p.lowered_limits(policy) if lowered else p.limits(policy)
-            used = p.used
-            if used >= tighten:
-                by_use = Stage.TIGHTEN
-            elif used >= pause:
-                by_use = Stage.PAUSE_BATCH
-            elif used >= shed:
-                by_use = Stage.SHED_SPECULATIVE
-        if p.blocked:
-            return Stage.REJECT_INTERACTIVE, "blocked"
-        if p.queue_depth > 0 and p.oldest_age_s > self.policy.queue_age_s:
-            full = p.capacity > 0 and p.used >= p.capacity
-            top = Stage.REJECT_INTERACTIVE if full else Stage.TIGHTEN
-            by_signal = Stage(min(top, by_use + 1))
-            if by_signal > by_use:
-                return by_signal, "queue age"
-        return by_use, "utilisation"
+        return stage_called_for(
+            used=p.used,
+            capacity=p.capacity,
+            limits=p.lowered_limits(policy) if lowered else p.limits(policy),
+            blocked=p.blocked,
+            queue_depth=p.queue_depth,
+            oldest_age_s=p.oldest_age_s,
+            policy=policy,
+        )
 
     def _cause(self, p: PoolPressure, source: str) -> str:
         """What put the pool in its stage, worded for the journal."""
