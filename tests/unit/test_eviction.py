@@ -52,25 +52,26 @@ def test_only_recoverable_lower_ranked_work_is_a_victim_and_only_for_interactive
     assert b.victim("p", "t", rank=2, now=T0) == "spec"
 
 
-def test_the_cheapest_to_lose_goes_first_rebuildable_then_lower_rank_then_youngest() -> None:
-    b = full_board(
+def test_the_board_gives_up_grants_in_the_victim_policys_order_youngest_first() -> None:
+    """The order itself (rebuildable before retryable, lower rank first) is the victim
+    policy's (mesh.core.policy.victims, tested there); the board must walk its grants in that
+    order, the youngest of each kind first, and forget each one that ended."""
+    holders = (
         ("batch-retry", "t", 1, "retryable"),
         ("spec-retry", "t", 0, "retryable"),
         ("batch-rebuild", "t", 1, "rebuildable"),
         ("spec-rebuild-old", "t", 0, "rebuildable"),
         ("spec-rebuild-new", "t", 0, "rebuildable"),
     )
+    b = full_board(*holders)
     order = []
     while (victim := b.victim("p", "t", rank=2, now=T0 + 10)) is not None:
         order.append(victim)
         b.ended(victim, T0 + 10, completed=False)
-    assert order == [
-        "spec-rebuild-new",
-        "spec-rebuild-old",
-        "batch-rebuild",
-        "spec-retry",
-        "batch-retry",
-    ]
+    # (evict order, rank) as the policy ranks them, then the youngest (granted last) first.
+    ranked = sorted(enumerate(holders), key=lambda h: (evict_order(h[1][3]), h[1][2], -h[0]))
+    assert order == [admission_id for _, (admission_id, *_) in ranked]
+    assert order.index("spec-rebuild-new") < order.index("spec-rebuild-old")  # youngest first
 
 
 def test_a_tenant_at_its_fair_share_may_evict_only_its_own_work() -> None:
@@ -83,8 +84,9 @@ def test_a_tenant_at_its_fair_share_may_evict_only_its_own_work() -> None:
     assert b.victim("p", "a", rank=2, now=T0) == "a-2"  # a holds its share: its own work only
     b.ended("a-1", T0, completed=False)
     b.ended("a-2", T0, completed=False)
-    b.granted("b-3", "p", "b", T0 + 5, rank=0, evict_order=1)
-    b.granted("b-4", "p", "b", T0 + 6, rank=0, evict_order=1)
+    retryable = evict_order("retryable")
+    b.granted("b-3", "p", "b", T0 + 5, rank=0, evict_order=retryable)
+    b.granted("b-4", "p", "b", T0 + 6, rank=0, evict_order=retryable)
     assert b.victim("p", "a", rank=2, now=T0 + 7) == "b-4"  # a holds none: below its share
 
 
@@ -103,7 +105,7 @@ def test_restore_undoes_an_eviction_on_the_board() -> None:
     b = full_board(("spec", "t", 0, "rebuildable"), ("other", "u", 1, None))
     before = (b.pools["p"].used, dict(b.pools["p"].holders))
     holding = b.ended("spec", T0, completed=False)
-    assert holding == Holding("p", "t", T0, 0, 0)
+    assert holding == Holding("p", "t", T0, 0, evict_order("rebuildable"))
     b.restore("spec", holding, T0)
     assert (b.pools["p"].used, b.pools["p"].holders) == before
     assert b.pools["p"].service_s == type(b.pools["p"].service_s)()  # no service sample

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
+
 from mesh.core.policy.retry_times import line_retry_ms, refusal_retry_ms
 from mesh.core.policy.settings import PressurePolicy
 
@@ -52,3 +56,36 @@ def test_joining_the_line_needs_slack_before_the_deadline_a_placed_request_does_
     args = (5, 1, 10, 2.0, 1.0, NOW, NOW + 5.0, POLICY, middle)
     assert line_retry_ms(*args) == 800
     assert line_retry_ms(*args, joining=True) is None  # 3.8 + 0.05 + 3.8 > 5
+
+
+def test_retry_times_are_spread_uniformly_around_the_wait() -> None:
+    """Statistical: the same wait, many refused producers — the retry times follow
+    U(wait * 0.5, wait * 1.5) (Kolmogorov-Smirnov at 1 %), not one instant."""
+    rng = random.Random(20261130)
+    n = 2000
+    samples = []
+    for _ in range(n):  # no competitors: the same wait every time
+        retry_ms = refusal_retry_ms(4, 0, 20, 1.0, NOW, None, PressurePolicy(), rng.random)
+        assert retry_ms is not None
+        samples.append(retry_ms)
+    wait = 1000 * 4 / (20 / 1.0)  # 4 slots at 20 per second: 200 ms
+    lo, hi = wait * 0.5, wait * 1.5
+    assert lo <= min(samples) and max(samples) <= hi
+    ordered = sorted(samples)
+    d = max(
+        max((i + 1) / n - (x - lo) / (hi - lo), (x - lo) / (hi - lo) - i / n)
+        for i, x in enumerate(ordered)
+    )
+    assert d < 1.63 / math.sqrt(n), d  # KS critical value at alpha = 0.01
+    assert statistics.pstdev(samples) / statistics.mean(samples) > 0.25
+    assert max(samples.count(v) for v in set(samples)) < n * 0.02  # no synchronised instant
+
+
+def test_without_jitter_the_retry_times_would_coincide() -> None:
+    """The guard for the test above: the same inputs with jitter off do synchronise."""
+    rng = random.Random(1)
+    samples = set()
+    for _ in range(50):
+        off = PressurePolicy(jitter=0.0)
+        samples.add(refusal_retry_ms(4, 0, 20, 1.0, NOW, None, off, rng.random))
+    assert samples == {200}
