@@ -82,7 +82,7 @@ from mesh.manager.admission import AdmissionPolicy
 from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.producer import MeshClient
-from mesh.producer.client import retry_delay_s
+from mesh.producer.retry import retry_delay_s
 from mesh.samples import SAMPLES
 from mesh.topology import Topology
 from mesh.transport import AmqpTransport

@@ -9,7 +9,7 @@ caller gave up is counted and dropped.
 :meth:`MeshClient.submit` is the producer's one call on the admission path: ask the manager
 to admit the task by its requirements (capability and version range, never an agent); while
 the answer is ``deferred``, wait ``retry_after_ms`` plus a jittered exponential backoff
-(:func:`retry_delay_s`) and ask again with the same admission ID; once admitted, publish the
+(:mod:`mesh.producer.retry`) and ask again with the same admission ID; once admitted, publish the
 task with its grant to the pool's bounded queue (confirmed: a nack — the queue is full — gives
 the grant back and counts as a ``QUEUE_FULL`` refusal, retried like the others under a new
 admission ID), await the result, and settle the grant with what the work really took. It gives
@@ -54,6 +54,7 @@ from mesh.errors import (
     TransportError,
 )
 from mesh.ids import IdSequence, new_admission_id
+from mesh.producer.retry import QUEUE_FULL_RETRY_MS, retry_delay_s, submit_delay_s
 from mesh.topology import names
 from mesh.topology.specs import Topology
 from mesh.transport.amqp import AmqpTransport, url_user
@@ -106,7 +107,6 @@ knows (docs/protocol.md 1.2), sent with the requests whose replies have such fie
 
 REPLY_MAX_BYTES = 64 * 1024 * 1024
 _ASK_AGAIN_FOR_S = 15.0  # after a reconnect, while the manager's request queue is not back
-_QUEUE_FULL_RETRY_MS = 250  # a full pool queue drains as its agents claim tasks
 # Releases asked again, spread so that producers do not come back together after a failover.
 _SETTLE_BACKOFF = Backoff(base_s=0.25, cap_s=4.0, spread=0.5)
 _SETTLE_RETRY_S = 60.0  # a release is asked again this long (a ledger failover, a manager's)
@@ -155,15 +155,6 @@ class Submitted:
     def missing_evidence(self) -> list[str]:
         """Everything the output does not rest on, over all degradations applied."""
         return [item for d in self.result.degradations for item in d.missing_evidence]
-
-
-def retry_delay_s(
-    retry_after_ms: int | None, attempt: int, backoff: Backoff, rand: Callable[[], float]
-) -> float:
-    """Seconds to wait before retry number ``attempt`` (from 0) after a deferral: never
-    sooner than the manager's ``retry_after_ms``, then ``backoff`` (:mod:`mesh.backoff`; by
-    default full jitter over a step from 50 ms to 5 s)."""
-    return backoff.delay_s(attempt, rand, at_least_s=(retry_after_ms or 0) / 1000.0)
 
 
 OnDeferred = Callable[[AdmissionDecision], "bool | Awaitable[bool]"]
@@ -661,7 +652,8 @@ class MeshClient:
                 except (RequestTimeout, TransportError) as exc:
                     # No answer (the manager or the broker away): again, same ID, same grant.
                     self.counters["submit_request_retries"] += 1
-                    delay = retry_delay_s(None, refusals, backoff, rand)
+                    delay = submit_delay_s(None, refusals, backoff, rand)
+                    assert delay is not None  # no answer is always asked again
                     refusals += 1
                     if time.time() + delay >= deadline:
                         log.info("submit gave up: no answer", extra={"error": str(exc)})
@@ -679,15 +671,11 @@ class MeshClient:
                     self._stop_awaiting(admission_id)  # that grant is settled: a new phase
                     admission_id = self._await(new_admission_id())
                 last = decision
-                if decision.outcome == "rejected" or not await _keep_waiting(on_deferred, decision):
+                delay = submit_delay_s(decision, refusals, backoff, rand)
+                if delay is None or not await _keep_waiting(on_deferred, decision):
                     raise AdmissionRefused(decision)
                 if decision.position is not None:
-                    # A place in the pool's line, kept for a while: come back when told (the
-                    # manager spread the time already), or the place is lost.
-                    delay = (decision.retry_after_ms or 0) / 1000.0
                     self.counters["submit_waits_in_line"] += 1
-                else:
-                    delay = retry_delay_s(decision.retry_after_ms, refusals, backoff, rand)
                 refusals += 1
                 self.counters["submit_retries"] += 1
                 if time.time() + delay >= deadline:
@@ -746,7 +734,7 @@ class MeshClient:
                     outcome="deferred",
                     reason=AdmissionReason.QUEUE_FULL,
                     detail=f"the task queue of pool {grant.pool_id} is full (the broker nacked)",
-                    retry_after_ms=_QUEUE_FULL_RETRY_MS,
+                    retry_after_ms=QUEUE_FULL_RETRY_MS,
                     allowed_degradations=decision.allowed_degradations,
                 )
             except PublishUnroutable:
@@ -879,7 +867,7 @@ class MeshClient:
             finally:
                 await self._release_quietly(lease.lease_id)
             if full is not None:
-                delay = retry_delay_s(_QUEUE_FULL_RETRY_MS, refused, Backoff(), random.random)
+                delay = retry_delay_s(QUEUE_FULL_RETRY_MS, refused, Backoff(), random.random)
                 if time.time() + delay >= deadline:
                     raise full
                 refused += 1
