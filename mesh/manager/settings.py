@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mesh import constants as c
 from mesh.core.pool import PoolSettings
@@ -106,26 +106,65 @@ class ManagerSettings:
     live_handover_s: float = 2 * c.DEFAULT_HEARTBEAT_INTERVAL_S
 
 
-_POLICY_FIELDS = set(ScalingPolicy.__dataclass_fields__)
+_DEFAULT = ScalingPolicy(deployment="-")  # the defaults a scaling file may leave out
+
+
+class ScalingEntry(BaseModel):
+    """One deployment of a scaling file: how it may scale (:class:`ScalingPolicy`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: str = Field(min_length=1)
+    capabilities: tuple[str, ...] = ()
+    min_replicas: int = Field(default=_DEFAULT.min_replicas, ge=0)
+    max_replicas: int = Field(default=_DEFAULT.max_replicas, ge=0)
+    scale_up_step: int = Field(default=_DEFAULT.scale_up_step, ge=1)
+    window_s: float = Field(default=_DEFAULT.window_s, gt=0)
+    scale_down_idle_s: float = Field(default=_DEFAULT.scale_down_idle_s, gt=0)
+    start_s: float = Field(default=_DEFAULT.start_s, gt=0)
+
+    @model_validator(mode="after")
+    def _min_at_most_max(self) -> ScalingEntry:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})"
+            )
+        return self
+
+    def policy(self) -> ScalingPolicy:
+        return ScalingPolicy(**self.model_dump())
+
+
+class ScalingFile(BaseModel):
+    """A scaling file (``mesh manager --scaling FILE``, JSON)::
+
+        {"deployments": [{"deployment": "calc", "capabilities": ["math.evaluate"],
+          "min_replicas": 1, "max_replicas": 10, "scale_up_step": 1, "window_s": 5,
+          "scale_down_idle_s": 300, "start_s": 5}, ...]}
+
+    Every field but ``deployment`` has the default :class:`ScalingPolicy` gives it; an
+    unknown field is an error (a typo must not pass for a default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployments: tuple[ScalingEntry, ...]
 
 
 def load_scaling_policies(path: Path) -> tuple[ScalingPolicy, ...]:
-    """Read a scaling file: ``{"deployments": [{"deployment": "calc", "capabilities": [...],
-    "min_replicas": 1, "max_replicas": 10, "scale_up_step": 1, "window_s": 5,
-    "scale_down_idle_s": 300}, ...]}``. Raises :class:`LocalProtocolError` with the reason."""
+    """Read a scaling file (:class:`ScalingFile`). Raises :class:`LocalProtocolError` naming
+    the file and, for each mistake, where it is (``deployments.0.max_replicas``) and why."""
     try:
-        doc: Any = orjson.loads(path.read_bytes())
-        entries = doc["deployments"]
-        policies = []
-        for entry in entries:
-            unknown = set(entry) - _POLICY_FIELDS
-            if unknown:
-                raise ValueError(f"unknown field(s) {sorted(unknown)} in {entry.get('deployment')}")
-            entry = {**entry, "capabilities": tuple(entry.get("capabilities", ()))}
-            policies.append(ScalingPolicy(**entry))
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
         raise LocalProtocolError(f"bad scaling file {path}: {exc}") from None
-    return tuple(policies)
+    try:
+        parsed = ScalingFile.model_validate_json(raw)
+    except ValidationError as exc:
+        mistakes = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'the file'}: {e['msg']}" for e in exc.errors()
+        )
+        raise LocalProtocolError(f"bad scaling file {path}: {mistakes}") from None
+    return tuple(entry.policy() for entry in parsed.deployments)
 
 
 def open_ledger(url: str, schema: str = "mesh_ledger") -> LedgerStore:
