@@ -234,7 +234,7 @@ LedgerOp = SetCapacity | Reserve | Activate | Release | RecordDecision | SaveEli
 
 
 @dataclass(frozen=True, slots=True)
-class LogEntry:
+class LedgerLogRow:
     """One row of the append-only ledger log."""
 
     seq: int
@@ -331,7 +331,7 @@ def check_ttl(ttl_s: float, now: float) -> None:
         raise LocalProtocolError(f"now must be finite Unix seconds, got {now!r}")
 
 
-def replay(entries: Iterable[LogEntry]) -> dict[str, tuple[ReservationState, int]]:
+def replay(entries: Iterable[LedgerLogRow]) -> dict[str, tuple[ReservationState, int]]:
     """Each admission's ``(state, fence)`` rebuilt from the log alone, checking every step
     against :data:`TRANSITIONS`; an impossible step means a corrupt log (StoreError)."""
     states: dict[str, tuple[ReservationState, int]] = {}

@@ -90,10 +90,10 @@ from mesh.ledger.model import (
     DecisionRow,
     Item,
     LedgerEvent,
+    LedgerLogRow,
     LedgerOp,
     LedgerReason,
     LedgerView,
-    LogEntry,
     Prepared,
     RecordDecision,
     Refused,
@@ -215,7 +215,7 @@ class LedgerStore(Protocol):
         only their bodies are read."""
         ...
 
-    def log(self, after_seq: int = 0) -> list[LogEntry]:
+    def log(self, after_seq: int = 0) -> list[LedgerLogRow]:
         """The ledger log's entries after ``after_seq``, oldest first."""
         ...
 
@@ -719,14 +719,14 @@ class SqlLedger(abc.ABC):
         rows = self._read(lambda db: db.execute(sql))
         return {(str(p), str(r)): (int(u), int(c)) for p, r, u, c in rows}
 
-    def log(self, after_seq: int = 0) -> list[LogEntry]:
+    def log(self, after_seq: int = 0) -> list[LedgerLogRow]:
         sql = (
             f"SELECT seq, at, admission_id, event, state, fence FROM {self._t.log}"
             " WHERE seq > ? ORDER BY seq"
         )
         rows = self._read(lambda db: db.execute(sql, (after_seq,)))
         return [
-            LogEntry(int(s), float(a), str(i), LedgerEvent(e), ReservationState(st), int(f))
+            LedgerLogRow(int(s), float(a), str(i), LedgerEvent(e), ReservationState(st), int(f))
             for s, a, i, e, st, f in rows
         ]
 

@@ -58,7 +58,7 @@ EMITTERS = {"LogEntry": ("mesh.core", "mesh.core.events"), "OrchestrationEvent":
 
 
 def _emitter_names(tree: ast.Module) -> set[str]:
-    """Which of :data:`EMITTERS` this module imports (the ledger has a LogEntry of its own)."""
+    """Which of :data:`EMITTERS` this module imports (the ledger keeps rows of its own)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module is not None:
