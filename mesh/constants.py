@@ -81,6 +81,9 @@ H_AGENT_ID: Final = "x-mesh-agent-id"
 # (``agent:<id>``), so the manager fences a lost incarnation without cutting its successor.
 CLIENT_PROPERTY_INCARNATION: Final = "mesh_incarnation"
 H_LEASE_ID: Final = "x-mesh-lease-id"
+# A forwarded acquire that asks only for the lease its ID already holds (its request was
+# redelivered): the owner answers with that lease, or UNKNOWN_LEASE — never a new one.
+H_HELD_ONLY: Final = "x-mesh-held-only"
 H_ADMISSION_ID: Final = "x-mesh-admission-id"  # the business ID of a granted task's publish
 # A client's request: the reply fields added after their message's release that it knows,
 # comma-separated (docs/protocol.md 1.2); a manager sets such a field only for a client that

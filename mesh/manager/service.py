@@ -122,6 +122,7 @@ from mesh.wire.models import (
     Refusal,
     RegistrationAccepted,
     RegistrationRefused,
+    Released,
     ReleaseRequest,
     ReRegisterRequest,
     ShardOwner,
@@ -154,6 +155,8 @@ class _Candidates:
 # SETTLING_RETRY_S for at most a lease period, capped here below producers' usual timeouts.
 SETTLING_RETRY_S = 0.1
 MAX_SETTLING_HOLD_S = 5.0
+# A redelivered acquire looks for the lease its ID holds this often while shards move.
+_HELD_LOOK_S = 0.25
 # Refusals that say nobody offers a capability: with several managers, only one registry's
 # word (``_refusal_everywhere``).
 _NOBODY_OFFERS = frozenset({Reason.UNKNOWN_CAPABILITY, Reason.CAPABILITY_NOT_OFFERED})
@@ -1001,16 +1004,15 @@ class ManagerService:
                 return
             event = FindRequested(message)
         elif isinstance(message, AcquireRequest):
-            lease_id = self._lease_id_of(delivery)
-            if everywhere:
-                await self._acquire_everywhere(message, lease_id, publisher, delivery)
+            acquire = await self._acquire(message, delivery, publisher, everywhere)
+            if acquire is None:  # answered
                 return
-            event = AcquireRequested(message, lease_id, holder=publisher)
+            event = acquire
         elif isinstance(message, ReleaseRequest):
-            if everywhere and message.lease_id not in self.core.leases:
-                await self._reply(delivery, await self._elsewhere(message, publisher))
+            release = await self._release(message, delivery, publisher, everywhere)
+            if release is None:  # answered
                 return
-            event = ReleaseRequested(message.lease_id, by=publisher or "")
+            event = release
         elif isinstance(message, DrainRequest):
             if publisher != self.settings.operator_user:
                 # Draining stops an agent: an operator's act (or the agent's own, on the
@@ -1024,6 +1026,55 @@ class ManagerService:
         else:  # pragma: no cover - decode_as admits only the types above
             raise AssertionError(message.type)
         await self._feed(event, delivery)
+
+    async def _acquire(
+        self, message: AcquireRequest, delivery: Delivery, publisher: str | None, everywhere: bool
+    ) -> AcquireRequested | None:
+        """An acquire: the event for this registry's core, or ``None`` once answered here —
+        across shards (a redelivered request first gets the lease its ID already holds,
+        :meth:`_lease_granted_before`), or a forwarded "held only" query for a lease not
+        held here."""
+        lease_id = self._lease_id_of(delivery)
+        if everywhere:
+            before = None
+            if delivery.redelivered:
+                before = await self._lease_granted_before(message, lease_id, publisher)
+            if before is not None:
+                self.counters["acquires_redelivered_answered_again"] += 1
+                await self._reply(delivery, before)
+            else:
+                await self._acquire_everywhere(message, lease_id, publisher, delivery)
+            return None
+        if _header(delivery, c.H_HELD_ONLY) is not None and lease_id not in self.core.leases:
+            detail = f"lease {lease_id!r} is not held here"
+            await self._reply(delivery, Refusal(reason=Reason.UNKNOWN_LEASE, detail=detail))
+            return None
+        return AcquireRequested(message, lease_id, holder=publisher)
+
+    async def _release(
+        self, message: ReleaseRequest, delivery: Delivery, publisher: str | None, everywhere: bool
+    ) -> ReleaseRequested | None:
+        """A release: the event for this registry's core, or ``None`` once answered here —
+        by another owner, or, for a redelivered request (the manager it went to stopped
+        before acking it, maybe after answering ``released``), as ``released`` when no
+        registry holds the lease any more: it was released, by this request's first handling
+        or since (its registry may have died with the record of it). Otherwise the request
+        would be answered twice, differently (``released``, then ``UNKNOWN_LEASE``)."""
+        here = message.lease_id in self.core.leases
+        if not delivery.redelivered:
+            if everywhere and not here:
+                await self._reply(delivery, await self._elsewhere(message, publisher))
+                return None
+            return ReleaseRequested(message.lease_id, by=publisher or "")
+        if everywhere and not here:
+            answer = await self._elsewhere(message, publisher)
+        else:
+            answer = await self._answer_here(ReleaseRequested(message.lease_id, by=publisher or ""))
+        if isinstance(answer, Refusal) and answer.reason is Reason.UNKNOWN_LEASE:
+            self.counters["releases_redelivered_answered_again"] += 1
+            answer = Released(lease_id=message.lease_id)
+        await self._reply(delivery, answer)
+        return None
 
     # ---- several managers: the lease path across shards -------------------------------------
     def _peer_queues(self) -> list[str]:
@@ -1178,6 +1229,36 @@ class ManagerService:
         if not delivered and isinstance(answer, LeaseGranted):
             self.counters["leases_released_unclaimed"] += 1
             await self._elsewhere(ReleaseRequest(lease_id=answer.lease.lease_id), holder)
+
+    async def _lease_granted_before(
+        self, request: AcquireRequest, lease_id: str, holder: str | None
+    ) -> Message | None:
+        """For a redelivered acquire (the manager it went to stopped before acking it, maybe
+        after answering): the lease its ID already holds, wherever it is, so the request is
+        answered the same again rather than decided anew (a grant, then "no agent available").
+        While an owner is silent or shards are changing hands, that lease may be on its way
+        to a new owner (its agents register again with the leases they hold): it is looked
+        for again every ``_HELD_LOOK_S`` for up to a lease and a hand-over. ``None``: held
+        nowhere (no grant was given, or it has ended) — decide it as any request."""
+        assert self.peers is not None and self.shards is not None
+        give_up_at = time.monotonic() + self.settings.shard_lease_s + self.settings.live_handover_s
+        headers = self._forward_headers(holder, **{c.H_LEASE_ID: lease_id, c.H_HELD_ONLY: "1"})
+        while True:
+            if lease_id in self.core.leases:
+                return await self._answer_here(AcquireRequested(request, lease_id, holder))
+            routes = self._peer_routes()
+            answers = await self.peers.ask_all(
+                list(routes), request, headers=headers, timeout_s=self.settings.peer_timeout_s
+            )
+            for _, answer in answers:
+                if isinstance(answer, LeaseGranted):
+                    return answer
+            silent, _ = _unanswered(routes, answers)
+            moving = silent or self.shards.moving() or self._handing_over(request.capability)
+            if not moving or time.monotonic() >= give_up_at:
+                return None
+            await asyncio.sleep(_HELD_LOOK_S)
+            await self.shards.look()
 
     def _refusal_everywhere(self, answer: Message, silent: int, capability: str) -> Message:
         """This registry's refusal as every manager's. "Nobody offers it"

@@ -32,6 +32,10 @@ from mesh.producer import MeshClient
 from mesh.render import render_status
 from mesh.samples.echo import EchoAgent
 from mesh.top import shard_line
+from mesh.topology import names
+from mesh.topology.specs import BindingSpec, Declarations, QueueSpec
+from mesh.transport import AmqpTransport
+from mesh.transport.delivery import Delivery
 from mesh.wire import AdmissionReason
 from mesh.wire.codec import encode
 from mesh.wire.models import (
@@ -602,3 +606,60 @@ async def test_admission_is_bounded_by_live_agents_whichever_manager_decides(
     finally:
         await client.close()
         await agent.stop()
+
+
+async def test_a_redelivered_acquire_or_release_is_answered_the_same_again(
+    started: Callable[[str], asyncio.Future[ManagerService]], amqp_url: str, namespace: str
+) -> None:
+    """A manager answered an acquire with a lease and stopped before its ack: the broker gives
+    the request, marked redelivered, to another manager. That one holds no agent of the
+    capability here (they are all b's, and full now), and deciding anew would say "no agent
+    available" — one request answered twice, differently. It asks the owners for the lease the
+    request's ID already holds and answers with it. Likewise a release answered ``released``
+    and redelivered is answered ``released`` again, not ``UNKNOWN_LEASE``. The redeliveries are
+    handed to manager a as the broker hands them (the request as it went out, marked
+    redelivered)."""
+    async with an_agent_on_b(started, amqp_url, namespace, "producer") as (a, b, _pool, client):
+        tap = await AmqpTransport.connect(amqp_url, name="tap")
+        seen: asyncio.Queue[Delivery] = asyncio.Queue()
+        queue = f"{namespace}.test.tap"
+        await tap.declare(
+            Declarations(
+                queues=(QueueSpec(queue, durable=False),),
+                bindings=tuple(
+                    BindingSpec(queue, client.topology.control_exchange, names.rpc_key(method))
+                    for method in ("acquire", "release")
+                ),
+            )
+        )
+        await tap.consume(queue, seen.put, no_ack=True)
+        try:
+            first = await client.acquire("test.echo")
+            assert isinstance(first, Lease), first
+            request = await asyncio.wait_for(seen.get(), 5)
+            while isinstance(await client.acquire("test.echo"), Lease):  # the agent is full
+                pass
+            held = set(b.core.leases)
+
+            await a._handle_rpc(dataclasses.replace(request, redelivered=True))
+
+            await eventually(lambda: client.counters["duplicate_replies"] == 1, what="again")
+            assert client.counters["duplicate_replies_differing"] == 0, list(
+                client.answered_differently
+            )
+            assert a.counters["acquires_redelivered_answered_again"] == 1
+            assert set(b.core.leases) == held and first.lease_id in held  # no lease more
+
+            assert isinstance(await client.release(first.lease_id), Released)
+            while (release := await asyncio.wait_for(seen.get(), 5)).routing_key != (
+                names.rpc_key("release")
+            ):
+                pass  # the acquires that filled the agent
+            await a._handle_rpc(dataclasses.replace(release, redelivered=True))
+            await eventually(lambda: client.counters["duplicate_replies"] == 2, what="again")
+            assert client.counters["duplicate_replies_differing"] == 0, list(
+                client.answered_differently
+            )
+            assert a.counters["releases_redelivered_answered_again"] == 1
+        finally:
+            await tap.close()
