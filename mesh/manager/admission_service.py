@@ -278,14 +278,35 @@ class AdmissionService:
         self, admitter: Admitter, message: AdmissionRequest, tenant: str
     ) -> AdmissionDecision | None:
         """A redelivered request's recorded deferral or refusal, given again
-        (:meth:`Admitter.answered_before`); ``None`` (decide it) if there is none or the
-        ledger cannot say."""
+        (:meth:`Admitter.answered_before`) and journaled as the batch journals a decision
+        (marked ``answered_again``: the manager that decided it may have died before its
+        own journal entry); ``None`` (decide it) if there is none or the ledger cannot say."""
         try:
             again = await self._on_ledger(admitter.answered_before, message, tenant)
         except StoreError:
             return None
-        if again is not None:
-            self.counters["admission.answered_again"] += 1
+        if again is None:
+            return None
+        self.counters["admission.answered_again"] += 1
+        entry = LogEntry(
+            at=self.clock.now().wall,
+            kind="admission",
+            reason=again.reason.value if again.reason else again.outcome,
+            detail={
+                "admission_id": again.admission_id,
+                "outcome": again.outcome,
+                "tenant": tenant,
+                "pool_id": None,
+                "fence": None,
+                "answered_again": True,
+            },
+        )
+        await self.host.publish_events(
+            [
+                (names.log_key(event.agent_id, event.kind), event)
+                for event in self.host.append([entry])
+            ]
+        )
         return again
 
     async def _release(

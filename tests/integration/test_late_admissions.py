@@ -228,6 +228,10 @@ async def test_a_redelivered_request_gets_its_recorded_deferral_again_not_a_new_
             producer.answered_differently
         )
         assert second.admission.counters["admission.answered_again"] == 1
+        assert second.journal is not None
+        journaled = second.journal.query(limit=None)
+        (again,) = [e for e in journaled if e.kind == "admission" and "answered_again" in e.detail]
+        assert (again.detail["admission_id"], again.reason) == ("adm-wait", "CAPACITY")
         assert reservations(tmp_path) == {"adm-hold": "RELEASED"}  # nothing granted to it
 
         retried = await producer.admit(echo_requirements(), admission_id="adm-wait")
