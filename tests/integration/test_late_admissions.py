@@ -69,6 +69,18 @@ async def tap_on_admissions(
     return tap, seen
 
 
+async def publish_again(tap: AmqpTransport, request: Delivery) -> None:
+    """A copy of an admission request taken from the tap, sent again as it was sent."""
+    await tap.publish(
+        request.exchange,
+        request.routing_key,
+        request.body,
+        reply_to=request.reply_to,
+        correlation_id=request.correlation_id,
+        user_id=request.user_id,
+    )
+
+
 async def test_a_grant_decided_after_its_caller_gave_up_is_given_back(
     amqp_url: str, namespace: str, tmp_path: Path
 ) -> None:
@@ -135,21 +147,13 @@ async def test_a_second_answer_to_an_answered_admission_leaves_its_grant_with_th
     manager = await start_manager(settings)
     producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
     tap, seen = await tap_on_admissions(amqp_url, producer)
-    control, admit_key = producer.topology.control_exchange, names.rpc_key("admit")
     try:
         assert (await producer.publish_descriptor(echo_descriptor(4))).type.endswith("accepted.v1")
 
         decision = await producer.admit(echo_requirements(), admission_id="adm-twice")
         assert decision.grant is not None, decision
         request = await asyncio.wait_for(seen.get(), 5)
-        await tap.publish(
-            control,
-            admit_key,
-            request.body,
-            reply_to=request.reply_to,
-            correlation_id=request.correlation_id,
-            user_id=request.user_id,
-        )
+        await publish_again(tap, request)
         await eventually(lambda: producer.counters["late_replies"] == 1, what="the second answer")
 
         assert producer.counters["late_admissions_released"] == 0
@@ -191,7 +195,6 @@ async def test_a_redelivered_request_gets_its_recorded_deferral_again_not_a_new_
     manager = await start_manager(settings)
     producer = await MeshClient.connect(amqp_url, namespace=namespace, name="producer")
     tap, seen = await tap_on_admissions(amqp_url, producer)
-    control, admit_key = producer.topology.control_exchange, names.rpc_key("admit")
     second = None
     try:
         assert (await producer.publish_descriptor(echo_descriptor(1))).type.endswith("accepted.v1")
@@ -204,14 +207,7 @@ async def test_a_redelivered_request_gets_its_recorded_deferral_again_not_a_new_
         assert (await producer.release_admission(holding.grant)).released
         await manager.stop()
 
-        await tap.publish(
-            control,
-            admit_key,
-            request.body,
-            reply_to=request.reply_to,
-            correlation_id=request.correlation_id,
-            user_id=request.user_id,
-        )
+        await publish_again(tap, request)
         connection = await aiormq.connect(amqp_url)
         try:
             channel = await connection.channel()
