@@ -906,7 +906,7 @@ def allowance_us(echo_cpu_us: float) -> float:
 
 # Where a profiled round's time goes: (label, file, function); indentation shows nesting.
 LOOP_STAGES = (
-    ("manager: one rpc delivery, decode to ack", "mesh/manager/service.py", "_guarded"),
+    ("manager: one rpc delivery, decode to ack", "mesh/manager/intake.py", "_guarded"),
     ("  decode the request (decode_as)", "mesh/wire/codec.py", "decode_as"),
     (
         "  group commit: wait for the batch (GroupCommit.submit)",
@@ -923,9 +923,9 @@ LOOP_STAGES = (
         "mesh/manager/admission_service.py",
         "_on_ledger",
     ),
-    ("    journal the decisions (SQLite, on the loop)", "mesh/manager/service.py", "append"),
-    ("    publish them on the events feed", "mesh/manager/service.py", "publish_event"),
-    ("  reply, confirmed (_reply)", "mesh/manager/service.py", "_reply"),
+    ("    journal the decisions (SQLite, on the loop)", "mesh/manager/commands.py", "append"),
+    ("    publish them on the events feed", "mesh/manager/commands.py", "publish_events"),
+    ("  reply, confirmed (reply)", "mesh/manager/commands.py", "reply"),
     ("  ack the request", "mesh/transport/delivery.py", "ack"),
     ("client: MeshClient.request", "mesh/producer/client.py", "request"),
     ("client: match and decode the reply", "mesh/producer/client.py", "_on_reply"),

@@ -10,14 +10,16 @@ decided in batches (group commit, :class:`~mesh.manager.batching.GroupCommit`): 
 transaction, one thread hand-off and one journal commit per batch. Releases join the same
 batches and are settled in the same transaction, after the decisions' writes (one commit for
 both: with PostgreSQL one statement, its dearest part a disk flush). Everything else it needs —
-the pool core's live capacity and scale planner, the journal, the events exchange, replies —
-it asks of its host, the :class:`~mesh.manager.service.ManagerService`.
+the pool core's live capacity and scale planner, the journal and the events exchange (through
+the :class:`~mesh.manager.commands.CommandExecutor`), the broker, the status page — it is given
+as ports by the manager that wires it (:class:`~mesh.manager.service.ManagerService`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,11 +35,11 @@ from mesh.core.events import (
     Instant,
     LogEntry,
 )
+from mesh.core.pool import PoolCore
 from mesh.core.pressure import StageChange
 from mesh.errors import (
     LocalProtocolError,
     StoreError,
-    TopologyMissing,
 )
 from mesh.leases import LeaseSigner
 from mesh.ledger.model import Reservation
@@ -47,13 +49,25 @@ from mesh.manager.admission import (
     Admitted,
     Admitter,
     DecisionRecord,
-    Eviction,
     ExternalGrantor,
 )
+from mesh.manager.admission_records import (
+    eviction_entry,
+    explain,
+    revocation_event,
+    stage_change_entry,
+)
 from mesh.manager.batching import GroupCommit
-from mesh.manager.settings import open_ledger
+from mesh.manager.clock import Clock
+from mesh.manager.commands import CommandExecutor
+from mesh.manager.journal import Journal
+from mesh.manager.observe import Observer
+from mesh.manager.pool_queues import PoolQueues
+from mesh.manager.settings import ManagerSettings, open_ledger
 from mesh.topology import names
+from mesh.topology.specs import Topology
 from mesh.transport.delivery import Delivery
+from mesh.transport.ports import ManagerTransport
 from mesh.wire.admission import (
     AdmissionDecision,
     AdmissionReason,
@@ -64,7 +78,6 @@ from mesh.wire.admission import (
     CapabilityDescriptor,
     DescriptorAccepted,
     DescriptorShadow,
-    ExplainReply,
     ExplainRequest,
 )
 from mesh.wire.events import OrchestrationEvent
@@ -78,7 +91,7 @@ from mesh.wire.models import (
 from mesh.wire.reasons import Reason
 
 if TYPE_CHECKING:
-    from mesh.manager.service import ManagerService
+    from mesh.manager.live_share import SharedLive
 
 log = logging.getLogger(__name__)
 
@@ -89,27 +102,40 @@ T = TypeVar("T")
 
 INLINE_LINGER_QUIET_S = 0.0001
 """The group commit's quiet step when batches are decided on the event loop (see
-``ManagerSettings.admission_linger_quiet_s``). Measured at 16 admissions in flight on an
-SQLite ledger (bench/admission.py's shape, four alternating rounds): ~0.56x the raw echo
-with the whole 2 ms linger, ~0.69x with this step, ~0.71x with no linger — which at 64 in
-flight made batches of 22 instead of 28-32 and ran ~4 % slower; this step kept both."""
+``ManagerSettings.admission_linger_quiet_s``): a batch leaves as soon as nothing more arrives
+within it, instead of waiting out the whole linger; requests that arrive together are still
+decided together (bench/admission.py measures both, at 16 and 64 in flight)."""
 
 
 class AdmissionService:
-    """Admission and rollout, inside a :class:`ManagerService` (``host``)."""
+    """Admission and rollout for one manager, on the ports it is given."""
 
     def __init__(
         self,
-        host: ManagerService,
+        settings: ManagerSettings,
         *,
+        clock: Clock,
+        counters: Counter[str],
+        topology: Topology,
+        core: PoolCore,
+        observer: Observer,
+        commands: CommandExecutor,
+        transport: Callable[[], ManagerTransport],
+        journal: Callable[[], Journal | None],
+        shared_live: Callable[[], SharedLive | None],
         ledger: LedgerStore | None = None,
         grantors: Sequence[ExternalGrantor] = (),
     ) -> None:
-        self.host = host
-        self.settings = settings = host.settings
-        self.clock = host.clock
-        self.counters = host.counters
-        self.topology = host.topology
+        self.settings = settings
+        self.clock = clock
+        self.counters = counters
+        self.topology = topology
+        self._core = core  # its live capacity, and the scale planner's capacity misses
+        self._observer = observer
+        self._commands = commands
+        self._transport = transport
+        self._journal = journal
+        self._shared_live = shared_live
         self.admitter: Admitter | None = None
         self._ledger = ledger
         self._owns_ledger = ledger is None
@@ -121,8 +147,9 @@ class AdmissionService:
         self._ledger_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._ledger_inline = False
         self._epochs_announced_at = float("-inf")  # monotonic; announced on the first tick
-        self._pool_declared: set[str] = set()  # pools whose task queue this manager declared
-        self._pool_slots: dict[str, int] = {}  # the model slots each pool's policy bounds at
+        self._pool_queues = PoolQueues(
+            topology=topology, transport=transport, observer=observer, counters=counters
+        )
         self._pool_queues_polled_at = float("-inf")  # monotonic
         self._usage: Usage | None = None  # the ledger's counters as the last tick read them
         # Admissions and releases, in one queue: each batch is one ledger transaction.
@@ -171,7 +198,7 @@ class AdmissionService:
         )
 
     async def bind_pool_queues(self) -> None:
-        await self._ensure_pool_queues(list(self.descriptors.values()))
+        await self._pool_queues.ensure(list(self.descriptors.values()))
 
     async def close_intake(self) -> None:
         """Decide what is queued, then take no more admissions."""
@@ -237,7 +264,7 @@ class AdmissionService:
             raise LocalProtocolError("the manager is not started")
         now = self.clock.now().wall
         if isinstance(message, ExplainRequest):
-            return await self._on_ledger(_explain, admitter, message.admission_id)
+            return await self._on_ledger(explain, admitter, message.admission_id)
         if isinstance(message, CapabilityDescriptor):
             return await self._publish_descriptor(admitter, message, request, now)
         if isinstance(message, AdmissionRevoke):
@@ -301,10 +328,10 @@ class AdmissionService:
                 "answered_again": True,
             },
         )
-        await self.host.publish_events(
+        await self._commands.publish_events(
             [
                 (names.log_key(event.agent_id, event.kind), event)
-                for event in self.host.append([entry])
+                for event in self._commands.append([entry])
             ]
         )
         return again
@@ -331,8 +358,8 @@ class AdmissionService:
         assert not isinstance(settled, AdmissionDecision)
         reply, released_now, pool_id = settled
         if released_now:  # a retried release is answered the same, and counted once
-            self.host.observer.metrics.release_latency.observe(self.clock.now().mono - started)
-            self.host.observer.metrics.settled(
+            self._observer.metrics.release_latency.observe(self.clock.now().mono - started)
+            self._observer.metrics.settled(
                 record.estimate if record else None,
                 message.actual_tokens,
                 message.actual_duration_s,
@@ -382,7 +409,7 @@ class AdmissionService:
         if requests:
             self.counters["admission_batches"] += 1
         for pool_id, reason in batch.misses:  # capacity misses for the scaler
-            self.host.core.handle(CapacityMissed(pool_id, reason), at)
+            await self._commands.execute(self._core.handle(CapacityMissed(pool_id, reason), at))
         entries = []
         for (request, tenant), decision, record in zip(
             requests, decisions, batch.records, strict=True
@@ -395,7 +422,7 @@ class AdmissionService:
                 reason = "replayed"
             else:
                 self.counters[f"admission.{decision.outcome}"] += 1
-                self.host.observer.admitted(
+                self._observer.admitted(
                     now, request.requirements, decision, record.eligibility if record else None
                 )
                 reason = decision.reason.value if decision.reason else decision.outcome
@@ -414,24 +441,22 @@ class AdmissionService:
                 )
             )
         evictions = batch.evictions
-        entries += [_eviction_entry(e) for e in evictions]
+        entries += [eviction_entry(e) for e in evictions]
         # Every decision is journaled (``mesh log``) and recorded in the ledger (``mesh
         # explain``); the live feed carries only the refusals — what someone following it can
         # act on — so a busy mesh does not pay one more broker message per grant.
         if entries:
-            await self.host.publish_events(
+            await self._commands.publish_events(
                 [
                     (names.log_key(event.agent_id, event.kind), event)
-                    for event in self.host.append(entries)
+                    for event in self._commands.append(entries)
                     if event.detail.get("outcome") != "admitted"
                 ]
             )
         for eviction in evictions:  # after the journal: the producer learns of it from here on
             victim = eviction.victim
             self.counters["admissions_evicted"] += 1
-            self.host.observer.metrics.evictions.labels(
-                victim.pool_id, eviction.recoverability
-            ).inc()
+            self._observer.metrics.evictions.labels(victim.pool_id, eviction.recoverability).inc()
             await self._publish_revocation(
                 victim.pool_id, victim.admission_id, victim.fence, "RELEASED", now, evicted=True
             )
@@ -442,9 +467,10 @@ class AdmissionService:
         it, ``admission_capacity="descriptor"``)."""
         if self.settings.admission_capacity != "live":
             return None
-        if self.host.shared_live is not None:
-            return self.host.shared_live.view()
-        return self.host.core.live_capacity(now)
+        shared = self._shared_live()
+        if shared is not None:
+            return shared.view()
+        return self._core.live_capacity(now)
 
     def share_live(self) -> None:
         """Several managers share live capacity (mesh.manager.live_share): each pool's owner
@@ -480,7 +506,7 @@ class AdmissionService:
         )
         if released_now:
             self.counters["admissions_revoked"] += 1
-            self.host.append(
+            self._commands.append(
                 [
                     LogEntry(
                         at=now,
@@ -524,7 +550,7 @@ class AdmissionService:
         if problem is not None:
             return Refusal(reason=Reason.SCHEMA_VIOLATION, detail=problem)
         self.counters["shadows_set"] += 1
-        self.host.append(
+        self._commands.append(
             [
                 LogEntry(
                     at=now,
@@ -566,7 +592,7 @@ class AdmissionService:
             reason=f"{descriptor.pool_id} epoch {descriptor.descriptor_epoch}",
             detail=detail,
         )
-        await self.host.execute([AppendLog(entry)])
+        await self._commands.execute([AppendLog(entry)])
         return DescriptorAccepted(
             pool_id=descriptor.pool_id, descriptor_epoch=descriptor.descriptor_epoch
         )
@@ -575,7 +601,7 @@ class AdmissionService:
         usage = None
         if self.admitter is not None:
             usage = self._usage = await self._on_ledger(self.admitter.ledger.usage)
-        await self.host.observer.tick(usage)
+        await self._observer.tick(usage)
         if self.admitter is not None:
             await self._observe_pressure(self.admitter)
 
@@ -589,119 +615,24 @@ class AdmissionService:
         queues = None
         if now.mono - self._pool_queues_polled_at >= self.settings.queue_poll_interval_s:
             self._pool_queues_polled_at = now.mono
-            queues = await self._pool_queue_depths(admitter)
+            queues = await self._pool_queues.depths(admitter.descriptors)
         changes = await self._on_ledger(  # the counters read afresh there: see observe
             partial(
                 admitter.observe, now.wall,
-                queues=queues, broker_blocked=self.host.transport.blocked,
+                queues=queues, broker_blocked=self._transport().blocked,
             )
         )  # fmt: skip
         await self._journal_stage_changes(changes)
 
-    async def _pool_queue_depths(self, admitter: Admitter) -> dict[str, tuple[int, float | None]]:
-        """``pool -> (ready tasks, head age)`` of every described pool's queue that answers."""
-        ages = {q.name: q.oldest_age_s for q in self.host.observer.view.queues}
-        found = {}
-        for pool_id in list(admitter.descriptors):
-            queue = self.topology.pool_task_queue(pool_id)
-            try:
-                depth = await self.host.transport.queue_depth(queue)
-            except TopologyMissing:
-                await self._pool_queue_gone(admitter, pool_id)
-                continue
-            except Exception as exc:  # the broker is away: next poll
-                log.debug("pool queue depth unavailable", extra={"queue": queue, "error": str(exc)})
-                continue
-            found[pool_id] = (depth, ages.get(queue))
-        return found
-
-    async def _pool_queue_gone(self, admitter: Admitter, pool_id: str) -> None:
-        """A described pool's queue is gone (deleted in the management UI, say): declared
-        again at once, with its bound, so producers' tasks are routed again and the pool's
-        agents — which look for it again after the broker cancelled their consumers — take
-        them. Counted (``pool_queue_redeclared``)."""
-        descriptor = admitter.descriptors.get(pool_id)
-        if descriptor is None:
-            return
-        self._pool_declared.discard(pool_id)
-        self._pool_slots.pop(pool_id, None)
-        self.counters["pool_queue_redeclared"] += 1
-        log.warning(
-            "pool queue missing: declared again",
-            extra={"pool_id": pool_id, "queue": self.topology.pool_task_queue(pool_id)},
-        )
-        await self._ensure_pool_queues([descriptor])
-
     async def _journal_stage_changes(self, changes: list[StageChange]) -> None:
-        entries = []
         for change in changes:
-            self.host.observer.metrics.stage_changed(change)
+            self._observer.metrics.stage_changed(change)
             log.info(
                 "pressure stage",
                 extra={"pool_id": change.pool_id, "stage": change.new.name, "cause": change.cause},
             )
-            entries.append(
-                LogEntry(
-                    at=change.at,
-                    kind="pressure_stage",
-                    reason=f"{change.pool_id}: {change.old.name} -> {change.new.name} "
-                    f"({change.cause})",
-                    detail={
-                        "pool_id": change.pool_id,
-                        "from": change.old.name,
-                        "to": change.new.name,
-                        "cause": change.cause,
-                    },
-                )
-            )
-        if entries:
-            await self.host.execute([AppendLog(e) for e in entries])
-
-    async def _ensure_pool_queues(self, descriptors: Sequence[CapabilityDescriptor]) -> None:
-        """Each pool's task queue, declared once with arguments that never change, and its
-        bound at the pool's model slots, a broker policy set through the management API
-        whenever the slots change (:meth:`Topology.pool_bound_policy`). Nothing here deletes
-        or replaces a queue, and a broker error on one pool is logged, counted and retried on
-        the next announcement: it costs neither the other pools nor the connection."""
-        for descriptor in descriptors:
-            pool_id, slots = descriptor.pool_id, descriptor.model_limits.slots
-            if self._pool_slots.get(pool_id) == slots:
-                continue
-            if pool_id not in self._pool_declared:
-                try:
-                    current = await self.host.transport.try_declare(self.topology.pool(pool_id))
-                except Exception as exc:
-                    self.counters["pool_queue_declare_failed"] += 1
-                    log.warning(
-                        "pool queue not declared", extra={"pool_id": pool_id, "error": str(exc)}
-                    )
-                    continue
-                self._pool_declared.add(pool_id)
-                if not current:  # declared by an older mesh, bound in its arguments
-                    self.counters["pool_queue_legacy_arguments"] += 1
-                    log.warning(
-                        "pool queue was declared with other arguments (by an older mesh, "
-                        "whose x-max-length followed the slots): it is used as it is, and the "
-                        "broker applies the lower of its own bound and the policy's; delete "
-                        "it once it is empty to take the current layout",
-                        extra={"pool_id": pool_id, "queue": self.topology.pool_task_queue(pool_id)},
-                    )
-            policy = self.topology.pool_bound_policy(pool_id, slots)
-            if await self.host.observer.apply_policy(policy):
-                self._pool_slots[pool_id] = slots
-            elif not self.host.observer.has_management_api:
-                self._pool_slots[pool_id] = slots  # nothing more to try until the slots change
-                self.counters["pool_queue_unbounded_by_slots"] += 1
-                log.warning(
-                    "no management API (--management-url): the pool queue is bounded at its "
-                    "declared ceiling, not at the pool's slots; the ledger still holds "
-                    "capacity exactly",
-                    extra={
-                        "pool_id": pool_id,
-                        "model_slots": slots,
-                        "ceiling": self.topology.pool_queue_max_length,
-                    },
-                )
+        if changes:
+            await self._commands.execute([AppendLog(stage_change_entry(c)) for c in changes])
 
     async def _announce_epochs(
         self, descriptors: Sequence[CapabilityDescriptor]
@@ -709,7 +640,7 @@ class AdmissionService:
         """Tell each pool's agents its active descriptor epoch (``grant.<pool>``), so they
         refuse grants issued under an older one (:mod:`mesh.agent.grants`). Returns the
         draining allowlists announced, by pool (pools this manager did not advance: none)."""
-        await self._ensure_pool_queues(descriptors)
+        await self._pool_queues.ensure(descriptors)
         now = self.clock.now()
         self._epochs_announced_at = now.mono
         announced: dict[str, list[str]] = {}
@@ -737,7 +668,7 @@ class AdmissionService:
                 reason=f"epoch {descriptor.descriptor_epoch}",
                 detail=detail,
             )
-            await self.host.publish_event(names.pool_grant_key(descriptor.pool_id), event)
+            await self._commands.publish_event(names.pool_grant_key(descriptor.pool_id), event)
         return announced
 
     async def _expire_admissions(self) -> None:
@@ -753,11 +684,12 @@ class AdmissionService:
         expired = await self._on_ledger(self.admitter.expire, self.clock.now().wall)
         # WAL checkpoints off the commit path, on the worker thread (own connections).
         await self._in_ledger_thread(self.admitter.ledger.maintain)
-        if self.host.journal is not None:
-            await self._in_ledger_thread(self.host.journal.maintain)
+        journal = self._journal()
+        if journal is not None:
+            await self._in_ledger_thread(journal.maintain)
         if expired:
             self.counters["admissions_expired"] += len(expired)
-            await self.host.execute(
+            await self._commands.execute(
                 [
                     AppendLog(
                         LogEntry(
@@ -787,32 +719,18 @@ class AdmissionService:
         security: str | None = None,
     ) -> None:
         """Tell the pool's agents that grants of ``admission_id`` up to ``fence`` are void
-        (``evicted``: taken back for more urgent work, so its agent stops it if running).
-
-        Fire-and-forget on the events exchange (``grant.<pool>.<admission>``): the ledger is the
-        truth, and an agent that misses it still refuses the grant once it expires.
-        """
-        detail: dict[str, Any] = {"admission_id": admission_id, "pool_id": pool_id, "fence": fence}
-        if evicted:
-            detail["evicted"] = True
-        if security is not None:
-            detail["security"] = security  # the operator's reason
-        event = OrchestrationEvent(
-            at=now,
-            kind=c.EVENT_GRANT_REVOKED,
-            to_state=state,
-            reason=f"fence {fence}" + (" (evicted)" if evicted else ""),
-            detail=detail,
-        )
+        (:func:`revocation_event`); fire-and-forget: the ledger is the truth, and an agent that
+        misses it still refuses the grant once it expires."""
+        event = revocation_event(pool_id, admission_id, fence, state, now, evicted, security)
         self.counters["grants_revoked"] += 1
-        await self.host.publish_event(names.grant_key(pool_id, admission_id), event)
+        await self._commands.publish_event(names.grant_key(pool_id, admission_id), event)
 
     def pool_capacities(self, now: Instant) -> list[PoolCapacity]:
         """Per described pool and capability: the registry's live figure and the ledger's
         counts as the last tick read them (how capacity is counted, docs/admission.md)."""
         if self.admitter is None:
             return []
-        live = self.host.core.live_capacity(now)
+        live = self._core.live_capacity(now)
         usage = self._usage or {}
         out = []
         for pool_id, descriptor in sorted(self.admitter.descriptors.items()):
@@ -847,51 +765,3 @@ _LedgerResult = AdmissionDecision | tuple[AdmissionReleaseReply, bool, str | Non
 
 def _nothing() -> None:
     """A call that waits its turn on the ledger thread (a barrier)."""
-
-
-def _explain(admitter: Admitter, admission_id: str) -> ExplainReply:
-    record = admitter.recorded(admission_id)
-    if record is not None:
-        record = admitter.with_eligibility(record)
-    reservation = admitter.ledger.get(admission_id)
-    held = (
-        None
-        if reservation is None
-        else {
-            "state": reservation.state,
-            "fence": reservation.fence,
-            "pool_id": reservation.pool_id,
-            "expires_at": reservation.expires_at,
-            "created_at": reservation.created_at,
-            "updated_at": reservation.updated_at,
-            # When it stopped holding: released by its holder, or expired by the sweep.
-            "released_at": None if reservation.holding else reservation.updated_at,
-            "items": [list(item) for item in reservation.items],
-        }
-    )
-    if record is None:
-        return ExplainReply(admission_id=admission_id, found=held is not None, reservation=held)
-    return ExplainReply(
-        admission_id=admission_id,
-        found=True,
-        decision=record.decision,
-        eligibility=record.eligibility,
-        reservation=held,
-        tenant=record.tenant,
-    )
-
-
-def _eviction_entry(eviction: Eviction) -> LogEntry:
-    victim = eviction.victim
-    return LogEntry(
-        at=eviction.at,
-        kind="admission_evicted",
-        reason=f"{victim.pool_id}: fence {victim.fence} released for {eviction.for_admission}",
-        detail={
-            "admission_id": victim.admission_id,
-            "pool_id": victim.pool_id,
-            "fence": victim.fence,
-            "tenant": eviction.holding.tenant,
-            "for_admission": eviction.for_admission,
-        },
-    )

@@ -27,7 +27,7 @@ with atheris.instrument_imports():
     from mesh.wire import Message, Reason
     from mesh.wire.codec import decode, decode_as
 
-from mesh.manager.service import _ANNOUNCE_TYPES, _RPC_TYPES
+from mesh.manager.intake import _ANNOUNCE_TYPES, _RPC_TYPES
 from mesh.wire import Heartbeat
 
 EXPECTED: tuple[tuple[type[Message], ...], ...] = (_ANNOUNCE_TYPES, _RPC_TYPES, (Heartbeat,))

@@ -18,7 +18,7 @@ about half are sent with ``reply_to``.
 One manager runs in-process for the whole stream, which is published through the real
 exchanges to the three queues the manager consumes (``Topology.manager()``), shuffled together
 with good traffic (agent registrations, heartbeats, status requests) and oversized messages.
-What the manager does with a rejected message (``ManagerService._guarded``/``_dead_letter``
+What the manager does with a rejected message (``Intake._guarded``/``_dead_letter``
 and ``HeartbeatSink``):
 
 * announce and rpc queues: republished (confirmed) to the dead-letter exchange with the reason
@@ -74,7 +74,7 @@ from unit.samples import SAMPLES, sample_json
 import mesh.wire.codec as codec
 from mesh import constants as c
 from mesh.errors import MessageRejected
-from mesh.manager.service import _ANNOUNCE_TYPES, _RPC_TYPES
+from mesh.manager.intake import _ANNOUNCE_TYPES, _RPC_TYPES
 from mesh.producer import MeshClient
 from mesh.topology import Topology, names
 from mesh.transport import AmqpTransport, Delivery

@@ -125,7 +125,7 @@ def shard_log(service: ManagerService) -> list[tuple[str, int]]:
 async def stop_answering(service: ManagerService) -> None:
     """``service`` stops answering while it still holds its shards (frozen or dying, its lease
     not yet run out): every consumer of its cancelled."""
-    shard_consumers = (c for cs in service._shard_consumers.values() for c in cs)
+    shard_consumers = (c for cs in service.sharding.consumers.values() for c in cs)
     for consumer in [*service._consumers, *shard_consumers]:
         await consumer.cancel()
 
@@ -532,7 +532,7 @@ async def test_only_the_owner_of_a_pools_shard_scales_its_deployment(
     await until(lambda: len(owned(a)) == len(owned(b)) == SHARDS // 2, "an even split")
     for manager in (a, b):
         for pool in POOLS:
-            await manager._scale(ScaleTo(pool, 3, "a capacity miss"))
+            await manager.scaling.scale(ScaleTo(pool, 3, "a capacity miss"))
     for manager in (a, b):
         mine = {p for p in POOLS if shard_of(p, SHARDS) in owned(manager)}
         assert scalers[manager.settings.manager_id].scaled == [(p, 3) for p in POOLS if p in mine]
@@ -641,7 +641,7 @@ async def test_a_redelivered_acquire_or_release_is_answered_the_same_again(
                 pass
             held = set(b.core.leases)
 
-            await a._handle_rpc(dataclasses.replace(request, redelivered=True))
+            await a.intake.handle_request(dataclasses.replace(request, redelivered=True))
 
             await eventually(lambda: client.counters["duplicate_replies"] == 1, what="again")
             assert client.counters["duplicate_replies_differing"] == 0, list(
@@ -655,7 +655,7 @@ async def test_a_redelivered_acquire_or_release_is_answered_the_same_again(
                 names.rpc_key("release")
             ):
                 pass  # the acquires that filled the agent
-            await a._handle_rpc(dataclasses.replace(release, redelivered=True))
+            await a.intake.handle_request(dataclasses.replace(release, redelivered=True))
             await eventually(lambda: client.counters["duplicate_replies"] == 2, what="again")
             assert client.counters["duplicate_replies_differing"] == 0, list(
                 client.answered_differently

@@ -35,7 +35,7 @@ from mesh.core import (
     Tick,
 )
 from mesh.core.tally import FleetTally
-from mesh.manager.service import _to_wire
+from mesh.manager.commands import _to_wire
 from mesh.wire import (
     AcquireRequest,
     AgentRegistration,

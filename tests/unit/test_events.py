@@ -27,8 +27,9 @@ from mesh.core.lifecycle import Trigger
 from mesh.core.pressure import Stage
 from mesh.errors import MessageRejected
 from mesh.manager.admission import AdmissionPolicy
+from mesh.manager.commands import _to_wire
 from mesh.manager.journal import SqliteJournal
-from mesh.manager.service import ManagerService, _to_wire
+from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.producer import MeshClient
 from mesh.testing import FakeClock, InMemoryBroker, InMemoryTransport
@@ -440,7 +441,7 @@ async def test_an_entry_that_does_not_fit_its_kind_is_journaled_counted_and_kept
     try:
         bad = LogEntry(at=T0, kind="scale", detail={"deployment": "calc", "replicas": "three"})
         good = LogEntry(at=T0, kind="scale", detail={"deployment": "calc", "replicas": 3})
-        await manager.execute([AppendLog(bad), AppendLog(good)])
+        await manager.commands.execute([AppendLog(bad), AppendLog(good)])
         await _until(lambda: len(heard) >= 1, "the good entry published")
 
         assert manager.counters["events_unfit"] == 1
