@@ -27,7 +27,8 @@ from mesh.agent.effects import EffectOutcomeUnknown, once
 from mesh.agent.errors import RegistrationRefusedError, RegistrationTimeoutError
 from mesh.agent.http import AgentHttpServer, HttpServerError
 from mesh.agent.processing import process_task
-from mesh.agent.runtime import AgentRuntime, AgentSettings, backoff_delay, run_agent
+from mesh.agent.runtime import AgentRuntime, run_agent
+from mesh.agent.settings import AgentSettings, backoff_delay
 from mesh.transport.ports import Transport as AgentTransport
 
 __all__ = [

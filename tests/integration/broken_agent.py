@@ -23,8 +23,11 @@ import sys
 import time
 from typing import Any
 
+from mesh.agent.control import ControlInbox
 from mesh.agent.core import AgentCore
+from mesh.agent.pool_queue import PoolQueue
 from mesh.agent.runtime import AgentRuntime
+from mesh.agent.tasks import TaskRunner
 from mesh.cli import main
 from mesh.wire import Heartbeat, Message, OrchestrationEvent, ReRegisterRequest
 
@@ -59,14 +62,14 @@ def ignoring_revocations() -> None:
 
 
 def dropping_tasks_on_drain() -> None:
-    original = AgentRuntime._send_result
+    original = TaskRunner._send_result
 
-    async def send_result(self: AgentRuntime, delivery: Any, result: Any, extra: Any) -> bool:
-        if self._draining:
+    async def send_result(self: TaskRunner, delivery: Any, result: Any, extra: Any) -> bool:
+        if self._pool.closed:  # draining
             return True  # "sent": acked, and nobody hears of it
         return await original(self, delivery, result, extra)
 
-    AgentRuntime._send_result = send_result  # type: ignore[method-assign]
+    TaskRunner._send_result = send_result  # type: ignore[method-assign]
 
 
 def forgetting_leases_on_hand_over() -> None:
@@ -79,17 +82,17 @@ def forgetting_leases_on_hand_over() -> None:
 
 
 def trusting_any_sender() -> None:
-    def check_sender(self: AgentRuntime, message: Message, user_id: str | None) -> Message:
+    def check_sender(self: ControlInbox, message: Message, user_id: str | None) -> Message:
         return message
 
-    AgentRuntime._check_sender = check_sender  # type: ignore[method-assign]
+    ControlInbox._check_sender = check_sender  # type: ignore[method-assign]
 
 
 def deaf_to_pool_cancels() -> None:
-    def pool_queue_gone(self: AgentRuntime, consumer: Any) -> None:
+    def pool_queue_gone(self: PoolQueue, consumer: Any) -> None:
         return None
 
-    AgentRuntime._pool_queue_gone = pool_queue_gone  # type: ignore[method-assign]
+    PoolQueue._gone = pool_queue_gone  # type: ignore[method-assign]
 
 
 DEFECTS = {

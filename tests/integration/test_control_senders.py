@@ -55,10 +55,10 @@ async def test_an_agent_takes_control_messages_only_from_the_managers_user(
     broker_users: object,
     amqp_url: str,
 ) -> None:
-    assert agent._manager_user == "guest"  # learned from the signed acceptance
+    assert agent.manager_user == "guest"  # learned from the signed acceptance
     lease = await client.acquire("test.echo")
     assert isinstance(lease, Lease), lease
-    await eventually(lambda: lease.lease_id in agent._issued, what="the lease notice")
+    await eventually(lambda: lease.lease_id in agent.credentials.issued, what="the lease notice")
 
     intruder = await AmqpTransport.connect(
         broker_users("control-intruder"),  # type: ignore[operator]
@@ -71,7 +71,7 @@ async def test_an_agent_takes_control_messages_only_from_the_managers_user(
         await eventually(
             lambda: agent.counters["control_not_from_manager"] == 1, what="the refusal"
         )
-        assert not agent._draining
+        assert not agent.draining
 
         before = agent.counters["registration_attempts"]
         intruder.signer = None  # unsigned, as an older manager publishes
@@ -81,7 +81,9 @@ async def test_an_agent_takes_control_messages_only_from_the_managers_user(
             what="registration again",
         )
         assert agent.counters["control_unsigned_reregister"] == 1
-        assert agent.counters["leases_forgotten"] == 0 and lease.lease_id in agent._issued
+        assert (
+            agent.counters["leases_forgotten"] == 0 and lease.lease_id in agent.credentials.issued
+        )
     finally:
         await intruder.close()
 

@@ -79,7 +79,7 @@ async def test_a_task_whose_lease_notice_was_lost_asks_the_manager_and_runs(
     under a lease it was not told of, asks the manager, which tells it again — and it runs
     (it used to be refused NOT_AUTHORIZED after the wait)."""
     runtime = await start_agent("calc", "calc-deaf", open_tasks=False)
-    told = runtime._on_lease_notice
+    told = runtime.credentials.on_lease_notice
     lost: list[LeaseNotice] = []
 
     def losing_notices_until_it_asks(notice: LeaseNotice) -> None:
@@ -88,7 +88,7 @@ async def test_a_task_whose_lease_notice_was_lost_asks_the_manager_and_runs(
         else:
             told(notice)
 
-    runtime._on_lease_notice = losing_notices_until_it_asks  # type: ignore[method-assign]
+    runtime.credentials.on_lease_notice = losing_notices_until_it_asks  # type: ignore[method-assign]
 
     outcome = await client.run_task("math.evaluate", {"expression": "6 * 7"})
 
@@ -105,8 +105,8 @@ async def test_a_task_under_a_lease_that_ended_is_refused_when_the_manager_says_
     lease = await client.acquire("math.evaluate")
     assert isinstance(lease, Lease)
     await client.release(lease.lease_id)
-    await eventually(lambda: lease.lease_id in runtime._ended, what="the end notice")
-    runtime._ended.clear()  # the end notice forgotten: only the manager's answer is left
+    await eventually(lambda: lease.lease_id in runtime.credentials.ended, what="the end notice")
+    runtime.credentials.ended.clear()  # the end notice forgotten: only the manager's answer is left
 
     asked = runtime.counters["lease_state_asked"]
     result = await client._send_and_wait(lease, {"expression": "1+1"}, time.time() + 10)

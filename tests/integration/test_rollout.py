@@ -106,7 +106,7 @@ async def test_a_security_revocation_cancels_the_running_attempt_and_refuses_its
 
         started = time.monotonic()
         running = asyncio.create_task(send_echo(client, topology, runtime.agent_id, grant, 20_000))
-        await eventually(lambda: "adm-revoked" in runtime._running, what="the attempt running")
+        await eventually(lambda: "adm-revoked" in runtime.tasks.running, what="the attempt running")
         reply = await client.revoke_admission("adm-revoked", "credential leaked")
         assert reply.released, reply
         result = await running

@@ -257,7 +257,7 @@ async def test_agents_register_with_their_shards_owner_and_move_with_their_shard
         # Each agent is in exactly its shard's owner's registry, and was told its shard.
         expected = {m: {f"{p}-1" for p in POOLS if shard_of(p, SHARDS) in owned(m)} for m in (a, b)}
         assert registered(a) == expected[a] and registered(b) == expected[b]
-        assert [agent._shard for agent in agents] == [0, 1, 2, 3]
+        assert [agent.shard for agent in agents] == [0, 1, 2, 3]
         forwarded = a.counters["registrations_forwarded"] + b.counters["registrations_forwarded"]
         assert forwarded >= 1, "no registration went through the other manager"
         # Heartbeats reach the owner only (under its own key, through the shard's queue).
@@ -307,7 +307,9 @@ async def test_a_clean_stop_hands_its_agents_over_at_once_and_their_leases_stay_
         assert registered(b) == {f"{pool}-1"} and registered(a) == set()
         held = await client.acquire("test.echo")
         assert isinstance(held, Lease), held
-        await until(lambda: held.lease_id in agent._issued, "the agent told of the lease")
+        await until(
+            lambda: held.lease_id in agent.credentials.issued, "the agent told of the lease"
+        )
 
         await b.stop()
         stopped = time.monotonic()

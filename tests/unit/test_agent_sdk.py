@@ -877,7 +877,7 @@ async def test_with_a_manager_user_set_control_messages_from_anyone_else_are_ref
     transport = FakeTransport(manager=accepting, manager_user="mesh-manager")
     runtime = runtime_with(transport, manager_user="mesh-manager")
     await runtime.start()
-    runtime._issued["lease-1"] = asyncio.get_running_loop().time() + 60
+    runtime.credentials.issued["lease-1"] = asyncio.get_running_loop().time() + 60
     control = "t.agent.toy-1.control"
     for user_id in ("intruder", None):
         forged = make_delivery(DrainNotice(agent_id="toy-1"))
@@ -893,7 +893,7 @@ async def test_with_a_manager_user_set_control_messages_from_anyone_else_are_ref
             break
     assert len(transport.of_type(AgentRegistration)) == 2
     assert runtime.counters["control_unsigned_reregister"] == 1
-    assert "lease-1" in runtime._issued and runtime.counters["leases_forgotten"] == 0
+    assert "lease-1" in runtime.credentials.issued and runtime.counters["leases_forgotten"] == 0
 
     signed = make_delivery(DrainNotice(agent_id="toy-1"))
     signed.user_id = "mesh-manager"

@@ -126,11 +126,14 @@ def test_the_public_test_harness_does_not_load_the_broker_client() -> None:
 
 def test_the_agents_core_imports_no_io_clocks_or_randomness_itself() -> None:
     """The agent's decisions (mesh/agent/core.py, and the grant rules it applies) take time
-    as an argument and do no I/O; the asyncio shell around them is mesh/agent/runtime.py."""
+    as an argument and do no I/O; the asyncio shell around them is mesh/agent/runtime.py and
+    its rooms."""
     agent_dir = CORE_DIR.parent / "agent"
     sources = [agent_dir / "core.py", agent_dir / "grants.py"]
     forbidden = [m for m in FORBIDDEN_IN_SOURCE if m != "mesh.agent"]
-    forbidden += ["mesh.agent.runtime", "mesh.agent.http", "mesh.agent.processing"]
+    shell = ["runtime", "http", "processing", "registration", "liveness", "control"]
+    shell += ["credentials", "tasks", "pool_queue", "settling", "work", "leaving"]
+    forbidden += [f"mesh.agent.{module}" for module in shell]
 
     assert _offenders(sources, forbidden) == set()
     assert "mesh.agent.grants" in _imports_of(agent_dir / "core.py")  # the check reads imports
