@@ -11,6 +11,7 @@ that moves never needs a queue deleted or replaced.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
@@ -21,6 +22,14 @@ from mesh.transport.ports import ManagerTransport
 from mesh.wire.admission import CapabilityDescriptor
 
 log = logging.getLogger(__name__)
+
+REDECLARE_AFTER_S = 1.0
+"""A deleted pool queue is declared again only once it has been missing this long. RabbitMQ
+answers a consumed queue's deletion by consuming again, under the same tag, from the queue of
+that name (meant for a mirrored queue's failover): declared again within those first tens of
+milliseconds, the agents' consumers move to the new queue silently — no ``basic.cancel``, and
+no deliveries either. Missing a moment longer, they are cancelled, and the agents subscribe
+again themselves."""
 
 
 class PoolQueues:
@@ -40,6 +49,7 @@ class PoolQueues:
         self._counters = counters
         self._declared: set[str] = set()  # pools whose task queue this manager declared
         self._slots: dict[str, int] = {}  # the model slots each pool's policy bounds at
+        self._missing_since: dict[str, float] = {}  # pool -> when a poll first found it gone
 
     async def depths(
         self, descriptors: Mapping[str, CapabilityDescriptor]
@@ -57,17 +67,23 @@ class PoolQueues:
             except Exception as exc:  # the broker is away: next poll
                 log.debug("pool queue depth unavailable", extra={"queue": queue, "error": str(exc)})
                 continue
+            self._missing_since.pop(pool_id, None)
             found[pool_id] = (depth, ages.get(queue))
         return found
 
     async def _gone(self, descriptors: Mapping[str, CapabilityDescriptor], pool_id: str) -> None:
         """A described pool's queue is gone (deleted in the management UI, say): declared
-        again at once, with its bound, so producers' tasks are routed again and the pool's
-        agents — which look for it again after the broker cancelled their consumers — take
-        them. Counted (``pool_queue_redeclared``)."""
+        again, with its bound, by the first poll ``REDECLARE_AFTER_S`` or more after the first
+        that found it gone, so producers' tasks are routed again and the pool's agents — which
+        look for it again after the broker cancelled their consumers — take them. Counted
+        (``pool_queue_redeclared``)."""
         descriptor = descriptors.get(pool_id)
         if descriptor is None:
             return
+        now = time.monotonic()
+        if now - self._missing_since.setdefault(pool_id, now) < REDECLARE_AFTER_S:
+            return  # the agents' consumers are told first (basic.cancel)
+        del self._missing_since[pool_id]
         self._declared.discard(pool_id)
         self._slots.pop(pool_id, None)
         self._counters["pool_queue_redeclared"] += 1
