@@ -63,7 +63,20 @@ RK_HEARTBEAT: Final = "hb"  # hb.<agent_id>, or hb.<agent_id>.<shard>
 RK_LOG: Final = "log"  # log.<agent_id>.<kind>
 RK_CAPABILITY: Final = "capability"  # capability.<capability name>.<agent_id>
 RK_WARNING: Final = "warning"  # warning.<kind>
-RK_RPC: Final = "rpc"  # rpc.<method>
+RK_RPC: Final = "rpc"  # rpc.<method>, a method of RPC_METHODS
+RPC_METHODS: Final = (
+    "find",
+    "acquire",
+    "release",
+    "drain",
+    "status",
+    "admit",
+    "admission-release",
+    "admission-revoke",
+    "descriptor",
+    "descriptor-shadow",
+    "explain",
+)  # <method> above: what a client asks the manager (MeshClient's requests)
 RK_GRANT: Final = "grant"  # grant.<pool_id>.<admission_id>: grant revocations (events exchange)
 EVENT_GRANT_REVOKED: Final = "grant_revoked"  # the OrchestrationEvent kind published on it
 EVENT_DESCRIPTOR_ACTIVE: Final = "descriptor_active"  # a pool's active epoch, on grant.<pool>
