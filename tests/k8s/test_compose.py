@@ -1,11 +1,11 @@
-"""``docker-compose.yml``: valid Compose, offline, and running only commands the README documents.
+"""``docker-compose.yml``: valid Compose, offline, and running only commands docs/cli.md documents.
 
 The machines here have a docker client without the compose plugin and no daemon, so the file
 is validated against the Compose Specification's own JSON Schema, vendored in
 ``tests/k8s/data/compose-spec.json`` (where it comes from: ``compose-spec.SOURCE.md``).
 
 The services' ``command`` is the argument list of the image's ``ENTRYPOINT ["mesh"]``; each
-must be a subcommand, positional and flags documented in the README's CLI table, and must
+must be a subcommand, positional and flags documented in the CLI table of docs/cli.md, and must
 parse with the real CLI parser as well.
 """
 
@@ -30,7 +30,7 @@ from mesh.agent import AgentSettings
 
 ROOT = Path(__file__).parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
-README = ROOT / "README.md"
+CLI_DOC = ROOT / "docs" / "cli.md"
 DOCKERFILE = ROOT / "Dockerfile"
 DATA = Path(__file__).parent / "data"
 SCHEMA = DATA / "compose-spec.json"
@@ -237,19 +237,19 @@ def test_compose_durations_are_read_right() -> None:
     assert compose_seconds("1h") == 3600
 
 
-# ---- the README's CLI table ---------------------------------------------------------------------
+# ---- the CLI table (docs/cli.md) ---------------------------------------------------------------
 
 
 @dataclass
 class Documented:
-    """What the README documents for one subcommand."""
+    """What docs/cli.md documents for one subcommand."""
 
     flags: dict[str, bool] = field(default_factory=dict)  # flag → takes a value
     positionals: list[set[str] | None] = field(default_factory=list)  # choices, None: any
 
 
 def cli_table_rows() -> list[str]:
-    text = README.read_text()
+    text = CLI_DOC.read_text()
     section = text.split("\n## The CLI\n", 1)[1].split("\n## ", 1)[0]
     return [line for line in section.splitlines() if line.startswith("| `mesh ")]
 
@@ -284,7 +284,7 @@ def documented_commands() -> dict[str, Documented]:
     return documented
 
 
-def test_the_readme_cli_table_is_understood() -> None:
+def test_the_cli_table_is_understood() -> None:
     documented = documented_commands()
     assert {"demo", "manager", "agent", "status", "log", "drain", "schemas"} <= documented.keys()
     assert documented["agent"].positionals[0] == {"calc", "textstats", "echo"}
@@ -320,7 +320,7 @@ def undocumented_parts(command: list[str], documented: dict[str, Documented]) ->
 
 
 @pytest.mark.parametrize("name", sorted(mesh_services()))
-def test_every_service_command_is_one_the_readme_documents(name: str) -> None:
+def test_every_service_command_is_one_the_cli_docs_document(name: str) -> None:
     command = command_of(mesh_services()[name])
     assert undocumented_parts(command, documented_commands()) == []
 
