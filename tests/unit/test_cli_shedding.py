@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.cli import _admission_policy, build_parser
+from mesh.cli import build_parser
+from mesh.cli.services import _admission_policy
 from mesh.core.pressure import PressurePolicy
 
 

@@ -1,0 +1,607 @@
+"""The parser (one function per command's options) and ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from mesh import constants as c
+from mesh import logs
+from mesh.broker_admin import DEFAULT_MANAGEMENT_URL
+from mesh.cli.common import (
+    DEFAULT_JOURNAL,
+    SCHEMAS_DIR,
+    _add_liveness_probe,
+    _count,
+    _env,
+    _json_object,
+    _on_off,
+    _page_size,
+    _positive_seconds,
+    _thresholds,
+)
+from mesh.cli.log import DEFAULT_LOG_LINES, cmd_log
+from mesh.cli.ops import (
+    cmd_admission,
+    cmd_broker,
+    cmd_descriptor,
+    cmd_drain,
+    cmd_explain,
+    cmd_schemas,
+    cmd_status,
+    cmd_top,
+)
+from mesh.cli.services import cmd_agent, cmd_conformance, cmd_demo, cmd_manager
+from mesh.wire.models import MAX_STATUS_AGENTS
+
+if TYPE_CHECKING:
+    pass
+
+
+Command = Callable[..., argparse.ArgumentParser]
+"""Adds a command's parser, with the connection and logging options every command takes."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mesh", description="agent-mesh: a control plane for AI agents over RabbitMQ"
+    )
+    # The connection and logging options are accepted before the command and after it
+    # (``mesh --amqp-url U status`` and ``mesh status --amqp-url U``): each command's parser
+    # has them too, defaulting to nothing so the one before the command stands.
+    shared = argparse.ArgumentParser(add_help=False)
+    for target, default_of in ((parser, lambda d: d), (shared, lambda d: argparse.SUPPRESS)):
+        target.add_argument(
+            "--amqp-url",
+            default=default_of(_env("MESH_AMQP_URL", c.DEFAULT_AMQP_URL)),
+            help=f"broker URL (env MESH_AMQP_URL; default {c.DEFAULT_AMQP_URL})",
+        )
+        target.add_argument(
+            "--namespace",
+            default=default_of(_env("MESH_NAMESPACE", c.DEFAULT_NAMESPACE)),
+            help="prefix of every exchange and queue name (env MESH_NAMESPACE)",
+        )
+        target.add_argument(
+            "--log-level",
+            default=default_of(_env("MESH_LOG_LEVEL", "INFO")),
+            choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+            type=str.upper,
+            help="what the logs say, from DEBUG to ERROR (env MESH_LOG_LEVEL, default INFO)",
+        )
+        target.add_argument(
+            "--log-format",
+            choices=("json", "text"),
+            default=default_of(_env("MESH_LOG_FORMAT", "json")),
+            help="services log JSON lines by default",
+        )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_parser = sub.add_parser
+
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return add_parser(name, parents=[shared], **kwargs)
+
+    _manager_command(command)
+    _agent_command(command)
+    _demo_command(command)
+    _conformance_command(command)
+    _status_command(command)
+    _log_command(command)
+    _top_command(command)
+    _drain_command(command)
+    _explain_command(command)
+    _descriptor_command(command)
+    _admission_command(command)
+    _broker_command(command)
+    _schemas_command(command)
+    return parser
+
+
+def _manager_command(command: Command) -> None:
+    p = command("manager", help="run the pool manager")
+    p.add_argument(
+        "--journal",
+        default=_env("MESH_JOURNAL", DEFAULT_JOURNAL),
+        help="SQLite orchestration log path",
+    )
+    p.add_argument(
+        "--manager-id",
+        default=_env("MESH_MANAGER_ID", "manager"),
+        help="this manager's name in the journal, status and metrics (env MESH_MANAGER_ID)",
+    )
+    p.add_argument(
+        "--ledger",
+        default=_env("MESH_LEDGER_URL", "sqlite:.mesh/ledger.sqlite3"),
+        help="reservation ledger: sqlite:<path> or a postgresql:// DSN (env MESH_LEDGER_URL)",
+    )
+    p.add_argument(
+        "--operator-user",
+        default=_env("MESH_OPERATOR_USER", "mesh-operator"),
+        help="the operator's broker user: the only one whose descriptors, shadows, "
+        "revocations and drains are accepted (env MESH_OPERATOR_USER)",
+    )
+    _add_liveness_probe(p)
+    p.add_argument(
+        "--admission-capacity",
+        choices=("live", "descriptor"),
+        default=_env("MESH_ADMISSION_CAPACITY", "live"),
+        help="live: a pool admits at most what its live agents can run and its descriptor "
+        "allows (no live agent, no grant: NO_LIVE_AGENT; with --shards each pool's owner "
+        "shares its figures through the ledger); descriptor: the descriptor alone, for "
+        "several managers on one PostgreSQL ledger without --shards "
+        "(env MESH_ADMISSION_CAPACITY, default live)",
+    )
+    p.add_argument(
+        "--ledger-schema",
+        default=_env("MESH_LEDGER_SCHEMA", "mesh_ledger"),
+        metavar="NAME",
+        help="PostgreSQL ledgers: the schema of the ledger and the shard leases, so several "
+        "namespaces can share one database (env MESH_LEDGER_SCHEMA, default mesh_ledger)",
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=int(_env("MESH_SHARDS", "0")) or None,
+        metavar="N",
+        help="several managers: split the registry into N shards, each owned by one manager "
+        "at a time through a lease in the PostgreSQL ledger's database; every manager of a "
+        "namespace uses the same N (env MESH_SHARDS; default: no shards, one manager)",
+    )
+    p.add_argument(
+        "--shard-lease",
+        type=_positive_seconds,
+        default=_env("MESH_SHARD_LEASE_S", "10"),
+        metavar="SECONDS",
+        help="how long a shard lease lasts unrenewed; renewed every third of it "
+        "(env MESH_SHARD_LEASE_S, default 10)",
+    )
+    p.add_argument(
+        "--agent-identity",
+        type=_on_off,
+        default=_env("MESH_AGENT_IDENTITY", "off"),
+        metavar="on|off",
+        help="on: each agent has a broker user named as the agent, and a registration or "
+        "heartbeat counts only when published by the agent it names (RabbitMQ validates "
+        "user_id); off: agents may share one user (env MESH_AGENT_IDENTITY, default off)",
+    )
+    p.add_argument(
+        "--lease-key",
+        metavar="FILE",
+        default=_env("MESH_LEASE_KEY", ""),
+        help="sign an invocation lease into every grant with this Ed25519 key, created (with "
+        "FILE.pub for agents and tools) if absent (env MESH_LEASE_KEY; default: no leases)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=_positive_seconds,
+        default=_env("MESH_LEASE_TTL_S", "") or None,
+        metavar="SECONDS",
+        help="a lease expires with its grant, or this long after issue if sooner "
+        "(env MESH_LEASE_TTL_S)",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=int(_env("MESH_HTTP_PORT", "8090")),
+        help="serve the status page, /api/status and /metrics here; 0 any free port, -1 off "
+        "(env MESH_HTTP_PORT, default 8090)",
+    )
+    p.add_argument(
+        "--http-host", default=_env("MESH_HTTP_HOST", "0.0.0.0"), help="address to serve on"
+    )
+    p.add_argument(
+        "--management-url",
+        default=os.environ.get("MESH_MANAGEMENT_URL", ""),
+        help="RabbitMQ management API (http://user:pass@host:15672) for queue depths on the "
+        "status page and in /metrics (env MESH_MANAGEMENT_URL; off when empty)",
+    )
+    shed = p.add_argument_group(
+        "load shedding", "how an overloaded pool degrades (docs/admission.md, Backpressure)"
+    )
+    shed.add_argument(
+        "--shedding",
+        type=_on_off,
+        default=_env("MESH_SHEDDING", "on"),
+        metavar="on|off",
+        help="staged shedding, fair shares and drain-rate retry times; off: capacity alone "
+        "decides and refusals say retry in 1 s (env MESH_SHEDDING, default on)",
+    )
+    shed.add_argument(
+        "--shed-thresholds",
+        type=_thresholds,
+        default=_env("MESH_SHED_THRESHOLDS", "0.7,0.85,0.95"),
+        metavar="A,B,C",
+        help="slot utilisation at which speculative work is shed, batch paused and tenants "
+        "held to fair shares (env MESH_SHED_THRESHOLDS, default 0.7,0.85,0.95)",
+    )
+    shed.add_argument(
+        "--shed-queue-age",
+        type=float,
+        default=_env("MESH_SHED_QUEUE_AGE_S", "5"),
+        metavar="SECONDS",
+        help="a pool whose oldest queued task waited longer goes one stage up "
+        "(env MESH_SHED_QUEUE_AGE_S, default 5)",
+    )
+    shed.add_argument(
+        "--shed-hysteresis",
+        type=float,
+        default=_env("MESH_SHED_HYSTERESIS", "0.1"),
+        metavar="FRACTION",
+        help="a stage steps down only below its threshold less this share of the pool's "
+        "slots (env MESH_SHED_HYSTERESIS, default 0.1)",
+    )
+    shed.add_argument(
+        "--shed-min-dwell",
+        type=float,
+        default=_env("MESH_SHED_MIN_DWELL_S", "2"),
+        metavar="SECONDS",
+        help="a pool stays in a stage at least this long, and steps down only after this "
+        "long below the lowered threshold (a broker alarm acts at once; env "
+        "MESH_SHED_MIN_DWELL_S, default 2)",
+    )
+    shed.add_argument(
+        "--low-priority",
+        type=_count,
+        choices=range(10),
+        default=os.environ.get("MESH_LOW_PRIORITY") or None,
+        metavar="0-9",
+        help="batch work at or below this priority is fan-out, shed with speculative work "
+        "(env MESH_LOW_PRIORITY; default: only the speculative class)",
+    )
+    shed.add_argument(
+        "--eviction",
+        type=_on_off,
+        default=_env("MESH_EVICTION", "on"),
+        metavar="on|off",
+        help="a full pool's interactive requests may evict rebuildable or retryable work "
+        "(env MESH_EVICTION, default on)",
+    )
+    p.add_argument(
+        "--scaler",
+        choices=("none", "local", "kubernetes"),
+        default=_env("MESH_SCALER", "none"),
+        help="who runs agent replicas: nobody, processes on this machine, or Kubernetes",
+    )
+    p.add_argument(
+        "--scaling",
+        default=os.environ.get("MESH_SCALING_FILE"),
+        help="JSON file of scaling policies per deployment (env MESH_SCALING_FILE)",
+    )
+    p.add_argument(
+        "--k8s-namespace",
+        default=os.environ.get("MESH_K8S_NAMESPACE"),
+        help="Kubernetes namespace of the agent Deployments (default: the manager's own)",
+    )
+    p.add_argument(
+        "--agent-log-dir",
+        default=_env("MESH_AGENT_LOG_DIR", ".mesh/agents"),
+        help="with --scaler local: where agent processes log",
+    )
+    p.add_argument(
+        "--agent-heartbeat-interval",
+        type=float,
+        default=c.DEFAULT_HEARTBEAT_INTERVAL_S,
+        help="with --scaler local: the agents' heartbeat interval",
+    )
+    p.set_defaults(func=cmd_manager)
+
+
+def _agent_command(command: Command) -> None:
+    p = command("agent", help="run a sample agent")
+    p.add_argument("sample", choices=("calc", "textstats", "echo"), help="which sample agent")
+    p.add_argument(
+        "--id",
+        dest="agent_id",
+        default=os.environ.get("AGENT_ID"),
+        help="the agent's ID, unique in the namespace (env AGENT_ID; default: its "
+        "deployment and a random suffix)",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=_env("HEARTBEAT_INTERVAL_S", str(c.DEFAULT_HEARTBEAT_INTERVAL_S)),
+        help="seconds between heartbeats, at least 5 (env HEARTBEAT_INTERVAL_S)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="on SIGTERM or a drain, how long queued work may still run before what is left "
+        "is answered AGENT_SHUTDOWN (default 60)",
+    )
+    p.add_argument(
+        "--shared-topology",
+        choices=("declare", "check"),
+        default=_env("MESH_SHARED_TOPOLOGY", "declare"),
+        help="declare the namespace's shared exchanges, or only check that the manager has "
+        "(for a broker user made by `mesh broker add-agent`; env MESH_SHARED_TOPOLOGY, "
+        "default %(default)s)",
+    )
+    p.add_argument(
+        "--lease-public-key",
+        action="append",
+        metavar="FILE",
+        default=[path for path in [os.environ.get("MESH_LEASE_PUBLIC_KEY")] if path],
+        help="require an invocation lease signed by this manager key on every granted task "
+        "(the manager's --lease-key FILE.pub; repeat for a key rotation; env "
+        "MESH_LEASE_PUBLIC_KEY)",
+    )
+    p.add_argument(
+        "--open-tasks",
+        action="store_true",
+        default=os.environ.get("MESH_OPEN_TASKS", "") in ("1", "on", "true"),
+        help="also run tasks that carry neither a grant nor a lease the manager issued to this "
+        "agent (a mesh without admission and leases; env MESH_OPEN_TASKS; default: refused, "
+        "NOT_AUTHORIZED)",
+    )
+    p.add_argument(
+        "--manager-user",
+        default=os.environ.get("MESH_MANAGER_USER") or None,
+        metavar="USER",
+        help="take control messages (drain notices, requests to register again, lease "
+        "notices, events) only from this broker user, the managers' (env MESH_MANAGER_USER; "
+        "default: the user that signed the acceptance of this agent's registration)",
+    )
+    _add_liveness_probe(p)
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=os.environ.get("MESH_HTTP_PORT") or None,
+        help="serve /ready, /healthz and /drain on this port (env MESH_HTTP_PORT; default: off)",
+    )
+    p.add_argument(
+        "--http-host",
+        default=_env("MESH_HTTP_HOST", "0.0.0.0"),
+        help="address of the HTTP endpoints (env MESH_HTTP_HOST; default %(default)s)",
+    )
+    p.set_defaults(func=cmd_agent)
+
+
+def _demo_command(command: Command) -> None:
+    p = command("demo", help="run manager, sample agents and a producer on this machine")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of traffic (0: forever)")
+    p.add_argument("--concurrency", type=int, default=4, help="tasks in flight at once")
+    p.add_argument(
+        "--producer-only",
+        action="store_true",
+        help="only run the producer, against a mesh that is already running",
+    )
+    p.add_argument("--work-dir", default=".mesh/demo", help="journal and process logs")
+    p.set_defaults(func=cmd_demo)
+
+
+def _conformance_command(command: Command) -> None:
+    p = command(
+        "conformance",
+        help="check an agent command against the protocol (docs/protocol.md)",
+        description="Start a manager in a namespace of its own, run the agent command (told "
+        "MESH_AMQP_URL, MESH_NAMESPACE, AGENT_ID, MESH_POOL and HEARTBEAT_INTERVAL_S in its "
+        "environment) and check it against the protocol: one line per check, then a summary; "
+        "exit 1 if any check failed. The defaults fit `mesh agent echo`.",
+    )
+    p.add_argument(
+        "--agent-cmd",
+        required=True,
+        help='the command that runs one agent, e.g. "python -m mesh agent echo" or '
+        '"node examples/node-agent/agent.js"',
+    )
+    p.add_argument("--pool", default="echo", help="the pool it is told to join (MESH_POOL)")
+    p.add_argument(
+        "--capability", default="test.echo", help="the capability the checks send tasks to"
+    )
+    p.add_argument(
+        "--payload",
+        type=_json_object,
+        default={"message": "conformance"},
+        help="a valid task payload (JSON object)",
+    )
+    p.add_argument(
+        "--invalid-payload",
+        type=_json_object,
+        default={"message": 42},
+        help="a payload its input schema refuses (JSON object)",
+    )
+    p.add_argument(
+        "--slow-payload",
+        type=_json_object,
+        default={"message": "slow", "sleep_ms": 1500},
+        help="a valid payload its handler takes a second or more on (the drain checks)",
+    )
+    p.add_argument(
+        "--work-dir",
+        default="",
+        help="keep the kit's journal, ledger and the agent's logs here (default: a "
+        "temporary directory, removed)",
+    )
+    p.add_argument(
+        "--check",
+        dest="checks",
+        action="append",
+        default=[],
+        metavar="KEY",
+        # The keys of mesh.conformance.CHECKS, in order (not imported here: it would load the
+        # manager into every `mesh` command; tests/unit/test_cli_help.py keeps them equal).
+        help="run only this check (repeatable; the registration check always runs): "
+        "register, heartbeats, lease-path, input-schema, admission-path, grants, epochs, "
+        "reregister, hand-over, signed, pool-queue, forged-heartbeat, restart, fence, drain, "
+        "sigterm, short-interval",
+    )
+    p.set_defaults(func=cmd_conformance)
+
+
+def _status_command(command: Command) -> None:
+    p = command(
+        "status",
+        help="the fleet by pool, state and capability; agent rows with --agents",
+        description="The fleet summarised by pool and lifecycle state, load by capability, "
+        "what each described pool can grant, and the manager's counters. The summary is the "
+        "manager's running tally, so it answers at once at any fleet size; agent rows come "
+        "a page at a time (--agents, --offset, --limit), in agent-ID order.",
+    )
+    p.add_argument("--json", action="store_true", help="the manager's status reply as JSON")
+    p.add_argument("--agents", action="store_true", help="also list agents, one page of rows")
+    p.add_argument("--offset", type=_count, default=0, metavar="N", help="first row (default 0)")
+    p.add_argument(
+        "--limit",
+        type=_page_size,
+        default=100,
+        metavar="N",
+        help=f"rows a page, at most {MAX_STATUS_AGENTS:,} (default 100)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for the manager's answer (default 5)",
+    )
+    p.set_defaults(func=cmd_status)
+
+
+def _log_command(command: Command) -> None:
+    p = command("log", help="the orchestration log, filtered")
+    p.add_argument(
+        "-n",
+        "--limit",
+        "--lines",
+        dest="limit",
+        type=_count,
+        default=None,
+        help=f"the newest N matching entries (default {DEFAULT_LOG_LINES}; 0: all); "
+        "with -f: stop after N",
+    )
+    p.add_argument("-f", "--follow", action="store_true", help="follow live events via the broker")
+    p.add_argument("--agent", help="only this agent ('-': entries about no agent)")
+    p.add_argument("--capability", help="only entries about this capability")
+    p.add_argument(
+        "--kind",
+        dest="kinds",
+        action="append",
+        default=[],
+        help="only this kind (repeatable): registered, ready, acquired, lost, admission, …",
+    )
+    p.add_argument(
+        "--since", help="from this time: 10m, 2h, 30s ago, or ISO-8601 (2026-11-30T13:05)"
+    )
+    p.add_argument("--until", help="before this time (same forms as --since)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument(
+        "--journal",
+        default=_env("MESH_JOURNAL", DEFAULT_JOURNAL),
+        help="the manager's SQLite orchestration log",
+    )
+    p.set_defaults(func=cmd_log)
+
+
+def _top_command(command: Command) -> None:
+    p = command("top", help="a live view: pools, agents, capacity, queues, refusals")
+    p.add_argument(
+        "--url",
+        default=_env("MESH_MANAGER_URL", "http://127.0.0.1:8090/"),
+        help="the manager's HTTP address (mesh manager --http-port; env MESH_MANAGER_URL; "
+        "default %(default)s)",
+    )
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.set_defaults(func=cmd_top)
+
+
+def _drain_command(command: Command) -> None:
+    p = command("drain", help="drain an agent: no new work, in-flight finishes, then exit")
+    p.add_argument("agent_id", help="the agent to drain")
+    p.add_argument(
+        "--reason",
+        default="operator request",
+        help="why, for the journal and the agent's log (default: operator request)",
+    )
+    p.set_defaults(func=cmd_drain)
+
+
+def _explain_command(command: Command) -> None:
+    p = command("explain", help="why an admission was decided as it was")
+    p.add_argument("admission_id", help="the admission ID a decision or log entry names")
+    p.add_argument("--json", action="store_true", help="the explain reply as JSON")
+    p.set_defaults(func=cmd_explain)
+
+
+def _descriptor_command(command: Command) -> None:
+    p = command("descriptor", help="operators: publish or shadow a pool's descriptor")
+    p.add_argument(
+        "action",
+        choices=("publish", "shadow", "unshadow"),
+        help="make it the pool's active descriptor, evaluate it beside the active one, or "
+        "stop evaluating it",
+    )
+    p.add_argument(
+        "file",
+        help="publish, shadow: a JSON file holding one mesh.capability-descriptor.v1; "
+        "unshadow: the pool ID",
+    )
+    p.set_defaults(func=cmd_descriptor)
+
+
+def _admission_command(command: Command) -> None:
+    p = command("admission", help="operators: revoke an admission for security")
+    p.add_argument("action", choices=("revoke",), help="take the grant back")
+    p.add_argument("admission_id", help="the admission whose grant to revoke")
+    p.add_argument("--reason", required=True, help="why (journaled, and shown to the agent)")
+    p.set_defaults(func=cmd_admission)
+
+
+def _broker_command(command: Command) -> None:
+    p = command("broker", help="operators: broker users of agents (management API)")
+    p.add_argument(
+        "action",
+        choices=("add-agent", "add-pool-agents", "remove-agent"),
+        help="add-agent: create one agent's broker user with its permissions; "
+        "add-pool-agents: one user for every agent of the --pool(s) (a Deployment's pods, "
+        "whose IDs are not known in advance); remove-agent: delete a broker user",
+    )
+    p.add_argument(
+        "agent_id",
+        metavar="NAME",
+        help="the agent's ID, which is also its broker user's name (add-pool-agents: the "
+        "user's name)",
+    )
+    p.add_argument(
+        "--pool",
+        action="append",
+        help="the pool (Deployment) whose task queue its agents read; add-pool-agents takes "
+        "it more than once",
+    )
+    p.add_argument(
+        "--password-env",
+        metavar="VAR",
+        help="take the password from this environment variable (default: a new random one, "
+        "printed once in the user's AMQP URL)",
+    )
+    p.add_argument(
+        "--management-url",
+        default=_env("MESH_MANAGEMENT_URL", DEFAULT_MANAGEMENT_URL),
+        help="RabbitMQ management API with an administrator's credentials "
+        "(env MESH_MANAGEMENT_URL; default http://guest:***@127.0.0.1:15672)",
+    )
+    p.set_defaults(func=cmd_broker)
+
+
+def _schemas_command(command: Command) -> None:
+    p = command("schemas", help="export or check the JSON Schemas of the wire contract")
+    p.add_argument(
+        "action",
+        choices=("export", "check"),
+        help="write the schemas, or check the ones in --dir match the code",
+    )
+    p.add_argument(
+        "--dir", default=str(SCHEMAS_DIR), help=f"where they are (default {SCHEMAS_DIR})"
+    )
+    p.set_defaults(func=cmd_schemas)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    is_service = args.command in ("manager", "agent")
+    logs.configure(args.log_level, json=is_service and args.log_format == "json")
+    code: int = args.func(args)
+    return code

@@ -1,0 +1,174 @@
+"""The long-running commands: ``mesh manager``, ``mesh agent``, ``mesh demo`` and
+``mesh conformance``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mesh.cli.common import _run, _stop_on_signals
+from mesh.scaler.base import Scaler
+
+if TYPE_CHECKING:
+    from mesh.manager.admission import AdmissionPolicy
+
+
+def _admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
+    """The manager's admission policy with the shedding knobs from the command line."""
+    from mesh.core.pressure import PressurePolicy
+    from mesh.manager.admission import AdmissionPolicy
+
+    return AdmissionPolicy(
+        pressure=PressurePolicy(
+            enabled=args.shedding,
+            thresholds=args.shed_thresholds,
+            queue_age_s=args.shed_queue_age,
+            hysteresis=args.shed_hysteresis,
+            min_dwell_s=args.shed_min_dwell,
+            low_priority=args.low_priority,
+            evict=args.eviction,
+        ),
+        lease_ttl_s=args.lease_ttl,
+    )
+
+
+def cmd_manager(args: argparse.Namespace) -> int:
+    from mesh.core.pool import PoolSettings
+    from mesh.manager.service import ManagerService
+    from mesh.manager.settings import ManagerSettings, load_scaling_policies
+
+    async def run() -> int:
+        policies = load_scaling_policies(Path(args.scaling)) if args.scaling else ()
+        settings = ManagerSettings(
+            amqp_url=args.amqp_url,
+            namespace=args.namespace,
+            journal_path=Path(args.journal),
+            manager_id=args.manager_id,
+            pool=PoolSettings(scaling=policies),
+            ledger_url=args.ledger,
+            operator_user=args.operator_user,
+            agent_identity=args.agent_identity,
+            lease_key_file=Path(args.lease_key) if args.lease_key else None,
+            liveness_probe_s=args.liveness_probe,
+            http_port=None if args.http_port < 0 else args.http_port,
+            http_host=args.http_host,
+            management_url=args.management_url or None,
+            admission=_admission_policy(args),
+            admission_capacity=args.admission_capacity,
+            ledger_schema=args.ledger_schema,
+            shard_count=args.shards,
+            shard_lease_s=args.shard_lease,
+        )
+        scaler = _build_scaler(args)
+        stop = asyncio.Event()
+        _stop_on_signals(stop)
+        await ManagerService(settings, scaler=scaler).run_until_stopped(stop, _tune_gc)
+        return 0
+
+    return _run(run())
+
+
+def _tune_gc() -> None:
+    """Once the manager is up: its start-up state out of the collector's sight
+    (:mod:`mesh.gc_tuning`)."""
+    from mesh.gc_tuning import tune_gc
+
+    logging.getLogger("mesh.manager").info(tune_gc())
+
+
+def _build_scaler(args: argparse.Namespace) -> Scaler | None:
+    if args.scaler == "kubernetes":
+        from mesh.scaler.kubernetes import KubernetesScaler
+
+        return KubernetesScaler.from_environment(args.k8s_namespace)
+    if args.scaler == "local":
+        from mesh.scaler.local import LocalProcessScaler, sample_command
+
+        # The broker URL goes through the environment: `ps` would show it on a command line.
+        command = sample_command(args.namespace, None, args.agent_heartbeat_interval)
+        return LocalProcessScaler(
+            command,
+            log_dir=Path(args.agent_log_dir),
+            env={"MESH_AMQP_URL": args.amqp_url},
+            # An agent's default drain (60 s) plus its shutdown grace (30 s), and a margin.
+            termination_grace_s=100.0,
+        )
+    return None
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from mesh.agent import AgentSettings, run_agent
+    from mesh.samples import SAMPLES
+
+    settings = AgentSettings(
+        amqp_url=args.amqp_url,
+        namespace=args.namespace,
+        drain_timeout_s=args.drain_timeout,
+        http_host=args.http_host,
+        http_port=args.http_port,
+        liveness_probe_s=args.liveness_probe,
+        shared_topology=args.shared_topology,
+        lease_public_keys=tuple(Path(path) for path in args.lease_public_key),
+        open_tasks=args.open_tasks,
+        manager_user=args.manager_user,
+    )
+
+    async def run() -> int:
+        agent = SAMPLES[args.sample](args.agent_id, heartbeat_interval_s=args.heartbeat_interval)
+        stop = asyncio.Event()
+        _stop_on_signals(stop)  # SIGTERM drains: no new work, in-flight finishes, then exit
+        await run_agent(agent, settings, stop)
+        return 0
+
+    return _run(run())
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mesh.demo import DemoSettings, run_demo
+
+    settings = DemoSettings(
+        amqp_url=args.amqp_url,
+        namespace=args.namespace,
+        duration_s=args.duration,
+        concurrency=args.concurrency,
+        producer_only=args.producer_only,
+        work_dir=Path(args.work_dir),
+    )
+    return _run(run_demo(settings))
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from mesh.conformance import CHECK_KEYS, KitSettings
+    from mesh.conformance import run as run_kit
+
+    settings = KitSettings(
+        agent_cmd=args.agent_cmd,
+        amqp_url=args.amqp_url,
+        pool=args.pool,
+        capability=args.capability,
+        payload=args.payload,
+        invalid_payload=args.invalid_payload,
+        slow_payload=args.slow_payload,
+        work_dir=Path(args.work_dir) if args.work_dir else None,
+        only=tuple(args.checks),
+    )
+    unknown = sorted(set(settings.only) - set(CHECK_KEYS))
+    if unknown:
+        print(f"mesh conformance: no check {', '.join(unknown)}; one of {', '.join(CHECK_KEYS)}")
+        return 2
+    if settings.work_dir is not None:
+        settings.work_dir.mkdir(parents=True, exist_ok=True)
+
+    # The kit's own manager and clients speak only on errors: the output is the checks' lines
+    # (a kit manager without the management API warns about it, rightly but beside the point).
+    for name in ("mesh", "aio_pika", "aiormq"):
+        logging.getLogger(name).setLevel(max(logging.ERROR, logging.getLogger().level))
+
+    async def check() -> int:
+        results = await run_kit(settings, lambda line: print(line, flush=True))
+        return 0 if results and all(r.passed for r in results) else 1
+
+    return _run(check())
