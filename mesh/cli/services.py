@@ -10,58 +10,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mesh.cli.common import _run, _stop_on_signals
+from mesh.cli.manager_options import manager_settings
 from mesh.scaler.base import Scaler
 
 if TYPE_CHECKING:
-    from mesh.manager.admission import AdmissionPolicy
-
-
-def _admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
-    """The manager's admission policy with the shedding knobs from the command line."""
-    from mesh.core.pressure import PressurePolicy
-    from mesh.manager.admission import AdmissionPolicy
-
-    return AdmissionPolicy(
-        pressure=PressurePolicy(
-            enabled=args.shedding,
-            thresholds=args.shed_thresholds,
-            queue_age_s=args.shed_queue_age,
-            hysteresis=args.shed_hysteresis,
-            min_dwell_s=args.shed_min_dwell,
-            low_priority=args.low_priority,
-            evict=args.eviction,
-        ),
-        lease_ttl_s=args.lease_ttl,
-    )
+    pass
 
 
 def cmd_manager(args: argparse.Namespace) -> int:
-    from mesh.core.pool import PoolSettings
     from mesh.manager.service import ManagerService
-    from mesh.manager.settings import ManagerSettings, load_scaling_policies
 
     async def run() -> int:
-        policies = load_scaling_policies(Path(args.scaling)) if args.scaling else ()
-        settings = ManagerSettings(
-            amqp_url=args.amqp_url,
-            namespace=args.namespace,
-            journal_path=Path(args.journal),
-            manager_id=args.manager_id,
-            pool=PoolSettings(scaling=policies),
-            ledger_url=args.ledger,
-            operator_user=args.operator_user,
-            agent_identity=args.agent_identity,
-            lease_key_file=Path(args.lease_key) if args.lease_key else None,
-            liveness_probe_s=args.liveness_probe,
-            http_port=None if args.http_port < 0 else args.http_port,
-            http_host=args.http_host,
-            management_url=args.management_url or None,
-            admission=_admission_policy(args),
-            admission_capacity=args.admission_capacity,
-            ledger_schema=args.ledger_schema,
-            shard_count=args.shards,
-            shard_lease_s=args.shard_lease,
-        )
+        settings = manager_settings(args)
         scaler = _build_scaler(args)
         stop = asyncio.Event()
         _stop_on_signals(stop)

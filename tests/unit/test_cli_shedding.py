@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from mesh.cli import build_parser
-from mesh.cli.services import _admission_policy
+from mesh.cli.manager_options import manager_settings
 from mesh.core.pressure import PressurePolicy
 
 
 def policy(argv: list[str]) -> PressurePolicy:
-    return _admission_policy(build_parser().parse_args(["manager", *argv])).pressure
+    return manager_settings(build_parser().parse_args(["manager", *argv])).admission.pressure
 
 
 def test_the_defaults_are_the_documented_policy(monkeypatch: pytest.MonkeyPatch) -> None:
