@@ -97,9 +97,7 @@ from mesh.core.tally import FleetTally
 from mesh.wire.models import (
     AcquireRequest,
     AgentRegistration,
-    AgentStatus,
     AgentSummary,
-    CapabilityStatus,
     DrainAccepted,
     DrainComplete,
     DrainNotice,
@@ -115,6 +113,10 @@ from mesh.wire.models import (
     ReRegisterRequest,
 )
 from mesh.wire.reasons import Reason
+from mesh.wire.status import (
+    AgentStatus,
+    CapabilityStatus,
+)
 
 log = logging.getLogger(__name__)
 

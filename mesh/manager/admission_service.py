@@ -84,11 +84,13 @@ from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import (
     AgentRegistration,
     Message,
-    PoolCapacity,
     PoolEpoch,
     Refusal,
 )
 from mesh.wire.reasons import Reason
+from mesh.wire.status import (
+    PoolCapacity,
+)
 
 if TYPE_CHECKING:
     from mesh.manager.live_share import SharedLive

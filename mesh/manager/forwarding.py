@@ -39,24 +39,26 @@ from mesh.manager.sharding import Sharding
 from mesh.topology.specs import Topology
 from mesh.transport.delivery import Delivery
 from mesh.wire.models import (
-    MAX_STATUS_AGENTS,
     AcquireRequest,
-    AgentStatus,
     AgentSummary,
-    CapabilityLoadStatus,
     DrainRequest,
     FindReply,
     FindRequest,
     LeaseGranted,
     Message,
-    PoolStates,
     Refusal,
     ReleaseRequest,
+)
+from mesh.wire.reasons import Reason
+from mesh.wire.status import (
+    MAX_STATUS_AGENTS,
+    AgentStatus,
+    CapabilityLoadStatus,
+    PoolStates,
     ShardOwner,
     StatusReply,
     StatusRequest,
 )
-from mesh.wire.reasons import Reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,10 +80,12 @@ from mesh.wire.models import (
     ReleaseRequest,
     Standing,
     StandingRequest,
+)
+from mesh.wire.reasons import Reason
+from mesh.wire.status import (
     StatusReply,
     StatusRequest,
 )
-from mesh.wire.reasons import Reason
 
 log = logging.getLogger(__name__)
 

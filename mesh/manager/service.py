@@ -61,7 +61,7 @@ from mesh.topology.specs import BindingSpec, Topology
 from mesh.transport.amqp import AmqpTransport, url_user, with_heartbeat
 from mesh.transport.ports import ManagerTransport, Subscription
 from mesh.wire.events import OrchestrationEvent
-from mesh.wire.models import (
+from mesh.wire.status import (
     CapabilityLoadStatus,
     PoolStates,
     StatusReply,

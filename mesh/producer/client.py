@@ -90,12 +90,14 @@ from mesh.wire.models import (
     Refusal,
     Released,
     ReleaseRequest,
-    StatusReply,
-    StatusRequest,
     Task,
     TaskResult,
 )
 from mesh.wire.reasons import Reason
+from mesh.wire.status import (
+    StatusReply,
+    StatusRequest,
+)
 
 log = logging.getLogger(__name__)
 

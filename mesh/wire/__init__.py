@@ -32,12 +32,9 @@ from mesh.wire.models import (
     AdmissionState,
     AdmissionStateRequest,
     AgentRegistration,
-    AgentStatus,
     AgentSummary,
     AppliedDegradation,
     Capability,
-    CapabilityLoadStatus,
-    CapabilityStatus,
     Deregistration,
     DrainAccepted,
     DrainComplete,
@@ -53,9 +50,7 @@ from mesh.wire.models import (
     LeaseNotice,
     LeaseStateRequest,
     Message,
-    PoolCapacity,
     PoolEpoch,
-    PoolStates,
     Refusal,
     RegistrationAccepted,
     RegistrationRefused,
@@ -64,13 +59,20 @@ from mesh.wire.models import (
     ReRegisterRequest,
     Standing,
     StandingRequest,
-    StatusReply,
-    StatusRequest,
     Task,
     TaskResult,
 )
 from mesh.wire.reasons import Reason
 from mesh.wire.refusals import refusal_of
+from mesh.wire.status import (
+    AgentStatus,
+    CapabilityLoadStatus,
+    CapabilityStatus,
+    PoolCapacity,
+    PoolStates,
+    StatusReply,
+    StatusRequest,
+)
 
 __all__ = [
     "ADMISSION_MESSAGE_TYPES",

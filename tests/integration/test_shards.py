@@ -45,10 +45,12 @@ from mesh.wire.models import (
     Lease,
     Refusal,
     Released,
+)
+from mesh.wire.reasons import Reason
+from mesh.wire.status import (
     StatusReply,
     StatusRequest,
 )
-from mesh.wire.reasons import Reason
 
 from . import test_admission_competition as competition
 from .harness import eventually

@@ -48,7 +48,9 @@ from mesh.wire import (
     Message,
     Refusal,
 )
-from mesh.wire.models import AgentStatus
+from mesh.wire.status import (
+    AgentStatus,
+)
 
 M = TypeVar("M", bound=Message)
 
