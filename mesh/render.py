@@ -10,9 +10,7 @@ from typing import Any
 
 from mesh.wire.admission import AdmissionDecision, ExplainReply
 from mesh.wire.events import OrchestrationEvent
-from mesh.wire.status import (
-    StatusReply,
-)
+from mesh.wire.status import StatusReply
 
 LIFECYCLE_ORDER = ("Spawning", "Registering", "Ready", "Busy", "Draining", "Terminated")
 

@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mesh.errors import BrokerUnavailable, MeshError, RequestTimeout
-from mesh.wire.status import (
-    MAX_STATUS_AGENTS,
-)
+from mesh.wire.status import MAX_STATUS_AGENTS
 
 if TYPE_CHECKING:
     pass

@@ -16,12 +16,8 @@ from mesh.cli.common import _run, _with_client
 from mesh.errors import MessageRejected
 from mesh.render import render_explain, render_status
 from mesh.transport.addresses import first_url
-from mesh.wire.models import (
-    Refusal,
-)
-from mesh.wire.status import (
-    StatusReply,
-)
+from mesh.wire.models import Refusal
+from mesh.wire.status import StatusReply
 
 if TYPE_CHECKING:
     pass

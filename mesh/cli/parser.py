@@ -32,9 +32,7 @@ from mesh.cli.ops import (
     cmd_top,
 )
 from mesh.cli.services import cmd_agent, cmd_conformance, cmd_demo, cmd_manager
-from mesh.wire.status import (
-    MAX_STATUS_AGENTS,
-)
+from mesh.wire.status import MAX_STATUS_AGENTS
 
 if TYPE_CHECKING:
     pass

@@ -113,10 +113,7 @@ from mesh.wire.models import (
     ReRegisterRequest,
 )
 from mesh.wire.reasons import Reason
-from mesh.wire.status import (
-    AgentStatus,
-    CapabilityStatus,
-)
+from mesh.wire.status import AgentStatus, CapabilityStatus
 
 log = logging.getLogger(__name__)
 

@@ -88,9 +88,7 @@ from mesh.wire.models import (
     Refusal,
 )
 from mesh.wire.reasons import Reason
-from mesh.wire.status import (
-    PoolCapacity,
-)
+from mesh.wire.status import PoolCapacity
 
 if TYPE_CHECKING:
     from mesh.manager.live_share import SharedLive

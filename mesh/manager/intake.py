@@ -82,10 +82,7 @@ from mesh.wire.models import (
     StandingRequest,
 )
 from mesh.wire.reasons import Reason
-from mesh.wire.status import (
-    StatusReply,
-    StatusRequest,
-)
+from mesh.wire.status import StatusReply, StatusRequest
 
 log = logging.getLogger(__name__)
 

@@ -49,9 +49,7 @@ from mesh.core.eligibility import RULE_NAMES
 from mesh.core.pressure import PoolPressure, StageChange
 from mesh.core.tally import FleetTally
 from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
-from mesh.wire.status import (
-    AgentStatus,
-)
+from mesh.wire.status import AgentStatus
 
 UNKNOWN = "(unknown)"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

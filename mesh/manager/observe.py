@@ -33,12 +33,8 @@ from mesh.topology import names
 from mesh.topology.specs import PolicySpec
 from mesh.transport.addresses import first_url
 from mesh.wire.admission import AdmissionDecision, CapabilityDescriptor, TaskRequirements
-from mesh.wire.models import (
-    Heartbeat,
-)
-from mesh.wire.status import (
-    AgentStatus,
-)
+from mesh.wire.models import Heartbeat
+from mesh.wire.status import AgentStatus
 
 log = logging.getLogger(__name__)
 

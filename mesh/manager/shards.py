@@ -30,9 +30,7 @@ from mesh.core.events import LogEntry
 from mesh.core.shards import ShardKeeper
 from mesh.errors import StoreError
 from mesh.ledger.shard_leases import ShardLeases, ShardView
-from mesh.wire.status import (
-    ShardOwner,
-)
+from mesh.wire.status import ShardOwner
 
 log = logging.getLogger(__name__)
 

@@ -94,10 +94,7 @@ from mesh.wire.models import (
     TaskResult,
 )
 from mesh.wire.reasons import Reason
-from mesh.wire.status import (
-    StatusReply,
-    StatusRequest,
-)
+from mesh.wire.status import StatusReply, StatusRequest
 
 log = logging.getLogger(__name__)
 

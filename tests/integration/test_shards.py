@@ -47,10 +47,7 @@ from mesh.wire.models import (
     Released,
 )
 from mesh.wire.reasons import Reason
-from mesh.wire.status import (
-    StatusReply,
-    StatusRequest,
-)
+from mesh.wire.status import StatusReply, StatusRequest
 
 from . import test_admission_competition as competition
 from .harness import eventually

@@ -48,9 +48,7 @@ from mesh.wire import (
     Message,
     Refusal,
 )
-from mesh.wire.status import (
-    AgentStatus,
-)
+from mesh.wire.status import AgentStatus
 
 M = TypeVar("M", bound=Message)
 

@@ -10,10 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat
 from mesh.wire import AdmissionDecision, AdmissionReason
-from mesh.wire.status import (
-    AgentStatus,
-    CapabilityStatus,
-)
+from mesh.wire.status import AgentStatus, CapabilityStatus
 
 from .builders import tally_of
 from .samples import DESCRIPTOR
