@@ -681,6 +681,9 @@ class EndToEnd:
         topology = Topology(self.namespace)
         for n in range(POOL_AGENTS):
             agent_id = f"rag-eu-{n}"
+            # Its control queue first: an acceptance the broker cannot route takes the
+            # registration back (the agent never heard it was accepted).
+            await self.client.transport.declare(topology.agent_queues(agent_id, 2))
             await self.client.transport.publish(
                 topology.announce_exchange,
                 f"{c.RK_AGENT}.{agent_id}.register",
@@ -746,6 +749,8 @@ class EndToEnd:
         queues = [q.name for q in declared.queues] + [self.echo_queue(p) for p in self.echoes]
         # The pool's task queue, declared by the manager when it accepted the descriptor.
         queues.append(topology.pool_task_queue(descriptor(time.time()).pool_id))
+        for n in range(POOL_AGENTS):  # the stand-in agents' own queues
+            queues += [q.name for q in topology.agent_queues(f"rag-eu-{n}", 2).queues]
         exchanges = [x.name for x in declared.exchanges] + [
             self.echo_exchange(p) for p in self.echoes
         ]
