@@ -669,10 +669,6 @@ class MeshClient:
                     decision = ran  # queue full, or evicted: a refusal like the others
                     self._stop_awaiting(admission_id)  # that grant is settled: a new phase
                     admission_id = self._await(new_admission_id())
-                if last is not None and decision.reason == AdmissionReason.DEADLINE_UNREACHABLE:
-                    # A retry that left too little of this call's time for the work: the call
-                    # ran out of time retrying, and says why it was retrying.
-                    raise self._gave_up(last, attempts)
                 last = decision
                 delay = submit_delay_s(decision, refusals, backoff, rand)
                 if delay is None or not await _keep_waiting(on_deferred, decision):
