@@ -80,10 +80,6 @@ class PoolQueue:
         """Draining, and the consumer is cancelled: no pool task starts here any more."""
 
     @property
-    def name(self) -> str:
-        return self._queue
-
-    @property
     def consumed(self) -> bool:
         return self._consumer is not None
 
