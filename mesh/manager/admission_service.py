@@ -1,5 +1,6 @@
-"""Admission and rollout for one manager: the RPCs that admit, release, revoke and explain,
-the descriptors and their epochs, the pool task queues, and the admitter's ticks.
+"""Admission for one manager: the RPCs that admit, release and explain, the pool task queues,
+and the admitter's ticks; the operator's descriptors, epochs and revocations go to its
+:class:`~mesh.manager.rollout.Rollout`.
 
 Theory of operation
 -------------------
@@ -63,6 +64,7 @@ from mesh.manager.commands import CommandExecutor
 from mesh.manager.journal import Journal
 from mesh.manager.observe import Observer
 from mesh.manager.pool_queues import PoolQueues
+from mesh.manager.rollout import Rollout
 from mesh.manager.settings import ManagerSettings, open_ledger
 from mesh.topology import names
 from mesh.topology.specs import Topology
@@ -76,18 +78,14 @@ from mesh.wire.admission import (
     AdmissionRequest,
     AdmissionRevoke,
     CapabilityDescriptor,
-    DescriptorAccepted,
     DescriptorShadow,
     ExplainRequest,
 )
-from mesh.wire.events import OrchestrationEvent
 from mesh.wire.models import (
     AgentRegistration,
     Message,
     PoolEpoch,
-    Refusal,
 )
-from mesh.wire.reasons import Reason
 from mesh.wire.status import PoolCapacity
 
 if TYPE_CHECKING:
@@ -95,9 +93,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_DRAINING_ANNOUNCED = 4096
-"""Admission IDs a ``descriptor_active`` event carries at most (~150 KB); past that, the rest
-of an epoch's draining attempts are refused by their agents as of an older epoch."""
 T = TypeVar("T")
 
 INLINE_LINGER_QUIET_S = 0.0001
@@ -108,7 +103,7 @@ decided together (bench/admission.py measures both, at 16 and 64 in flight)."""
 
 
 class AdmissionService:
-    """Admission and rollout for one manager, on the ports it is given."""
+    """Admission for one manager, on the ports it is given."""
 
     def __init__(
         self,
@@ -139,16 +134,23 @@ class AdmissionService:
         self.admitter: Admitter | None = None
         self._ledger = ledger
         self._owns_ledger = ledger is None
-        self._epochs: dict[str, PoolEpoch] = {}  # pool -> its last descriptor_active detail
         self._grantors = grantors
         # Admissions are decided in batches (group commit: one ledger transaction per batch),
         # serialised in arrival order: on the loop itself for SQLite (``ledger_inline``), else
         # on one worker thread. Housekeeping (open, checkpoint, close) always uses the thread.
         self._ledger_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._ledger_inline = False
-        self._epochs_announced_at = float("-inf")  # monotonic; announced on the first tick
         self._pool_queues = PoolQueues(
             topology=topology, transport=transport, observer=observer, counters=counters
+        )
+        self.rollout = Rollout(
+            settings,
+            clock=clock,
+            counters=counters,
+            commands=commands,
+            pool_queues=self._pool_queues,
+            on_ledger=self._on_ledger,
+            publish_revocation=self._publish_revocation,
         )
         self._pool_queues_polled_at = float("-inf")  # monotonic
         self._usage: Usage | None = None  # the ledger's counters as the last tick read them
@@ -231,7 +233,7 @@ class AdmissionService:
 
     def pool_epoch(self, pool_id: str) -> PoolEpoch | None:
         """The pool's epoch as last announced (what a registration's acceptance carries)."""
-        return self._epochs.get(pool_id)
+        return self.rollout.pool_epoch(pool_id)
 
     async def reservation(self, admission_id: str) -> Reservation | None:
         """The ledger's reservation of ``admission_id`` (``None``: not held, or no ledger yet)."""
@@ -266,11 +268,11 @@ class AdmissionService:
         if isinstance(message, ExplainRequest):
             return await self._on_ledger(explain, admitter, message.admission_id)
         if isinstance(message, CapabilityDescriptor):
-            return await self._publish_descriptor(admitter, message, request, now)
+            return await self.rollout.publish(admitter, message, request, now)
         if isinstance(message, AdmissionRevoke):
-            return await self._revoke_admission(admitter, message, request, now)
+            return await self.rollout.revoke(admitter, message, request, now)
         if isinstance(message, DescriptorShadow):
-            return await self._shadow_descriptor(admitter, message, request, now)
+            return await self.rollout.shadow(admitter, message, request, now)
         if isinstance(message, AdmissionRelease):
             try:
                 return await self._release(admitter, message, request, now)
@@ -479,124 +481,6 @@ class AdmissionService:
         assert self.admitter is not None, "start the admission service first"
         self.admitter.core.writes_live = False
 
-    async def _revoke_admission(
-        self, admitter: Admitter, message: AdmissionRevoke, request: Delivery, now: float
-    ) -> AdmissionReleaseReply:
-        """A security revocation: release whatever holds the admission, at its current fence,
-        and tell its pool — the attempt is cancelled where it runs and its result refused."""
-        if request.user_id != self.settings.operator_user:
-            self.counters["revoke_not_authorized"] += 1
-            return AdmissionReleaseReply(
-                admission_id=message.admission_id,
-                released=False,
-                reason=AdmissionReason.NOT_AUTHORIZED,
-                detail=f"only the operator user may revoke; this came from {request.user_id!r}",
-            )
-        held = await self._on_ledger(admitter.ledger.get, message.admission_id)
-        if held is None or held.state not in ("PREPARING", "ACTIVE"):
-            state = "unknown" if held is None else held.state
-            return AdmissionReleaseReply(
-                admission_id=message.admission_id,
-                released=False,
-                reason=AdmissionReason.NOT_FOUND,
-                detail=f"nothing to revoke: the admission is {state}",
-            )
-        reply, released_now = await self._on_ledger(
-            admitter.settle, held.admission_id, held.fence, now
-        )
-        if released_now:
-            self.counters["admissions_revoked"] += 1
-            self._commands.append(
-                [
-                    LogEntry(
-                        at=now,
-                        kind="admission_revoked",
-                        reason=message.reason,
-                        detail={
-                            "admission_id": held.admission_id,
-                            "pool_id": held.pool_id,
-                            "fence": held.fence,
-                            "by": request.user_id,
-                        },
-                    )
-                ]
-            )
-            log.warning(
-                "admission revoked",
-                extra={"admission_id": held.admission_id, "reason": message.reason},
-            )
-            await self._publish_revocation(
-                held.pool_id, held.admission_id, held.fence, "RELEASED", now,
-                security=message.reason,
-            )  # fmt: skip
-        return reply
-
-    async def _shadow_descriptor(
-        self, admitter: Admitter, message: DescriptorShadow, request: Delivery, now: float
-    ) -> Message:
-        if request.user_id != self.settings.operator_user:
-            self.counters["descriptor_not_authorized"] += 1
-            return Refusal(
-                reason=Reason.NOT_AUTHORIZED,
-                detail=f"shadows are accepted only from {self.settings.operator_user!r}",
-            )
-        descriptor, pool_id = message.descriptor, message.pool_id
-        if descriptor is None:
-            await self._on_ledger(admitter.drop_shadow, pool_id)
-            log.info("shadow removed", extra={"pool_id": pool_id})
-            active = admitter.active_epochs.get(pool_id, 1)
-            return DescriptorAccepted(pool_id=pool_id, descriptor_epoch=active)
-        problem = await self._on_ledger(admitter.set_shadow, descriptor, now)
-        if problem is not None:
-            return Refusal(reason=Reason.SCHEMA_VIOLATION, detail=problem)
-        self.counters["shadows_set"] += 1
-        self._commands.append(
-            [
-                LogEntry(
-                    at=now,
-                    kind="descriptor_shadow",
-                    reason=f"{pool_id} epoch {descriptor.descriptor_epoch} in shadow",
-                    detail={"pool_id": pool_id, "epoch": descriptor.descriptor_epoch},
-                )
-            ]
-        )
-        return DescriptorAccepted(pool_id=pool_id, descriptor_epoch=descriptor.descriptor_epoch)
-
-    async def _publish_descriptor(
-        self, admitter: Admitter, descriptor: CapabilityDescriptor, request: Delivery, now: float
-    ) -> Message:
-        if request.user_id != self.settings.operator_user:
-            self.counters["descriptor_not_authorized"] += 1
-            log.warning(
-                "descriptor from a non-operator refused",
-                extra={"pool_id": descriptor.pool_id, "user_id": request.user_id},
-            )
-            return Refusal(
-                reason=Reason.NOT_AUTHORIZED,
-                detail=f"descriptors are accepted only from {self.settings.operator_user!r}",
-            )
-        problem = await self._on_ledger(admitter.publish_descriptor, descriptor, now)
-        if problem is not None:
-            return Refusal(reason=Reason.SCHEMA_VIOLATION, detail=problem)
-        self.counters["descriptors_published"] += 1
-        announced = await self._announce_epochs([descriptor])
-        detail: dict[str, Any] = {
-            "pool_id": descriptor.pool_id,
-            "epoch": descriptor.descriptor_epoch,
-        }
-        if descriptor.pool_id in announced:  # the epoch advanced: what may finish under the old
-            detail["draining"] = announced[descriptor.pool_id]
-        entry = LogEntry(
-            at=now,
-            kind="descriptor",
-            reason=f"{descriptor.pool_id} epoch {descriptor.descriptor_epoch}",
-            detail=detail,
-        )
-        await self._commands.execute([AppendLog(entry)])
-        return DescriptorAccepted(
-            pool_id=descriptor.pool_id, descriptor_epoch=descriptor.descriptor_epoch
-        )
-
     async def _observe_tick(self) -> None:
         usage = None
         if self.admitter is not None:
@@ -634,50 +518,10 @@ class AdmissionService:
         if changes:
             await self._commands.execute([AppendLog(stage_change_entry(c)) for c in changes])
 
-    async def _announce_epochs(
-        self, descriptors: Sequence[CapabilityDescriptor]
-    ) -> dict[str, list[str]]:
-        """Tell each pool's agents its active descriptor epoch (``grant.<pool>``), so they
-        refuse grants issued under an older one (:mod:`mesh.agent.grants`). Returns the
-        draining allowlists announced, by pool (pools this manager did not advance: none)."""
-        await self._pool_queues.ensure(descriptors)
-        now = self.clock.now()
-        self._epochs_announced_at = now.mono
-        announced: dict[str, list[str]] = {}
-        for descriptor in descriptors:
-            detail: dict[str, Any] = {
-                "pool_id": descriptor.pool_id,
-                "descriptor_epoch": descriptor.descriptor_epoch,
-                "policy_generation": self.settings.admission.active_generation,
-            }
-            draining = (  # the admitter's state lives on the ledger thread
-                await self._on_ledger(
-                    self.admitter.draining_allowlist, descriptor.pool_id, now.wall
-                )
-                if self.admitter is not None
-                else None
-            )
-            if draining is not None:  # only the manager that advanced the epoch knows it
-                detail["draining"] = announced[descriptor.pool_id] = draining[
-                    :MAX_DRAINING_ANNOUNCED
-                ]
-            self._epochs[descriptor.pool_id] = PoolEpoch.model_validate(detail)
-            event = OrchestrationEvent(
-                at=now.wall,
-                kind=c.EVENT_DESCRIPTOR_ACTIVE,
-                reason=f"epoch {descriptor.descriptor_epoch}",
-                detail=detail,
-            )
-            await self._commands.publish_event(names.pool_grant_key(descriptor.pool_id), event)
-        return announced
-
     async def _expire_admissions(self) -> None:
         if self.admitter is None:
             return
-        adopted = await self._on_ledger(self.admitter.load_descriptors)
-        due = self.clock.now().mono - self._epochs_announced_at
-        if adopted or due >= self.settings.epoch_announce_interval_s:
-            await self._announce_epochs(list(self.admitter.descriptors.values()))
+        await self.rollout.tick(self.admitter)
         live = self._live(self.clock.now())
         if live is not None:
             await self._on_ledger(self.admitter.sync_live, live, self.clock.now().wall)
