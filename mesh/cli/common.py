@@ -76,17 +76,6 @@ def _probe_interval(text: str) -> float | None:
     return seconds or None
 
 
-def _add_liveness_probe(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--liveness-probe",
-        type=_probe_interval,
-        default=_env("MESH_LIVENESS_PROBE_S", "0"),
-        metavar="SECONDS",
-        help="probe the broker this often and reconnect when it stops answering; a silent "
-        "path is noticed within two intervals (env MESH_LIVENESS_PROBE_S, default 0: off)",
-    )
-
-
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)

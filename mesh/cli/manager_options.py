@@ -9,9 +9,6 @@ checks field by field.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,19 +16,15 @@ from mesh import constants as c
 from mesh.cli.common import (
     DEFAULT_JOURNAL,
     _count,
-    _env,
     _on_off,
     _positive_seconds,
     _probe_interval,
     _thresholds,
 )
+from mesh.cli.options import Option, add_options, settings_from
 
 if TYPE_CHECKING:
     from mesh.manager.settings import ManagerSettings
-
-
-def _same(value: Any) -> Any:
-    return value
 
 
 def _path_or_none(value: str) -> Path | None:
@@ -50,43 +43,6 @@ def _scaling_policies(value: str | None) -> tuple[Any, ...]:
     from mesh.manager.settings import load_scaling_policies  # pydantic: only when used
 
     return load_scaling_policies(Path(value)) if value else ()
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    """One option of ``mesh manager``."""
-
-    flag: str
-    env: str | None
-    """The environment variable whose value is the default (None: none)."""
-    setting: str | None
-    """The ManagerSettings field, or dotted path into one, it sets (None: not a setting — the
-    scaler's own options)."""
-    help: str
-    default: str | None = None
-    """The default as text, parsed by ``type`` as the environment's value would be."""
-    type: Callable[[str], Any] | None = None
-    metavar: str | None = None
-    choices: Sequence[Any] | None = None
-    group: str | None = None
-    to_setting: Callable[[Any], Any] = _same
-    """The parsed value as the setting wants it."""
-
-    @property
-    def dest(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
-
-    def help_text(self) -> str:
-        said = []
-        if self.env is not None:
-            said.append(f"env {self.env}")
-        if self.default not in (None, ""):
-            said.append(f"default {self.default}")
-        if not said:
-            return self.help
-        if self.help.endswith(")"):  # "… (0: off)" -> "… (0: off; env X; default 0)"
-            return f"{self.help[:-1]}; {'; '.join(said)})"
-        return f"{self.help} ({'; '.join(said)})"
 
 
 _SHEDDING = "load shedding"
@@ -262,42 +218,14 @@ NOT_FROM_THE_CLI: dict[str, str] = {
 
 def add_manager_options(parser: argparse.ArgumentParser) -> None:
     """Every row of :data:`MANAGER_OPTIONS` as an option of ``parser``."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for option in MANAGER_OPTIONS:
-        target: Any = parser
-        if option.group is not None:
-            if option.group not in groups:
-                groups[option.group] = parser.add_argument_group(
-                    option.group, "how an overloaded pool degrades (docs/admission.md)"
-                )
-            target = groups[option.group]
-        kwargs: dict[str, Any] = {"help": option.help_text()}
-        default = _env(option.env, option.default or "") if option.env else option.default
-        kwargs["default"] = default if default not in ("", None) else option.default
-        if option.type is not None:
-            kwargs["type"] = option.type
-        if option.metavar is not None:
-            kwargs["metavar"] = option.metavar
-        if option.choices is not None:
-            kwargs["choices"] = option.choices
-        target.add_argument(option.flag, **kwargs)
+    add_options(
+        parser, MANAGER_OPTIONS, {_SHEDDING: "how an overloaded pool degrades (docs/admission.md)"}
+    )
 
 
 def manager_settings(args: argparse.Namespace) -> ManagerSettings:
     """The settings ``args`` (parsed with :func:`add_manager_options`) ask for."""
     from mesh.manager.settings import ManagerSettings
 
-    settings: Any = ManagerSettings(amqp_url=args.amqp_url, namespace=args.namespace)
-    for option in MANAGER_OPTIONS:
-        if option.setting is not None:
-            value = option.to_setting(getattr(args, option.dest))
-            settings = _with(settings, option.setting.split("."), value)
-    assert isinstance(settings, ManagerSettings)
-    return settings
-
-
-def _with(obj: Any, path: list[str], value: Any) -> Any:
-    """``obj`` (a frozen dataclass) with the field at ``path`` set to ``value``."""
-    head, *rest = path
-    inner = value if not rest else _with(getattr(obj, head), rest, value)
-    return dataclasses.replace(obj, **{head: inner})
+    base = ManagerSettings(amqp_url=args.amqp_url, namespace=args.namespace)
+    return settings_from(base, MANAGER_OPTIONS, args)

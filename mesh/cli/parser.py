@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mesh import constants as c
 from mesh import logs
 from mesh.broker_admin import DEFAULT_MANAGEMENT_URL
+from mesh.cli.agent_options import add_agent_options
 from mesh.cli.common import (
     DEFAULT_JOURNAL,
     SCHEMAS_DIR,
-    _add_liveness_probe,
     _count,
     _env,
     _json_object,
@@ -105,72 +104,7 @@ def _manager_command(command: Command) -> None:
 def _agent_command(command: Command) -> None:
     p = command("agent", help="run a sample agent")
     p.add_argument("sample", choices=("calc", "textstats", "echo"), help="which sample agent")
-    p.add_argument(
-        "--id",
-        dest="agent_id",
-        default=os.environ.get("AGENT_ID"),
-        help="the agent's ID, unique in the namespace (env AGENT_ID; default: its "
-        "deployment and a random suffix)",
-    )
-    p.add_argument(
-        "--heartbeat-interval",
-        type=float,
-        default=_env("HEARTBEAT_INTERVAL_S", str(c.DEFAULT_HEARTBEAT_INTERVAL_S)),
-        help="seconds between heartbeats, at least 5 (env HEARTBEAT_INTERVAL_S)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="on SIGTERM or a drain, how long queued work may still run before what is left "
-        "is answered AGENT_SHUTDOWN (default 60)",
-    )
-    p.add_argument(
-        "--shared-topology",
-        choices=("declare", "check"),
-        default=_env("MESH_SHARED_TOPOLOGY", "declare"),
-        help="declare the namespace's shared exchanges, or only check that the manager has "
-        "(for a broker user made by `mesh broker add-agent`; env MESH_SHARED_TOPOLOGY, "
-        "default %(default)s)",
-    )
-    p.add_argument(
-        "--lease-public-key",
-        action="append",
-        metavar="FILE",
-        default=[path for path in [os.environ.get("MESH_LEASE_PUBLIC_KEY")] if path],
-        help="require an invocation lease signed by this manager key on every granted task "
-        "(the manager's --lease-key FILE.pub; repeat for a key rotation; env "
-        "MESH_LEASE_PUBLIC_KEY)",
-    )
-    p.add_argument(
-        "--open-tasks",
-        action="store_true",
-        default=os.environ.get("MESH_OPEN_TASKS", "") in ("1", "on", "true"),
-        help="also run tasks that carry neither a grant nor a lease the manager issued to this "
-        "agent (a mesh without admission and leases; env MESH_OPEN_TASKS; default: refused, "
-        "NOT_AUTHORIZED)",
-    )
-    p.add_argument(
-        "--manager-user",
-        default=os.environ.get("MESH_MANAGER_USER") or None,
-        metavar="USER",
-        help="take control messages (drain notices, requests to register again, lease "
-        "notices, events) only from this broker user, the managers' (env MESH_MANAGER_USER; "
-        "default: the user that signed the acceptance of this agent's registration)",
-    )
-    _add_liveness_probe(p)
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=os.environ.get("MESH_HTTP_PORT") or None,
-        help="serve /ready, /healthz and /drain on this port (env MESH_HTTP_PORT; default: off)",
-    )
-    p.add_argument(
-        "--http-host",
-        default=_env("MESH_HTTP_HOST", "0.0.0.0"),
-        help="address of the HTTP endpoints (env MESH_HTTP_HOST; default %(default)s)",
-    )
+    add_agent_options(p)  # one table: flag, environment variable, setting
     p.set_defaults(func=cmd_agent)
 
 

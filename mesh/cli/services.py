@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mesh.cli.agent_options import agent_settings
 from mesh.cli.common import _run, _stop_on_signals
 from mesh.cli.manager_options import manager_settings
 from mesh.scaler.base import Scaler
@@ -60,21 +61,10 @@ def _build_scaler(args: argparse.Namespace) -> Scaler | None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from mesh.agent import AgentSettings, run_agent
+    from mesh.agent import run_agent
     from mesh.samples import SAMPLES
 
-    settings = AgentSettings(
-        amqp_url=args.amqp_url,
-        namespace=args.namespace,
-        drain_timeout_s=args.drain_timeout,
-        http_host=args.http_host,
-        http_port=args.http_port,
-        liveness_probe_s=args.liveness_probe,
-        shared_topology=args.shared_topology,
-        lease_public_keys=tuple(Path(path) for path in args.lease_public_key),
-        open_tasks=args.open_tasks,
-        manager_user=args.manager_user,
-    )
+    settings = agent_settings(args)
 
     async def run() -> int:
         agent = SAMPLES[args.sample](args.agent_id, heartbeat_interval_s=args.heartbeat_interval)
