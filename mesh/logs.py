@@ -82,7 +82,22 @@ def configure(level: str = "INFO", *, json: bool = True) -> None:
     for noisy in ("aiormq", "aio_pika"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     logging.getLogger("aiormq.connection").addFilter(_drop_connect_noise)
+    logging.getLogger("aiohttp.server").addFilter(malformed_http_quietly)
 
 
 def _drop_connect_noise(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("error when creating transport")
+
+
+def malformed_http_quietly(record: logging.LogRecord) -> bool:
+    """A request our HTTP endpoints could not parse (a probe or scanner speaking something
+    else) is answered 400 by aiohttp, which logs it as an ERROR with a traceback: keep it to
+    one WARNING line naming the client's mistake. Any other error is left as it is."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is None or not any(k.__name__ == "HttpProcessingError" for k in type(exc).__mro__):
+        return True
+    record.msg = f"{record.getMessage()}: malformed HTTP request answered 400 ({exc})"
+    record.args = None
+    record.levelno, record.levelname = logging.WARNING, "WARNING"
+    record.exc_info, record.exc_text = None, None
+    return True

@@ -74,3 +74,23 @@ def test_the_fields_helper_refuses_every_reserved_name_at_once(name: str) -> Non
 def test_the_fields_helper_passes_ordinary_fields_through() -> None:
     fields = {"agent_id": "a-1", "message_type": "mesh.task.v1"}
     assert checked(fields) is fields
+
+
+def test_a_malformed_http_request_is_one_warning_line_and_other_errors_stay_errors() -> None:
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from mesh.logs import malformed_http_quietly
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return logging.LogRecord(
+            "aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
+            ("10.0.0.9",), (type(exc), exc, None),
+        )  # fmt: skip
+
+    bad = record(BadHttpMessage("Invalid method"))
+    assert malformed_http_quietly(bad)
+    assert (bad.levelname, bad.exc_info) == ("WARNING", None)
+    assert "10.0.0.9" in bad.getMessage() and "Invalid method" in bad.getMessage()
+    other = record(RuntimeError("handler bug"))
+    assert malformed_http_quietly(other)
+    assert (other.levelname, other.exc_info is not None) == ("ERROR", True)
