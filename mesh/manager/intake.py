@@ -44,6 +44,7 @@ from mesh.core.pool import PoolCore
 from mesh.core.shards import shard_of
 from mesh.errors import MessageRejected, TransportError
 from mesh.manager.admission_service import AdmissionService
+from mesh.manager.agent_questions import AgentQuestions
 from mesh.manager.background import Background
 from mesh.manager.clock import Clock
 from mesh.manager.commands import CommandExecutor
@@ -65,20 +66,17 @@ from mesh.wire.admission import (
 from mesh.wire.codec import decode_as
 from mesh.wire.models import (
     AcquireRequest,
-    AdmissionState,
     AdmissionStateRequest,
     AgentRegistration,
     Deregistration,
     DrainRequest,
     FindRequest,
-    LeaseNotice,
     LeaseStateRequest,
     Message,
     Refusal,
     RegistrationRefused,
     Released,
     ReleaseRequest,
-    Standing,
     StandingRequest,
 )
 from mesh.wire.reasons import Reason
@@ -144,6 +142,9 @@ class Intake:
         self._status = status
         self._dead_lettered = dead_lettered
         self._background = background
+        self._questions = AgentQuestions(
+            core=core, clock=clock, counters=counters, reservation=admission.reservation
+        )
         # The broker user managers publish as: a registration forwarded to its shard's owner
         # carries its agent's user in a header, trusted only from this user (validated).
         self._manager_user = manager_user
@@ -282,16 +283,9 @@ class Intake:
             if not await self._registration_is_mine(message, delivery, publisher):
                 return None
         self._counters[f"received.{message.type}"] += 1
-        if isinstance(message, StandingRequest):
-            await self._commands.send_to_agent(message.agent_id, self._standing(message))
-            return None
-        if isinstance(message, AdmissionStateRequest):
-            await self._commands.send_to_agent(
-                message.agent_id, await self._admission_state(message)
-            )
-            return None
-        if isinstance(message, LeaseStateRequest):
-            await self._commands.send_to_agent(message.agent_id, self._lease_state(message))
+        if isinstance(message, StandingRequest | AdmissionStateRequest | LeaseStateRequest):
+            answer = await self._questions.answer(message)
+            await self._commands.send_to_agent(message.agent_id, answer)
             return None
         if isinstance(message, AgentRegistration) and not self._admission.understands_epochs(
             message
@@ -390,69 +384,6 @@ class Intake:
             detail=detail,
         )
         await self._commands.send_to_agent(registration.agent_id, refusal)
-
-    def _standing(self, request: StandingRequest) -> Standing:
-        """Whether this incarnation is registered now (it was not declared lost)."""
-        agent = self._core.agents.get(request.agent_id)
-        registered = agent is not None and agent.incarnation == request.incarnation
-        self._counters[f"standing.{'registered' if registered else 'unknown'}"] += 1
-        if agent is None or not registered:
-            return Standing(
-                agent_id=request.agent_id, incarnation=request.incarnation, registered=False
-            )
-        return Standing(
-            agent_id=request.agent_id,
-            incarnation=request.incarnation,
-            registered=True,
-            state=agent.state.value,
-            registered_for_s=max(0.0, self._clock.now().mono - agent.registered_at),
-        )
-
-    def _lease_state(self, request: LeaseStateRequest) -> LeaseNotice:
-        """The notice of ``request.lease_id`` again, if it is a live lease on the asking
-        incarnation; otherwise that it ended (nothing is told of other agents' leases)."""
-        agent = self._core.agents.get(request.agent_id)
-        lease = self._core.leases.get(request.lease_id)
-        remaining = 0.0 if lease is None else lease.expires_at - self._clock.now().mono
-        live = (
-            agent is not None
-            and agent.incarnation == request.incarnation
-            and lease is not None
-            and lease.agent_id == request.agent_id
-            and remaining > 0
-        )
-        self._counters[f"lease_state.{'live' if live else 'ended'}"] += 1
-        if not live or lease is None:
-            return LeaseNotice(
-                agent_id=request.agent_id,
-                lease_id=request.lease_id,
-                capability=request.capability,
-                expires_in_s=0.0,
-                ended=True,
-            )
-        return LeaseNotice(
-            agent_id=request.agent_id,
-            lease_id=request.lease_id,
-            capability=lease.capability,
-            expires_in_s=remaining,
-        )
-
-    async def _admission_state(self, request: AdmissionStateRequest) -> AdmissionState:
-        """The ledger's state of an admission of the asking agent's pool; nothing about
-        another pool's admissions, nor to an incarnation that is not registered."""
-        agent = self._core.agents.get(request.agent_id)
-        pool_id = agent.deployment if agent and agent.incarnation == request.incarnation else None
-        found = await self._admission.reservation(request.admission_id)
-        if found is None or pool_id is None or found.pool_id != pool_id:
-            self._counters["admission_state.unknown"] += 1
-            return AdmissionState(agent_id=request.agent_id, admission_id=request.admission_id)
-        self._counters[f"admission_state.{found.state.value.lower()}"] += 1
-        return AdmissionState(
-            agent_id=request.agent_id,
-            admission_id=request.admission_id,
-            state=found.state.value,
-            fence=found.fence,
-        )
 
     async def _refuse_registration(
         self, registration: AgentRegistration, delivery: Delivery
