@@ -1,8 +1,9 @@
 """``submit``'s retry policy: after each answer (or none), whether to ask again and when.
 
 One function, :func:`submit_delay_s`, pure (randomness is a parameter), with its own tests
-(``tests/unit/test_policy_submit_retry.py``); :meth:`MeshClient.submit` keeps the loop, the
-deadline and the counters. To change how producers come back, change this module and its test.
+(``tests/unit/test_policy_submit_retry.py``); :meth:`MeshClient.submit`'s loop
+(:mod:`mesh.producer.admission`) keeps the deadline and the counters. To change how producers
+come back, change this module and its test.
 """
 
 from __future__ import annotations

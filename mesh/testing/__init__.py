@@ -30,22 +30,20 @@ project's own integration tests run against a real broker; ``tests/integration/
 test_transport_contract.py`` runs one behavioural suite against both to keep this one honest.
 """
 
-from mesh.testing.clock import FakeClock
-from mesh.testing.memory import (
+from mesh.testing.amqp_rules import topic_matches
+from mesh.testing.broker import InMemoryBroker, InMemoryConsumer
+from mesh.testing.broker_errors import (
     AccessRefused,
     BrokerRefused,
     DeliverySettleError,
-    InMemoryBroker,
-    InMemoryConsumer,
-    InMemoryTransport,
     NotFound,
     PreconditionFailed,
-    QueuedMessage,
-    QueueInfo,
     ResourceLocked,
     TransportClosed,
-    topic_matches,
 )
+from mesh.testing.broker_state import QueuedMessage, QueueInfo
+from mesh.testing.clock import FakeClock
+from mesh.testing.memory import InMemoryTransport
 
 __all__ = [
     "AccessRefused",

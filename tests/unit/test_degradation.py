@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from mesh.agent import Agent, DegradationNotAllowed, capability, current_task, process_task
 from mesh.errors import LocalProtocolError, TaskFailed
-from mesh.producer.client import Submitted, _output_of
+from mesh.producer.tasks import Submitted, output_of
 from mesh.samples import EchoAgent
 from mesh.wire import AppliedDegradation, Task, TaskResult, decode, encode
 from mesh.wire.reasons import Reason
@@ -137,9 +137,9 @@ def degraded_result(kind: str) -> TaskResult:
 def test_the_producer_withholds_a_result_degraded_beyond_what_it_allowed() -> None:
     """An agent not using the SDK could degrade anyway: the producer checks again."""
     with pytest.raises(TaskFailed) as refused:
-        _output_of(degraded_result("partial_results"), allowed=["less_retrieval"])
+        output_of(degraded_result("partial_results"), allowed=["less_retrieval"])
     assert refused.value.code == Reason.DEGRADATION_NOT_ALLOWED.value
-    assert _output_of(degraded_result("less_retrieval"), allowed=["less_retrieval"]) == {
+    assert output_of(degraded_result("less_retrieval"), allowed=["less_retrieval"]) == {
         "sources": []
     }
 
