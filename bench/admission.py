@@ -10,7 +10,7 @@ admission by stage, for the event loop (manager and client) and the manager's le
 
 A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to the
    manager's ``rpc`` queue; the manager decodes it, runs ``Admitter.admit`` on its single
-   ledger thread (eligibility, ``ledger.prepare``, ``ledger.activate`` against SQLite),
+   ledger thread (eligibility, one ``read_for_decision`` and ``apply`` against SQLite),
    journals the decision, publishes it on the events feed and replies with publisher
    confirms. The question is what all of that costs on top of the request/reply round trip
    itself, so the baseline is a request/reply *echo* written on aiormq, the client the
@@ -102,9 +102,9 @@ from mesh.manager.service import ManagerService
 from mesh.manager.settings import ManagerSettings
 from mesh.producer import MeshClient
 from mesh.topology.specs import BindingSpec, Declarations, ExchangeSpec, QueueSpec, Topology
+from mesh.transport.aiormq_bridge import WRITE_QUEUE_FRAMES
 from mesh.transport.amqp import (
     DEFAULT_EXCHANGE,
-    WRITE_QUEUE_FRAMES,
     AmqpTransport,
     Delivery,
     redact,
@@ -352,8 +352,8 @@ class AiormqEcho:
     confirms, ``mandatory`` and ``user_id`` the same way, and consumes an exclusive reply queue
     without acks, matching replies to futures by ``correlation_id``. Its connections queue
     up to ``WRITE_QUEUE_FRAMES`` frames for their writer, as ours do (aiormq's default of 10
-    queues a burst of publishes on the channel lock; mesh.transport.amqp raises it for every
-    aiormq connection in the process). Message and correlation IDs come from
+    queues a burst of publishes on the channel lock; mesh.transport.aiormq_bridge raises it for
+    every aiormq connection in the process). Message and correlation IDs come from
     :class:`mesh.ids.IdSequence` (a prefix and a counter), as ours do, not a ``uuid4`` each.
     Nothing is decoded: everything ours does beyond this is the price of the feature.
     """
@@ -539,7 +539,7 @@ class TransportEcho:
     (:class:`AmqpTransport`), each side on a transport of its own. The server reads requests
     with acks on the consume-only connection (``consume_acked``, as the manager reads its rpc
     queue) and answers each on a task of its own with a confirmed ``publish`` (its frames
-    written by :mod:`mesh.transport.frames` on aiormq's channel, as the manager's replies
+    written by :mod:`mesh.transport.amqp091.publish` on aiormq's channel, as the manager's replies
     are) before acking; the client publishes the same way with ``user_id`` and reads its
     replies with ``consume_replies``, as ``MeshClient`` does. Ours against this row is what
     deciding, recording and answering an admission costs over the project's own transport:
@@ -935,7 +935,11 @@ LOOP_STAGES = (
     ("client: MeshClient.request", "mesh/producer/client.py", "request"),
     ("client: match and decode the reply", "mesh/producer/client.py", "_on_reply"),
     ("aiormq: read and parse frames", "aiormq/connection.py", "__reader"),
-    ("consume-only connection: read and parse", "mesh/transport/lean.py", "data_received"),
+    (
+        "consume-only connection: read and parse",
+        "mesh/transport/amqp091/protocol.py",
+        "data_received",
+    ),
     ("aiormq: write frames", "aiormq/connection.py", "__writer"),
 )
 LEDGER_STAGES = (

@@ -32,7 +32,7 @@ B) Heartbeat ingestion through the real broker. Heartbeats are the manager's bus
    The baseline is the fastest consumer the client library offers: ``basic_consume`` with
    ``no_ack=True`` on a plain aiormq channel whose callback only counts. Ours does not use
    aiormq for this path: ``consume_raw`` consumes on a connection that parses frames in place
-   (``mesh.transport.lean``), so two extra rows, no target, say where the gain comes from:
+   (``mesh.transport.amqp091``), so two extra rows, no target, say where the gain comes from:
    that connection with a callback that only counts (the client ours is built on: ours less
    this is the sink's decoding, validation and core), and aio-pika's high-level consumer that
    only counts. One pass of publishes
@@ -739,7 +739,7 @@ class Bench:
 
     async def consume_lean(self, queue_name: str, count: int) -> Round:
         """An extra row, no target: the consume-only connection ours is built on
-        (:mod:`mesh.transport.lean`), whose batch callback only counts — what the sink's
+        (:mod:`mesh.transport.amqp091`), whose batch callback only counts — what the sink's
         decoding, validation and core cost on top of the client is ours less this."""
         counted = CountOnly(count)
         stopwatch = Stopwatch()

@@ -7,7 +7,7 @@ garbage heartbeat would let one broken agent flood the dead-letter queue).
 
 The transport hands the sink a batch at a time (``ingest_many``: every
 heartbeat that arrived in one read from the socket, on the consume-only
-connection of :mod:`mesh.transport.lean`), so the sink reads the clock and
+connection of :mod:`mesh.transport.amqp091`), so the sink reads the clock and
 updates its counters once per batch and runs its work in one tight loop.
 Sharding the queue by agent-ID hash across several consumers stays possible
 later without changing the core.

@@ -1,5 +1,5 @@
 """A burst of confirmed publishes on one channel goes to the connection's writer in one
-event-loop turn, not one publish per turn (``WRITE_QUEUE_FRAMES`` in mesh.transport.amqp):
+event-loop turn, not one publish per turn (``WRITE_QUEUE_FRAMES`` in mesh.transport.aiormq_bridge):
 a manager answering a batch of admissions publishes that many replies at once."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Any, cast
 import aiormq
 
 from mesh.topology import Declarations, QueueSpec
-from mesh.transport.amqp import WRITE_QUEUE_FRAMES, AmqpTransport
+from mesh.transport.aiormq_bridge import WRITE_QUEUE_FRAMES
+from mesh.transport.amqp import AmqpTransport
 
 BURST = 200  # well past aiormq's default queue of 10 frames, within ours
 

@@ -292,6 +292,6 @@ async def test_closing_the_consume_only_connection_closes_its_socket_on_the_brok
     the socket: closing it then, not after waiting out a timeout (which cost every `mesh`
     command and every client's close a second)."""
     transport, _, _ = await raw_queues(transport_factory, namespace, "raw-close", 1)
-    with caplog.at_level(logging.WARNING, logger="mesh.transport.lean"):
+    with caplog.at_level(logging.WARNING, logger="mesh.transport.amqp091"):
         await transport.close()
     assert "did not confirm the close" not in caplog.text

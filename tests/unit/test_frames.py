@@ -1,6 +1,6 @@
-"""The confirmed publishes' frames (mesh.transport.frames) are byte for byte what aiormq and
-pamqp write for the same ``basic.publish``: the frames, and the content properties for every
-combination the transport sets."""
+"""The confirmed publishes' frames (mesh.transport.amqp091.publish) are byte for byte what
+aiormq and pamqp write for the same ``basic.publish``: the frames, and the content properties
+for every combination the transport sets."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 from mesh import constants as c
-from mesh.transport.frames import message_properties, publish_frames
+from mesh.transport.amqp091 import message_properties, publish_frames
 
 shortstr = st.text(max_size=40).filter(lambda t: len(t.encode()) <= 255)
 exchange_names = st.from_regex(r"[a-zA-Z0-9_.:-]{0,40}", fullmatch=True)  # pamqp checks them

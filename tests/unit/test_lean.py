@@ -1,4 +1,4 @@
-"""The consume-only connection's reading of deliveries (mesh.transport.lean): frames written
+"""The consume-only connection's reading of deliveries (mesh.transport.amqp091): frames written
 by pamqp — as RabbitMQ writes them — split at any byte, give back every body and validated
 ``user_id`` in order. The connection itself is exercised on the real broker
 (tests/integration/test_raw_consumer.py and every manager test)."""
@@ -6,23 +6,20 @@ by pamqp — as RabbitMQ writes them — split at any byte, give back every body
 from __future__ import annotations
 
 import asyncio
+import struct
 from datetime import datetime
 
 import aiormq
 import pamqp.frame
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
-from mesh.transport.lean import (
-    Properties,
-    RawBatch,
-    _Consuming,
-    _Wire,
-    deliver_fields,
-    user_id_of,
-)
+from mesh.transport.amqp091 import RawBatch
+from mesh.transport.amqp091.protocol import Consuming, Wire
+from mesh.transport.amqp091.reading import Properties, deliver_fields, user_id_of
 
 shortstr = st.text(max_size=30).filter(lambda t: 0 < len(t.encode()) <= 255)
 
@@ -96,9 +93,9 @@ def test_deliveries_split_anywhere_come_back_whole_and_in_order(
     points = sorted(cuts.draw(st.sets(st.integers(1, len(stream) - 1), max_size=10)))
 
     async def read() -> list[RawBatch]:
-        wire = _Wire(("guest", "guest"), "/", 0, "test", lambda _: None)
+        wire = Wire(("guest", "guest"), "/", 0, "test", lambda _: None)
         got = Batches()
-        wire.consumers[3] = _Consuming(3, got)
+        wire.consumers[3] = Consuming(3, got)
         for start, end in zip([0, *points], [*points, len(stream)], strict=True):
             wire.data_received(stream[start:end])
         return got.batches
@@ -139,3 +136,56 @@ def test_the_delivery_tag_and_route_are_read_from_basic_deliver(
         exchange,
         routing_key,
     )
+
+
+class Socket(asyncio.Transport):
+    """A transport that keeps what is written and whether it was aborted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.aborted = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_a_frame_larger_than_the_negotiated_frame_max_drops_the_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def read() -> tuple[Socket, Batches]:
+        wire = Wire(("guest", "guest"), "/", 0, "test", lambda _: None)
+        socket, got = Socket(), Batches()
+        wire.connection_made(socket)
+        wire.consumers[3] = Consuming(3, got)
+        too_big = wire.frame_max - 8 + 1  # one byte of payload past the bound
+        wire.data_received(struct.pack(">BHI", 3, 3, too_big) + b"x")
+        return socket, got
+
+    socket, got = asyncio.run(read())
+    assert socket.aborted  # refused at its header, not buffered until it is whole
+    assert got.batches == []
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "unreadable frame" in record.getMessage()
+    assert "over the negotiated frame_max of 131072" in record.error  # type: ignore[attr-defined]
+
+
+def test_a_frame_of_exactly_the_negotiated_frame_max_is_read() -> None:
+    async def read() -> tuple[Socket, list[RawBatch]]:
+        wire = Wire(("guest", "guest"), "/", 0, "test", lambda _: None)
+        socket, got = Socket(), Batches()
+        wire.connection_made(socket)
+        wire.consumers[3] = Consuming(3, got)
+        body = b"x" * (wire.frame_max - 8)
+        wire.data_received(delivery_frames(3, body, None, len(body)))
+        return socket, got.batches
+
+    socket, batches = asyncio.run(read())
+    assert not socket.aborted
+    assert [m for batch in batches for m in batch] == [(b"x" * (131_072 - 8), None)]

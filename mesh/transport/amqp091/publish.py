@@ -6,9 +6,9 @@ registrations (hundreds of acceptances and feed events a turn) that is a sixth o
 manager's time. The layout of these three frame types is fixed by the specification
 (section 4.2.3 and the ``basic`` class), so :class:`mesh.transport.amqp.AmqpTransport`
 writes them here for every confirmed publish, one or a batch (~4 µs a message against ~25 µs
-through pamqp's objects), and the content properties the transport sets
-(:func:`message_properties`); a header table's values are still encoded by pamqp.
-``tests/unit/test_frames.py`` checks every byte against pamqp's own marshalling.
+through pamqp's objects), and for its confirm-less batches; so are the content properties
+the transport sets (:func:`message_properties`); a header table's values are still encoded
+by pamqp. ``tests/unit/test_frames.py`` checks every byte against pamqp's own marshalling.
 """
 
 from __future__ import annotations
