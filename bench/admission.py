@@ -88,7 +88,8 @@ import psycopg
 from report import Report, Target, add_json_argument
 
 from mesh import constants as c
-from mesh.core.admission import AdmissionCore, Batch
+from mesh.core.admission import AdmissionCore
+from mesh.core.batch import Batch
 from mesh.core.capacity import LiveCapacity, LiveOffer
 from mesh.errors import BrokerUnavailable, StoreError
 from mesh.gc_tuning import tune_gc
@@ -933,7 +934,7 @@ LOOP_STAGES = (
     ("  reply, confirmed (reply)", "mesh/manager/commands.py", "reply"),
     ("  ack the request", "mesh/transport/delivery.py", "ack"),
     ("client: MeshClient.request", "mesh/producer/client.py", "request"),
-    ("client: match and decode the reply", "mesh/producer/client.py", "_on_reply"),
+    ("client: match and decode the reply", "mesh/producer/replies.py", "_on_reply"),
     ("aiormq: read and parse frames", "aiormq/connection.py", "__reader"),
     (
         "consume-only connection: read and parse",
@@ -951,8 +952,8 @@ LEDGER_STAGES = (
     ),
     ("  decide (AdmissionCore.decide, pure)", "mesh/core/admission.py", "decide"),
     ("    eligibility (the cache's lookup)", "mesh/core/eligibility.py", "lookup"),
-    ("    the recorded decision, if any", "mesh/core/admission.py", "_earlier_decision"),
-    ("    record the decision", "mesh/core/admission.py", "_record"),
+    ("    the recorded decision, if any", "mesh/core/decision_memory.py", "earlier_decision"),
+    ("    record the decision", "mesh/core/decision_memory.py", "record"),
     ("  apply the operations (LedgerStore.apply)", "mesh/ledger/store.py", "apply"),
     (
         "  of which sqlite3 execute (incl. BEGIN/COMMIT)",

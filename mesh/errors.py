@@ -138,10 +138,9 @@ class AdmissionRefused(TaskRefused):
 
     @property
     def refusal(self) -> Any:
-        """The decision in the one refusal shape (:func:`mesh.wire.refusal_of`)."""
-        from mesh.wire.refusals import refusal_of
-
-        return refusal_of(self.decision)
+        """The decision in the one refusal shape (:func:`mesh.wire.refusal_of`), as the
+        decision itself gives it (so the error tree imports no wire model)."""
+        return self.decision.refusal()
 
 
 class SubmitDeadlineExceeded(TaskTimeout):

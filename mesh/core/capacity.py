@@ -3,13 +3,13 @@
 Theory of operation
 -------------------
 A descriptor says what a pool *may* do; the registry says what it *can* do. For every pool
-(deployment) and capability, :class:`~mesh.core.pool.PoolCore` keeps a running aggregate,
-per version, of its Ready and Busy agents offering it and their **free concurrency for
-admission**: ``max_concurrency`` minus the slots held by leases. Pool tasks an agent runs are
-not subtracted — each is covered by an ACTIVE grant, which the ledger already counts against
-this figure. The aggregate changes only when an agent registers, is accepted, drains, is lost
-or leaves, or when a lease is taken or given back, so keeping it costs nothing per heartbeat
-and nothing per agent on a query.
+(deployment) and capability, the pool core's :class:`~mesh.core.registry.Registry` keeps a
+running aggregate (:class:`LiveTally`), per version, of its Ready and Busy agents offering it
+and their **free concurrency for admission**: ``max_concurrency`` minus the slots held by
+leases. Pool tasks an agent runs are not subtracted — each is covered by an ACTIVE grant,
+which the ledger already counts against this figure. The aggregate changes only when an agent
+registers, is accepted, drains, is lost or leaves, or when a lease is taken or given back, so
+keeping it costs nothing per heartbeat and nothing per agent on a query.
 
 Admission reads it through :class:`LiveCapacity`, an immutable snapshot (the decision may run
 on the ledger's thread while the loop changes the registry): a pool with no live agent whose
@@ -26,8 +26,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mesh.core.index import parse_spec, parse_version
+from mesh.core.index import Slot, parse_spec, parse_version
 from mesh.core.ranking import cheapest
+from mesh.ledger.shared_live import LiveOffer as LiveOffer  # the row managers share
+from mesh.ledger.shared_live import PoolLive as PoolLive
 
 if TYPE_CHECKING:
     from mesh.wire.admission import CapabilityDescriptor
@@ -38,17 +40,6 @@ LIVE_SLOTS_PREFIX = "live_slots:"
 def live_slots_resource(capability: str) -> str:
     """The ledger resource counting a pool's live agents' free concurrency for a capability."""
     return LIVE_SLOTS_PREFIX + capability
-
-
-@dataclass(frozen=True, slots=True)
-class LiveOffer:
-    """One version of a capability at one cost class in one pool: how many live agents offer
-    it, and their concurrency not held by leases."""
-
-    version: str
-    agents: int
-    free: int
-    cost_class: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,19 +82,58 @@ class LiveCapacity:
         return cheapest([offer.cost_class for offer in self.matching(pool_id, capability, *specs)])
 
 
-@dataclass(frozen=True, slots=True)
-class PoolLive:
-    """One pool's live offers as its shard's owner last wrote them for the other managers
-    (several managers, :mod:`mesh.manager.live_share`): ``(capability, offer)`` pairs, the
-    scale planner's retry hint, and the shard and fence they were written under."""
+class LiveTally:
+    """Per pool and capability, per (version, cost class): the live agents and their free
+    concurrency, moved one slot at a time; :meth:`snapshot` turns it into a
+    :class:`LiveCapacity`, rebuilt only when the figures or the retry hints changed."""
 
-    shard: int
-    fence: int
-    offers: tuple[tuple[str, LiveOffer], ...]
-    retry_s: float | None = None
+    __slots__ = ("_live", "_snapshot", "_version")
 
-    def agents(self) -> int:
-        return sum(offer.agents for _, offer in self.offers)
+    def __init__(self) -> None:
+        # (pool, capability) -> (version, cost class) -> [live agents, free concurrency]
+        self._live: dict[tuple[str, str], dict[tuple[str, str], list[int]]] = {}
+        self._version = 0
+        self._snapshot = LiveCapacity()
+
+    def count_slot(self, pool_id: str, slot: Slot, taking_work: bool) -> None:
+        """Bring ``slot``'s share up to date: one agent and its concurrency not held by
+        leases while its agent takes work, else nothing. O(1); a no-op if nothing changed."""
+        share = max(0, slot.max_concurrency - slot.leased) if taking_work else None
+        if share != slot.live:
+            key = (pool_id, slot.capability)
+            versions = self._live.setdefault(key, {})
+            offer = (slot.version, slot.cost_class)
+            entry = versions.setdefault(offer, [0, 0])
+            if slot.live is not None:
+                entry[0] -= 1
+                entry[1] -= slot.live
+            if share is not None:
+                entry[0] += 1
+                entry[1] += share
+            slot.live = share
+            if entry[0] == 0:
+                del versions[offer]
+                if not versions:
+                    del self._live[key]
+            self._version += 1
+
+    def snapshot(self, retry: Mapping[str, float]) -> LiveCapacity:
+        """The figures as an immutable :class:`LiveCapacity` with ``retry`` as its hints: the
+        same object as last time while neither changed (with what it has worked out so far)."""
+        snapshot = self._snapshot
+        if snapshot.version == self._version and snapshot.retry_s == retry:
+            return snapshot
+        offers = snapshot.offers
+        if snapshot.version != self._version:
+            offers = {
+                key: tuple(
+                    LiveOffer(version, agents, free, cost)
+                    for (version, cost), (agents, free) in versions.items()
+                )
+                for key, versions in self._live.items()
+            }
+        self._snapshot = LiveCapacity(offers, retry, self._version)
+        return self._snapshot
 
 
 def pool_lives(live: LiveCapacity, pools: set[str], shard: int, fence: int) -> dict[str, PoolLive]:

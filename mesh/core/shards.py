@@ -25,16 +25,8 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mesh.errors import LocalProtocolError
-
-MAX_SHARDS = 4_096
-
-
-def check_shard_count(shard_count: int) -> int:
-    """``shard_count`` if it is usable (1 to :data:`MAX_SHARDS`), else a clear error."""
-    if not 1 <= shard_count <= MAX_SHARDS:
-        raise LocalProtocolError(f"shard_count must be 1..{MAX_SHARDS}, got {shard_count}")
-    return shard_count
+from mesh.ledger.shared_live import MAX_SHARDS as MAX_SHARDS  # checked by the lease store too
+from mesh.ledger.shared_live import check_shard_count as check_shard_count
 
 
 def shard_of(pool_id: str, shard_count: int) -> int:

@@ -128,7 +128,7 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """``prepare`` took (or, ``replayed``, had already taken) this reservation."""
+    """A reservation taken for an admission (or, ``replayed``, the one it already held)."""
 
     reservation: Reservation
     replayed: bool

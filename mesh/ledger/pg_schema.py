@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Final
 
 from mesh.ledger.model import TRANSITIONS, LedgerEvent
-from mesh.ledger.store import _HOLDING
+from mesh.ledger.sql_rows import HOLDING_SQL
 
 # Raised by the ledger's own functions (a class of SQLSTATE no PostgreSQL error uses):
 _STALE_SQLSTATE: Final = "ML001"  # a batch's view no longer holds: StaleView
@@ -84,7 +84,7 @@ def _ddl(s: str) -> list[str]:
     ]
 
 
-# What a reservation row looks like when a function returns it: _RES_COLUMNS as a JSON array,
+# What a reservation row looks like when a function returns it: RES_COLUMNS as a JSON array,
 # with the items of a row written before the ``items`` column read from ledger_item.
 def _row_json(s: str, r: str) -> str:
     return (
@@ -224,7 +224,7 @@ def _functions(s: str) -> list[str]:
               SELECT p_at, e->>0, p_event, p_state, (e->>4)::bigint
                 FROM unnest(p_rows) WITH ORDINALITY AS t(e, n) ORDER BY n;
             END $$""",
-        # A decided batch's fresh rows (SqlLedger._flush_plan, as one call): capacities set,
+        # A decided batch's fresh rows (BatchWriter.flush, as one call): capacities set,
         # counters taken by conditional increments in the given (global) order, reservations,
         # log, snapshots, decisions. A counter that moved, or a decision recorded meanwhile
         # for another digest, raises {stale}: the statement, hence the batch, keeps nothing.
@@ -237,14 +237,14 @@ def _functions(s: str) -> list[str]:
 {move_sql(takes)}\
 {rows_sql}
             END $$""",
-        # SqlLedger._release as one call: the row (JSON) if released, NULL if nothing matched.
+        # Transitions.release as one call: the row (JSON) if released, NULL if nothing matched.
         f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release(p_id text, p_fence bigint,
                 p_at float8) RETURNS text
             LANGUAGE plpgsql AS $$
             DECLARE v_row jsonb;
             BEGIN
               UPDATE "{s}".ledger_reservation AS r SET state = 'RELEASED', updated_at = p_at
-               WHERE r.admission_id = p_id AND r.fence = p_fence AND r.state IN {_HOLDING}
+               WHERE r.admission_id = p_id AND r.fence = p_fence AND r.state IN {HOLDING_SQL}
               RETURNING {_row_json(s, "r")} INTO v_row;
               IF NOT FOUND THEN RETURN NULL; END IF;
               PERFORM "{s}".ledger_give_back((v_row->>8)::jsonb);
@@ -252,7 +252,7 @@ def _functions(s: str) -> list[str]:
               VALUES (p_at, p_id, '{released}', '{TRANSITIONS[released].target}', p_fence);
               RETURN v_row::text;
             END $$""",
-        # The releasing half of SqlLedger._release_many: each (admission ID, fence) matched
+        # The releasing half of Transitions.release_many: each (admission ID, fence) matched
         # while holding, one UPDATE per distinct pair in admission-ID order (a unique-index
         # lookup whatever the table's size; two calls lock the rows they share in the same
         # order); the rows it released, as JSON, in that order. Which of the asked releases
@@ -265,13 +265,13 @@ def _functions(s: str) -> list[str]:
               FOR g IN SELECT DISTINCT t.id COLLATE "C" AS id, t.fence
                          FROM unnest(p_ids, p_fences) AS t(id, fence) ORDER BY 1, 2 LOOP
                 UPDATE "{s}".ledger_reservation AS r SET state = 'RELEASED', updated_at = p_at
-                 WHERE r.admission_id = g.id AND r.fence = g.fence AND r.state IN {_HOLDING}
+                 WHERE r.admission_id = g.id AND r.fence = g.fence AND r.state IN {HOLDING_SQL}
                 RETURNING {_row_json(s, "r")} INTO v_row;
                 IF FOUND THEN v_rows := array_append(v_rows, v_row); END IF;
               END LOOP;
               RETURN v_rows;
             END $$""",
-        # SqlLedger._release_many as one call: the rows it released (a JSON array), their
+        # Transitions.release_many as one call: the rows it released (a JSON array), their
         # counters given back together (one update per counter, in the global order) and
         # their log in one insert.
         f"""CREATE OR REPLACE FUNCTION "{s}".ledger_release_many(p_ids text[], p_fences bigint[],
@@ -312,7 +312,7 @@ def _functions(s: str) -> list[str]:
                 FROM unnest(v_rows) WITH ORDINALITY AS t(e, n) ORDER BY n;
               RETURN to_jsonb(v_rows)::text;
             END $$""",
-        # SqlLedger._expire_due as one call: the expired rows (a JSON array, in fence order),
+        # Transitions.expire_due as one call: the expired rows (a JSON array, in fence order),
         # each under a new fence; due rows another transaction holds are skipped (it deals
         # with them). Set-based: the due rows are locked (FOR UPDATE SKIP LOCKED) and updated
         # by their ctid, which the lock keeps valid — a TID scan whatever the plan cache chose
@@ -324,14 +324,14 @@ def _functions(s: str) -> list[str]:
             BEGIN
               SELECT array_agg(d.ctid) INTO v_tids
                 FROM (SELECT ctid FROM "{s}".ledger_reservation
-                       WHERE state IN {_HOLDING} AND expires_at <= p_at
+                       WHERE state IN {HOLDING_SQL} AND expires_at <= p_at
                        ORDER BY admission_id FOR UPDATE SKIP LOCKED) AS d;
               IF v_tids IS NULL THEN RETURN '[]'; END IF;
               WITH ended AS (
                 UPDATE "{s}".ledger_reservation AS r
                    SET state = 'EXPIRED', fence = nextval('"{s}".ledger_fence'),
                        updated_at = p_at
-                 WHERE r.ctid = ANY(v_tids) AND r.state IN {_HOLDING} AND r.expires_at <= p_at
+                 WHERE r.ctid = ANY(v_tids) AND r.state IN {HOLDING_SQL} AND r.expires_at <= p_at
                 RETURNING {_row_json(s, "r")} AS j, r.fence AS f)
               SELECT coalesce(array_agg(j ORDER BY f), '{{}}') INTO v_rows FROM ended;
               PERFORM "{s}".ledger_settle(v_rows, p_at, '{expired}',

@@ -36,10 +36,11 @@ nothing under READ COMMITTED. The
 functions are created with CREATE OR REPLACE each time the store opens, so a schema made by
 an earlier version gains them on its first open; tables and rows stay as they are.
 
-Fences come from a SEQUENCE: strictly increasing across all managers; a rolled-back
-``prepare`` leaves a gap, which is harmless. Tables live in their own schema (``schema=``), so
-tests and deployments can keep ledgers apart; it is created idempotently under an advisory
-lock, so managers starting together do not trip over each other's DDL.
+Fences come from a SEQUENCE: strictly increasing across all managers; a fence drawn for a
+view and not used, or rolled back, leaves a gap, which is harmless. Tables live in their own
+schema (``schema=``), so tests and deployments can keep ledgers apart; it is created
+idempotently under an advisory lock, so managers starting together do not trip over each
+other's DDL.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ from mesh.ledger.pg_schema import (
     _row_json,
     _text_array,
 )
-from mesh.ledger.store import Db, SqlLedger, Tables, _gather, _Plan
+from mesh.ledger.sql_apply import PendingRows, gather
+from mesh.ledger.sql_rows import Db, Tables
+from mesh.ledger.store import SqlLedger
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +143,12 @@ class PostgresLedger(SqlLedger):
             "connect_timeout": connect_timeout_s,
         }
         self._max_attempts = max_attempts
-        self._fence_sql = f"SELECT nextval('\"{schema}\".ledger_fence')"
         self._fences_sql = f"SELECT nextval('\"{schema}\".ledger_fence') FROM generate_series(1, ?)"
         self._pg = PgConnection(
             dsn, what=f"the ledger database (schema {schema})", on_open=_read_committed,
             **self._connect_kwargs,
         )  # fmt: skip
-        self._lazy: _LazyBatch | None = None  # while an unplanned batch runs
+        self._lazy: _LazyBatch | None = None  # while a batch runs
         q = f'"{schema}"'
         self._apply_sql = f"SELECT {q}.ledger_apply(?::jsonb)"
         self._release_sql = f"SELECT {q}.ledger_release(?, ?, ?)"
@@ -233,7 +235,7 @@ class PostgresLedger(SqlLedger):
         return StoreError(f"ledger transaction failed in schema {self.schema}: {exc}")
 
     # ---- the hot paths in one round trip each ----------------------------------------------
-    # A batch without a plan (the admitter's: read the view, decide, apply) starts no
+    # A batch (the admitter's: read the view, decide, apply) starts no
     # transaction of its own until a call needs one. Its view is read by one statement on its
     # own: under READ COMMITTED every statement of a transaction reads a fresh snapshot, and
     # a transaction that has written nothing holds no lock, so that read sees exactly what it
@@ -243,11 +245,9 @@ class PostgresLedger(SqlLedger):
     # from, and everything it writes. Any other call inside the batch begins the transaction
     # (BEGIN, then the writes waiting, then the call), as before; a failure rolls back all of
     # it. The errors of a waiting ``apply`` (StaleView, StoreError) are raised by ``batch``.
-    def batch(self, work: Callable[[], T], *, plan: Sequence[str] = ()) -> T:
+    def batch(self, work: Callable[[], T]) -> T:
         if self._in_a_batch():
             return work()  # already inside this thread's batch
-        if plan:
-            return super().batch(work, plan=plan)
         with self._lock:
             lazy = self._lazy = _LazyBatch(threading.get_ident())
             try:
@@ -299,7 +299,7 @@ class PostgresLedger(SqlLedger):
         return super()._open_batch() is not None
 
     def _lazy_unbegun(self) -> _LazyBatch | None:
-        """This thread's unplanned batch, if it has not begun its transaction (it may have
+        """This thread's batch, if it has not begun its transaction (it may have
         writes waiting). A batch closed by its releases takes no more calls."""
         lazy = self._lazy
         if lazy is None or lazy.thread != threading.get_ident():
@@ -319,7 +319,6 @@ class PostgresLedger(SqlLedger):
         if self._not_begun() is not None:
             view = self._one_statement(self._view_sql, params, retry=False)
         elif (db := self._open_batch()) is not None:
-            self._settle_plan(db, forget=fences > 0)
             view = self._in_batch(db, self._view_sql, params)
         else:
             with self._lock:
@@ -327,7 +326,7 @@ class PostgresLedger(SqlLedger):
         counters, reservations, decisions, drawn, epochs = orjson.loads(view)
         return LedgerView(
             counters={(str(p), str(r)): (int(u), int(c)) for p, r, u, c in counters},
-            reservations={r.admission_id: r for r in self._with_items(None, reservations)},
+            reservations={r.admission_id: r for r in self._rows.with_items(None, reservations)},
             decisions={
                 str(a): DecisionRow(str(a), str(d), str(o), float(at), str(rec))
                 for a, d, o, at, rec in decisions
@@ -347,7 +346,6 @@ class PostgresLedger(SqlLedger):
         if lazy is not None:
             lazy.deferred = payload
         elif (db := self._open_batch()) is not None:
-            self._settle_plan(db, forget=True)
             self._in_batch(db, self._apply_sql, (payload,))
         else:
             with self._lock:
@@ -360,9 +358,10 @@ class PostgresLedger(SqlLedger):
             row = self._one_statement(self._release_sql, (admission_id, fence, now))
             if row is None:
                 return self._transaction(
-                    lambda db: self._why_not(db, admission_id, fence, now, "release"), write=False
+                    lambda db: self._transitions.why_not(db, admission_id, fence, now, "release"),
+                    write=False,
                 )
-        (released,) = self._with_items(None, [orjson.loads(row)])
+        (released,) = self._rows.with_items(None, [orjson.loads(row)])
         return released
 
     def release_many(
@@ -401,7 +400,7 @@ class PostgresLedger(SqlLedger):
         """Each release's answer from the rows ``ledger_release_many`` returned; the reason
         of each refused one read now (the caller holds ``self._lock``)."""
         released = {
-            (r.admission_id, r.fence): r for r in self._with_items(None, orjson.loads(rows))
+            (r.admission_id, r.fence): r for r in self._rows.with_items(None, orjson.loads(rows))
         }
         answers = [released.pop(pair, None) for pair in releases]
         return [
@@ -411,14 +410,15 @@ class PostgresLedger(SqlLedger):
 
     def _refusal_of_release(self, admission_id: str, fence: int, now: float) -> Refused:
         return self._transaction(
-            lambda db: self._why_not(db, admission_id, fence, now, "release"), write=False
+            lambda db: self._transitions.why_not(db, admission_id, fence, now, "release"),
+            write=False,
         )
 
     def _release(self, db: Db, admission_id: str, fence: int, now: float) -> Reservation | Refused:
         ((row,),) = db.execute(self._release_sql, (admission_id, fence, now))
         if row is None:
-            return self._why_not(db, admission_id, fence, now, "release")
-        (released,) = self._with_items(None, [orjson.loads(row)])
+            return self._transitions.why_not(db, admission_id, fence, now, "release")
+        (released,) = self._rows.with_items(None, [orjson.loads(row)])
         return released
 
     def expire_due(self, now: float) -> list[Reservation]:
@@ -433,7 +433,7 @@ class PostgresLedger(SqlLedger):
         return self._expired(orjson.loads(rows), now)
 
     def _expired(self, rows: list[list[Any]], now: float) -> list[Reservation]:
-        expired = self._with_items(None, rows)
+        expired = self._rows.with_items(None, rows)
         if expired:
             log.info("expired %d reservations", len(expired), extra={"now": now})
         return expired
@@ -444,10 +444,6 @@ class PostgresLedger(SqlLedger):
         except psycopg.Error as exc:
             raise self._error(exc) from exc
         return rows[0][0] if rows else None
-
-    def _next_fence(self, db: Db) -> int:
-        ((fence,),) = db.execute(self._fence_sql)
-        return int(fence)
 
     def _next_fences(self, db: Db, count: int) -> list[int]:
         rows = db.execute(self._fences_sql, (count,))
@@ -470,7 +466,7 @@ def _read_committed(conn: psycopg.Connection[tuple[Any, ...]]) -> None:
 
 @dataclass(slots=True)
 class _LazyBatch:
-    """An unplanned batch of PostgresLedger (see ``PostgresLedger.batch``)."""
+    """A batch of PostgresLedger (see ``PostgresLedger.batch``)."""
 
     thread: int
     transaction: contextlib.ExitStack | None = None  # once begun: exits with COMMIT/ROLLBACK
@@ -480,11 +476,11 @@ class _LazyBatch:
 
 def _apply_payload(ops: Sequence[LedgerOp]) -> str:
     """What ``ledger_apply`` writes for ``ops`` (no release or activation among them): the
-    rows ``SqlLedger._apply`` would write, in the order it would write them."""
-    rows = _Plan(planned=0, known={}, decisions={})
+    rows ``SqlLedger.apply`` would write, in the order it would write them."""
+    rows = PendingRows()
     caps = []
     for op in ops:
-        if not _gather(rows, op) and isinstance(op, SetCapacity):
+        if not gather(rows, op) and isinstance(op, SetCapacity):
             caps.append((op.pool_id, op.resource, op.capacity))
     return orjson.dumps(
         {

@@ -40,10 +40,9 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from mesh.core.capacity import LiveOffer, PoolLive
-from mesh.core.shards import check_shard_count
 from mesh.errors import LocalProtocolError, StoreError
 from mesh.ledger.pg_connection import PgConnection
+from mesh.ledger.shared_live import LiveOffer, PoolLive, check_shard_count
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ serialised for the whole read-check-write, and the conditional counters of
 Reads use a deferred ``BEGIN`` and, thanks to WAL, never block the writer.
 
 Fences come from a one-row counter (``ledger_fence``) incremented inside the same
-transaction (a planned batch draws a block with one statement); a fence drawn but not used —
-a ``prepare`` of a known ID, a refusal in a planned batch — is a harmless gap.
+transaction (a batch's view draws a block with one statement); a fence drawn but not used —
+one drawn for a request the batch refused or replayed — is a harmless gap.
 ``ledger_log`` is made append-only by triggers. The WAL is checkpointed by ``maintain`` (the
 manager's tick), not on the commit path of a decision. ``synchronous=NORMAL`` (the
 default, as for the journal) keeps every committed decision across a crash of the process;
@@ -24,7 +24,8 @@ from typing import Any, Literal, TypeVar
 
 from mesh import sqlite_wal
 from mesh.errors import StoreError
-from mesh.ledger.store import Db, SqlLedger, Tables
+from mesh.ledger.sql_rows import Db, Tables
+from mesh.ledger.store import SqlLedger
 
 T = TypeVar("T")
 
@@ -208,9 +209,6 @@ class SqliteLedger(SqlLedger):
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise StoreError(f"ledger transaction failed on {self.path}: {exc}") from exc
-
-    def _next_fence(self, db: Db) -> int:
-        return self._next_fences(db, 1)[0]
 
     def _next_fences(self, db: Db, count: int) -> list[int]:
         # Two statements rather than one with RETURNING: measured no dearer, often cheaper.

@@ -36,23 +36,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mesh.core.admission import (
-    DECISION_CACHE_SIZE,
-    SNAPSHOT_CACHE_SIZE,
-    AdmissionCore,
-    AdmissionPolicy,
-    Batch,
-    DecisionRecord,
-    Eviction,
-    PendingExternal,
-    parse_record,
-    refused,
-    remembered_as_kept,
-)
+from mesh.core.admission import AdmissionCore, AdmissionPolicy
+from mesh.core.answers import refused
+from mesh.core.batch import Batch, Eviction, PendingExternal
 from mesh.core.capacity import LiveCapacity
+from mesh.core.decision_memory import DECISION_CACHE_SIZE, SNAPSHOT_CACHE_SIZE
 from mesh.core.eligibility import EligibilityCache, EligibilitySnapshot, capacities
 from mesh.core.eligibility import tenant_tokens_resource as _tenant_tokens_resource
 from mesh.core.pressure import PoolPressure, PressureBoard, StageChange
+from mesh.core.records import DecisionRecord, parse_record, remembered_as_kept
 from mesh.errors import StaleView, StoreError
 from mesh.leases import LeaseSigner
 from mesh.ledger.model import (

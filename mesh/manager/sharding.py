@@ -27,7 +27,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from mesh.core.events import AppendLog, LogEntry
-from mesh.core.pool import AgentRecord, PoolCore
+from mesh.core.pool import PoolCore
+from mesh.core.registry import AgentRecord
 from mesh.core.shards import shard_of
 from mesh.errors import LocalProtocolError, TransportError
 from mesh.manager.clock import Clock

@@ -48,6 +48,7 @@ from mesh.wire.models import (
     Message,
     PoolId,
     PositiveInt,
+    Refusal,
     SemVer,
     Timestamp,
     WireModel,
@@ -399,6 +400,13 @@ class AdmissionDecision(Message):
             if self.reason is None:
                 raise ValueError(f"a {self.outcome} decision carries a reason")
         return self
+
+    def refusal(self) -> Refusal | None:
+        """This decision in the one refusal shape (:func:`mesh.wire.refusal_of`); ``None`` if
+        it admits."""
+        if self.outcome == "admitted" or self.reason is None:
+            return None
+        return Refusal(reason=self.reason, detail=self.detail, retry_after_ms=self.retry_after_ms)
 
 
 class AdmissionRelease(Message):

@@ -53,7 +53,7 @@ PressureStage = Literal[
 ]
 """The names of :class:`mesh.core.pressure.Stage`, as ``pressure_stage`` carries them."""
 
-# ---- the agent lifecycle (PoolCore._transition): one kind per trigger ---------------------
+# ---- the agent lifecycle (Registry.transition): one kind per trigger ---------------------
 
 
 class RegisteredDetail(WireModel):

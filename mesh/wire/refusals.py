@@ -24,11 +24,7 @@ def refusal_of(message: Message) -> Refusal | None:
     if isinstance(message, Refusal):
         return message
     if isinstance(message, AdmissionDecision):
-        if message.outcome == "admitted" or message.reason is None:
-            return None
-        return Refusal(
-            reason=message.reason, detail=message.detail, retry_after_ms=message.retry_after_ms
-        )
+        return message.refusal()
     if isinstance(message, AdmissionReleaseReply):
         if message.released or message.reason is None:
             return None

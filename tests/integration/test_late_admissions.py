@@ -13,7 +13,7 @@ from pathlib import Path
 import aiormq
 import pytest
 
-from mesh.core.admission import refused
+from mesh.core.answers import refused
 from mesh.errors import RequestTimeout, SubmitDeadlineExceeded
 from mesh.ledger.sqlite import SqliteLedger
 from mesh.manager.service import ManagerService

@@ -2,8 +2,9 @@
 
 Each scheduler is a fresh Python interpreter (``subprocess``) with its own connection, like
 two manager processes sharing a PostgreSQL ledger (or, for SQLite, one file on one host).
-Both open the ledger, report ready, and start together on a signal; each does
-``prepare`` + ``activate`` for its list of admissions and prints what it won. The parent then
+Both open the ledger, report ready, and start together on a signal; each takes a reservation
+the manager's way (:mod:`tests.ledger.helpers`: read a view, decide, apply) and activates it,
+for its list of admissions, and prints what it won. The parent then
 counts: exactly as many grants as there are units, no admission granted twice, and every
 counter equal to what the ACTIVE reservations hold.
 """
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +36,9 @@ from mesh.errors import StoreError
 from mesh.ledger import PostgresLedger, Prepared, Refused, Reservation, SqliteLedger
 
 config = json.loads(sys.argv[1])
+sys.path.insert(0, config["tests"])
+from ledger.helpers import ask, prepare, prepare_all
+
 if config["kind"] == "postgres":
     ledger = PostgresLedger(config["dsn"], schema=config["where"], application_name=config["name"])
 else:
@@ -56,20 +61,21 @@ def count(outcome):
 
 size = config.get("batch", 0)
 for at in range(0, len(config["requests"]) if size else 0, size or 1):
-    # As the manager's admitter: a planned batch, and after a failed one each request again
-    # in its own plain transaction.
+    # As the manager's admitter: one batch (one view, one apply), and after a failed one each
+    # request again in a transaction of its own.
     chunk = config["requests"][at : at + size]
-    prepare = lambda a, d, items: ledger.prepare(a, d, items, 60.0, config["now"],
-                                                 activate_ttl_s=60.0)
     try:
-        outcomes = ledger.batch(lambda: [prepare(*r) for r in chunk], plan=[r[0] for r in chunk])
+        outcomes = prepare_all(
+            ledger, [ask(a, d, items, 60.0, config["now"], activate_ttl_s=60.0)
+                     for a, d, items in chunk])
     except StoreError:
         failed_batches += 1
-        outcomes = [prepare(*r) for r in chunk]
+        outcomes = [prepare(ledger, a, d, items, 60.0, config["now"], activate_ttl_s=60.0)
+                    for a, d, items in chunk]
     for outcome in outcomes:
         count(outcome)
 for admission_id, digest, items in [] if size else config["requests"]:
-    prepared = ledger.prepare(admission_id, digest, items, 60.0, config["now"])
+    prepared = prepare(ledger, admission_id, digest, items, 60.0, config["now"])
     if isinstance(prepared, Refused):
         refused[prepared.reason] = refused.get(prepared.reason, 0) + 1
         continue
@@ -92,7 +98,7 @@ def race(
     factory: LedgerFactory, *request_lists: list[Request], batch: int = 0
 ) -> list[dict[str, Any]]:
     """Run one scheduler process per request list, started together; their reports. With
-    ``batch``, each decides its requests ``batch`` at a time in planned batches."""
+    ``batch``, each decides its requests ``batch`` at a time, one batch each."""
     procs = []
     for n, requests in enumerate(request_lists):
         config = {
@@ -103,6 +109,7 @@ def race(
             "now": NOW,
             "requests": requests,
             "batch": batch,
+            "tests": str(Path(__file__).resolve().parent.parent),
         }
         procs.append(
             subprocess.Popen(
@@ -253,11 +260,11 @@ def test_two_schedulers_admitting_the_same_ids_decide_each_once(
 
 
 @pytest.mark.timeout(120)
-def test_two_schedulers_deciding_in_planned_batches_never_both_win_a_unit(
+def test_two_schedulers_deciding_in_batches_never_both_win_a_unit(
     ledger_factory: LedgerFactory, ledger: LedgerStore
 ) -> None:
-    # As two managers' group commits: each takes 16 requests per planned batch (counters read
-    # once, taken at the end by the batch's total). On PostgreSQL the batches interleave: a
+    # As two managers' group commits: each takes 16 requests per batch (counters read once,
+    # taken at the end by the batch's total). On PostgreSQL the batches interleave: a
     # counter moved under a batch fails it and its requests are decided again one by one.
     ledger.set_capacity("pool-a", "model_slots", 60)
     ledger.set_capacity("pool-a", "sandboxes", 45)

@@ -19,6 +19,7 @@ from mesh.ledger.model import DecisionRow, RecordDecision, Reserve, SaveEligibil
 from mesh.ledger.postgres import PostgresLedger
 
 from .conftest import LedgerFactory
+from .helpers import prepare
 from .test_ledger_contract import T0, TTL, assert_conserved, used
 
 SLOT = Item("pool-a", "model_slots", 1)
@@ -133,7 +134,7 @@ def test_a_counter_taken_inside_the_batch_before_its_apply_fails_the_apply(
     def work() -> None:
         view = pool.read_for_decision(["adm-1", "adm-2"], fences=2)
         # The same transaction takes both slots before the decided rows are written.
-        pool.prepare("adm-0", "d0", [("pool-a", "model_slots", 2)], TTL, T0)
+        prepare(pool, "adm-0", "d0", [("pool-a", "model_slots", 2)], TTL, T0)
         pool.apply([Reserve(grant("adm-1", view.fences[0])), decided("adm-1")])
 
     with pytest.raises(StaleView):
@@ -157,7 +158,7 @@ def test_a_counter_another_manager_took_under_the_batch_fails_it_whole(
     def work() -> None:
         view = pool.read_for_decision(["adm-1", "adm-2"], fences=2)
         assert view.counters[("pool-a", "model_slots")] == (0, 2)
-        other.prepare("adm-9", "d9", [("pool-a", "model_slots", 1)], TTL, T0)
+        prepare(other, "adm-9", "d9", [("pool-a", "model_slots", 1)], TTL, T0)
         pool.apply(
             [
                 Reserve(grant("adm-1", view.fences[0])),
@@ -264,7 +265,7 @@ def test_a_batch_whose_writes_are_stale_keeps_none_of_its_releases(
 
     def work() -> None:
         view = pool.read_for_decision(["adm-1", "adm-2"], fences=2)
-        other.prepare("adm-9", "d9", [("pool-a", "model_slots", 1)], TTL, T0)  # the last slot
+        prepare(other, "adm-9", "d9", [("pool-a", "model_slots", 1)], TTL, T0)  # the last slot
         pool.apply(
             [
                 Reserve(grant("adm-1", view.fences[0])),

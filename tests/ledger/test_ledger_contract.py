@@ -26,9 +26,11 @@ from mesh.ledger import (
     ReservationState,
 )
 from mesh.ledger.model import LedgerView, Reserve
-from mesh.ledger.store import Db, SqlLedger
+from mesh.ledger.sql_rows import Db
+from mesh.ledger.store import SqlLedger
 
 from .conftest import LedgerFactory
+from .helpers import prepare
 
 T0 = 1_000.0
 TTL = 30.0
@@ -70,13 +72,6 @@ def reservation(outcome: Reservation | Refused) -> Reservation:
     return outcome
 
 
-# A batch runs plain, or planned (the admission IDs it will prepare announced up front: the
-# store reads their rows first and writes in bulk at the end); the outcome must not differ.
-PLANNED = pytest.mark.parametrize(
-    "plan", [[], ["adm-1", "adm-2", "adm-3"]], ids=["plain", "planned"]
-)
-
-
 @pytest.fixture
 def pool(ledger: LedgerStore) -> LedgerStore:
     """The ledger with pool-a's counters and tenant acme's budget."""
@@ -89,7 +84,7 @@ def pool(ledger: LedgerStore) -> LedgerStore:
 
 # ---- prepare --------------------------------------------------------------------------------
 def test_a_prepared_reservation_holds_its_items_until_its_ttl(pool: LedgerStore) -> None:
-    held = prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, tokens(100)], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d1", [SLOT, SANDBOX, tokens(100)], TTL, T0))
 
     assert held.state is ReservationState.PREPARING
     assert held.pool_id == "pool-a"
@@ -105,33 +100,31 @@ def test_a_prepared_reservation_holds_its_items_until_its_ttl(pool: LedgerStore)
 
 
 def test_preparing_again_with_the_same_digest_replays_the_decision(pool: LedgerStore) -> None:
-    first = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(10)], TTL, T0))
+    first = prepared(prepare(pool, "adm-1", "d1", [SLOT, tokens(10)], TTL, T0))
     usage = pool.usage()
 
-    again = pool.prepare("adm-1", "d1", [SLOT, tokens(10)], TTL, T0 + 1)
+    again = prepare(pool, "adm-1", "d1", [SLOT, tokens(10)], TTL, T0 + 1)
 
     assert again == Prepared(first, replayed=True)
     assert pool.usage() == usage
 
     reservation(pool.activate("adm-1", first.fence, TTL, T0 + 2))
     reservation(pool.release("adm-1", first.fence, T0 + 3))
-    replayed = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(10)], TTL, T0 + 4))
+    replayed = prepared(prepare(pool, "adm-1", "d1", [SLOT, tokens(10)], TTL, T0 + 4))
     assert (replayed.state, replayed.fence) == (ReservationState.RELEASED, first.fence)
     assert used(pool, "pool-a", "model_slots") == 0
     assert_conserved(pool)
 
 
-@PLANNED
 def test_a_reservation_keeps_the_descriptor_epoch_it_was_granted_under(
-    pool: LedgerStore, plan: list[str]
+    pool: LedgerStore,
 ) -> None:
     first = pool.batch(
-        lambda: prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0, descriptor_epoch=7)),
-        plan=plan,
+        lambda: prepared(prepare(pool, "adm-1", "d1", [SLOT], TTL, T0, descriptor_epoch=7))
     )
     assert first.descriptor_epoch == 7
     assert reservation_of(pool, "adm-1").descriptor_epoch == 7
-    untold = prepared(pool.prepare("adm-2", "d2", [SLOT], TTL, T0))
+    untold = prepared(prepare(pool, "adm-2", "d2", [SLOT], TTL, T0))
     assert (
         untold.descriptor_epoch is None and reservation_of(pool, "adm-2").descriptor_epoch is None
     )
@@ -153,10 +146,10 @@ def reservation_of(store: LedgerStore, admission_id: str) -> Reservation:
 
 
 def test_the_same_admission_id_with_another_digest_is_a_conflict(pool: LedgerStore) -> None:
-    first = prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
+    first = prepared(prepare(pool, "adm-1", "d1", [SLOT], TTL, T0))
     usage = pool.usage()
 
-    conflict = refused(pool.prepare("adm-1", "d2", [SANDBOX], TTL, T0), LedgerReason.CONFLICT)
+    conflict = refused(prepare(pool, "adm-1", "d2", [SANDBOX], TTL, T0), LedgerReason.CONFLICT)
 
     assert "d1" in conflict.detail
     assert pool.usage() == usage
@@ -168,7 +161,7 @@ def test_a_request_takes_all_of_its_items_or_none(pool: LedgerStore) -> None:
     before = pool.usage()
 
     short = refused(
-        pool.prepare("adm-1", "d1", [SLOT, SANDBOX, SEARCH], TTL, T0), LedgerReason.CAPACITY
+        prepare(pool, "adm-1", "d1", [SLOT, SANDBOX, SEARCH], TTL, T0), LedgerReason.CAPACITY
     )
 
     assert "tool:search" in short.detail
@@ -177,12 +170,12 @@ def test_a_request_takes_all_of_its_items_or_none(pool: LedgerStore) -> None:
     assert pool.active() == []
 
     pool.set_capacity("pool-a", "tool:search", 1)
-    prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, SEARCH], TTL, T0))
+    prepared(prepare(pool, "adm-1", "d1", [SLOT, SANDBOX, SEARCH], TTL, T0))
     assert_conserved(pool)
 
 
 def test_a_resource_without_capacity_counts_as_zero(pool: LedgerStore) -> None:
-    outcome = pool.prepare("adm-1", "d1", [SLOT, ("pool-a", "tool:unknown", 1)], TTL, T0)
+    outcome = prepare(pool, "adm-1", "d1", [SLOT, ("pool-a", "tool:unknown", 1)], TTL, T0)
 
     assert "no capacity" in refused(outcome, LedgerReason.CAPACITY).detail
     assert_conserved(pool)
@@ -191,27 +184,29 @@ def test_a_resource_without_capacity_counts_as_zero(pool: LedgerStore) -> None:
 def test_a_short_tenant_budget_is_tenant_budget_and_a_short_counter_capacity(
     pool: LedgerStore,
 ) -> None:
-    refused(pool.prepare("adm-1", "d1", [SLOT, tokens(1_001)], TTL, T0), LedgerReason.TENANT_BUDGET)
     refused(
-        pool.prepare("adm-2", "d1", [("pool-a", "model_slots", 3), tokens(1)], TTL, T0),
+        prepare(pool, "adm-1", "d1", [SLOT, tokens(1_001)], TTL, T0), LedgerReason.TENANT_BUDGET
+    )
+    refused(
+        prepare(pool, "adm-2", "d1", [("pool-a", "model_slots", 3), tokens(1)], TTL, T0),
         LedgerReason.CAPACITY,
     )
-    refused(pool.prepare("adm-3", "d1", [tokens(1, "other")], TTL, T0), LedgerReason.TENANT_BUDGET)
+    refused(prepare(pool, "adm-3", "d1", [tokens(1, "other")], TTL, T0), LedgerReason.TENANT_BUDGET)
     assert pool.active() == []
     assert_conserved(pool)
 
 
 def test_the_last_unit_goes_to_exactly_one_admission(pool: LedgerStore) -> None:
-    prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
-    prepared(pool.prepare("adm-2", "d1", [SLOT], TTL, T0))
+    prepared(prepare(pool, "adm-1", "d1", [SLOT], TTL, T0))
+    prepared(prepare(pool, "adm-2", "d1", [SLOT], TTL, T0))
 
-    refused(pool.prepare("adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
+    refused(prepare(pool, "adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
     assert pool.usage()[("pool-a", "model_slots")] == (2, 2)
     assert_conserved(pool)
 
 
 def test_duplicate_items_are_summed(pool: LedgerStore) -> None:
-    held = prepared(pool.prepare("adm-1", "d1", [SLOT, SLOT], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d1", [SLOT, SLOT], TTL, T0))
 
     assert held.items == (Item("pool-a", "model_slots", 2),)
     assert used(pool, "pool-a", "model_slots") == 2
@@ -220,25 +215,25 @@ def test_duplicate_items_are_summed(pool: LedgerStore) -> None:
 def test_lowering_capacity_below_use_admits_nothing_new_until_releases(
     pool: LedgerStore,
 ) -> None:
-    first = prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
-    second = prepared(pool.prepare("adm-2", "d1", [SLOT], TTL, T0))
+    first = prepared(prepare(pool, "adm-1", "d1", [SLOT], TTL, T0))
+    second = prepared(prepare(pool, "adm-2", "d1", [SLOT], TTL, T0))
 
     pool.set_capacity("pool-a", "model_slots", 1)
     assert pool.usage()[("pool-a", "model_slots")] == (2, 1)
-    refused(pool.prepare("adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
+    refused(prepare(pool, "adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
 
     reservation(pool.release("adm-1", first.fence, T0))
-    refused(pool.prepare("adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
+    refused(prepare(pool, "adm-3", "d1", [SLOT], TTL, T0), LedgerReason.CAPACITY)
     reservation(pool.release("adm-2", second.fence, T0))
-    prepared(pool.prepare("adm-3", "d1", [SLOT], TTL, T0))
+    prepared(prepare(pool, "adm-3", "d1", [SLOT], TTL, T0))
     assert_conserved(pool)
 
 
 def test_misuse_raises_instead_of_refusing(pool: LedgerStore) -> None:
     with pytest.raises(LocalProtocolError):
-        pool.prepare("adm-1", "d1", [("pool-a", "model_slots", 0)], TTL, T0)
+        prepare(pool, "adm-1", "d1", [("pool-a", "model_slots", 0)], TTL, T0)
     with pytest.raises(LocalProtocolError):
-        pool.prepare("adm-1", "d1", [SLOT], 0, T0)
+        prepare(pool, "adm-1", "d1", [SLOT], 0, T0)
     with pytest.raises(LocalProtocolError):
         pool.set_capacity("pool-a", "model_slots", -1)
     assert pool.get("adm-1") is None
@@ -246,7 +241,7 @@ def test_misuse_raises_instead_of_refusing(pool: LedgerStore) -> None:
 
 # ---- activate ---------------------------------------------------------------------------------
 def test_activate_is_a_compare_and_set_on_the_fence(pool: LedgerStore) -> None:
-    held = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(5)], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d1", [SLOT, tokens(5)], TTL, T0))
 
     refused(pool.activate("adm-1", held.fence + 1000, TTL, T0 + 1), LedgerReason.STALE_FENCE)
     refused(pool.activate("nobody", held.fence, TTL, T0 + 1), LedgerReason.NOT_FOUND)
@@ -265,7 +260,7 @@ def test_activate_is_a_compare_and_set_on_the_fence(pool: LedgerStore) -> None:
 
 
 def test_a_preparing_reservation_past_its_ttl_cannot_be_activated(pool: LedgerStore) -> None:
-    held = prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d1", [SLOT], TTL, T0))
 
     late = refused(pool.activate("adm-1", held.fence, TTL, T0 + TTL), LedgerReason.STALE_FENCE)
 
@@ -276,7 +271,7 @@ def test_a_preparing_reservation_past_its_ttl_cannot_be_activated(pool: LedgerSt
 
 # ---- release, cancellation, expiry ------------------------------------------------------------
 def test_release_gives_the_counters_back_exactly_once(pool: LedgerStore) -> None:
-    held = prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, tokens(50)], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d1", [SLOT, SANDBOX, tokens(50)], TTL, T0))
     assert_conserved(pool)
     reservation(pool.activate("adm-1", held.fence, TTL, T0 + 1))
     assert_conserved(pool)
@@ -300,9 +295,9 @@ def test_release_gives_the_counters_back_exactly_once(pool: LedgerStore) -> None
 def test_releases_together_answer_as_each_release_would_and_give_back_exactly_once(
     pool: LedgerStore,
 ) -> None:
-    one = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(10)], TTL, T0))
-    two = prepared(pool.prepare("adm-2", "d1", [SANDBOX, tokens(20)], TTL, T0))
-    three = prepared(pool.prepare("adm-3", "d1", [SLOT, tokens(30)], TTL, T0))
+    one = prepared(prepare(pool, "adm-1", "d1", [SLOT, tokens(10)], TTL, T0))
+    two = prepared(prepare(pool, "adm-2", "d1", [SANDBOX, tokens(20)], TTL, T0))
+    three = prepared(prepare(pool, "adm-3", "d1", [SLOT, tokens(30)], TTL, T0))
     reservation(pool.activate("adm-2", two.fence, TTL, T0 + 1))
 
     outcomes = pool.release_many(
@@ -329,7 +324,7 @@ def test_releases_together_answer_as_each_release_would_and_give_back_exactly_on
 
 
 def test_cancellation_before_active_releases_everything(pool: LedgerStore) -> None:
-    held = prepared(pool.prepare("adm-1", "d1", [SLOT, SANDBOX, SEARCH, tokens(7)], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d1", [SLOT, SANDBOX, SEARCH, tokens(7)], TTL, T0))
 
     cancelled = reservation(pool.release("adm-1", held.fence, T0 + 1))
 
@@ -341,7 +336,7 @@ def test_cancellation_before_active_releases_everything(pool: LedgerStore) -> No
 
 
 def test_ttl_cleanup_racing_a_stale_holder_gives_back_only_once(pool: LedgerStore) -> None:
-    held = prepared(pool.prepare("adm-1", "d1", [SLOT, tokens(20)], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d1", [SLOT, tokens(20)], TTL, T0))
     active = reservation(pool.activate("adm-1", held.fence, TTL, T0 + 1))
 
     assert pool.expire_due(active.expires_at - 0.001) == []
@@ -365,7 +360,7 @@ def test_ttl_cleanup_racing_a_stale_holder_gives_back_only_once(pool: LedgerStor
 
 
 def test_a_release_before_the_sweep_leaves_the_sweep_nothing(pool: LedgerStore) -> None:
-    held = prepared(pool.prepare("adm-1", "d1", [SLOT], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d1", [SLOT], TTL, T0))
     # Past its TTL but not yet swept: the holder may still give it back.
     reservation(pool.release("adm-1", held.fence, T0 + TTL + 5))
 
@@ -375,8 +370,8 @@ def test_a_release_before_the_sweep_leaves_the_sweep_nothing(pool: LedgerStore) 
 
 
 def test_the_sweep_expires_exactly_the_due_reservations(pool: LedgerStore) -> None:
-    early = prepared(pool.prepare("adm-early", "d", [SLOT], 10, T0))
-    late = prepared(pool.prepare("adm-late", "d", [SLOT], 100, T0))
+    early = prepared(prepare(pool, "adm-early", "d", [SLOT], 10, T0))
+    late = prepared(prepare(pool, "adm-late", "d", [SLOT], 100, T0))
     active = reservation(pool.activate("adm-late", late.fence, 5, T0 + 1))
 
     swept = pool.expire_due(T0 + 10)
@@ -393,10 +388,10 @@ def test_the_sweep_expires_exactly_the_due_reservations(pool: LedgerStore) -> No
 def test_fences_strictly_increase(pool: LedgerStore) -> None:
     seen: list[int] = []
     for i in range(5):
-        seen.append(prepared(pool.prepare(f"adm-{i}", "d", [tokens(1)], 1, T0 + i)).fence)
+        seen.append(prepared(prepare(pool, f"adm-{i}", "d", [tokens(1)], 1, T0 + i)).fence)
         for expired in pool.expire_due(T0 + i):
             seen.append(expired.fence)
-        refused(pool.prepare(f"big-{i}", "d", [tokens(10_000)], 1, T0), LedgerReason.TENANT_BUDGET)
+        refused(prepare(pool, f"big-{i}", "d", [tokens(10_000)], 1, T0), LedgerReason.TENANT_BUDGET)
 
     assert seen == sorted(seen)
     assert len(set(seen)) == len(seen) == 9
@@ -405,10 +400,10 @@ def test_fences_strictly_increase(pool: LedgerStore) -> None:
 def test_a_reopened_ledger_recovers_every_holding_reservation(
     ledger_factory: LedgerFactory, pool: LedgerStore
 ) -> None:
-    a = prepared(pool.prepare("adm-a", "d", [SLOT, tokens(3)], TTL, T0))
-    b = prepared(pool.prepare("adm-b", "d", [SANDBOX, SEARCH], TTL, T0))
-    c = prepared(pool.prepare("adm-c", "d", [SANDBOX], TTL, T0))
-    d = prepared(pool.prepare("adm-d", "d", [SLOT], 1, T0))
+    a = prepared(prepare(pool, "adm-a", "d", [SLOT, tokens(3)], TTL, T0))
+    b = prepared(prepare(pool, "adm-b", "d", [SANDBOX, SEARCH], TTL, T0))
+    c = prepared(prepare(pool, "adm-c", "d", [SANDBOX], TTL, T0))
+    d = prepared(prepare(pool, "adm-d", "d", [SLOT], 1, T0))
     a_active = reservation(pool.activate("adm-a", a.fence, 300, T0 + 1))
     reservation(pool.release("adm-c", c.fence, T0 + 1))
     pool.expire_due(T0 + 1)  # adm-d
@@ -423,17 +418,17 @@ def test_a_reopened_ledger_recovers_every_holding_reservation(
     assert swept is not None
     assert (swept.state, swept.fence > d.fence) == (ReservationState.EXPIRED, True)
     newest = max(r.fence for r in (a, b, c, swept))
-    assert prepared(reopened.prepare("adm-e", "d", [SLOT], TTL, T0 + 2)).fence > newest
+    assert prepared(prepare(reopened, "adm-e", "d", [SLOT], TTL, T0 + 2)).fence > newest
     reservation(reopened.release("adm-a", a.fence, T0 + 3))
     assert_conserved(reopened)
 
 
 def test_the_log_replays_to_the_live_state(pool: LedgerStore) -> None:
-    a = prepared(pool.prepare("adm-a", "d", [SLOT], TTL, T0))
-    b = prepared(pool.prepare("adm-b", "d", [SLOT], TTL, T0))
+    a = prepared(prepare(pool, "adm-a", "d", [SLOT], TTL, T0))
+    b = prepared(prepare(pool, "adm-b", "d", [SLOT], TTL, T0))
     reservation(pool.activate("adm-a", a.fence, TTL, T0))
     reservation(pool.release("adm-b", b.fence, T0))
-    prepared(pool.prepare("adm-c", "d", [SANDBOX], 1, T0))
+    prepared(prepare(pool, "adm-c", "d", [SANDBOX], 1, T0))
     pool.expire_due(T0 + 5)
 
     live = {
@@ -453,7 +448,7 @@ def test_the_log_replays_to_the_live_state(pool: LedgerStore) -> None:
 
 
 def test_the_log_is_append_only(ledger_factory: LedgerFactory, pool: LedgerStore) -> None:
-    prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0))
+    prepared(prepare(pool, "adm-1", "d", [SLOT], TTL, T0))
 
     if ledger_factory.kind == "sqlite":
         with contextlib.closing(sqlite3.connect(ledger_factory.main)) as db:
@@ -474,7 +469,7 @@ def test_admission_ids_are_opaque_strings_through_reads_and_releases(pool: Ledge
     # Any 1 to 128 characters (the wire contract's Identifier): quotes, backslashes, commas and
     # braces travel as they are (PostgreSQL's statements take them as array literals).
     ids = ['a"b', "c\\d", "e,f", "{g}", " h ", "NULL", "ü"]
-    held = {i: prepared(pool.prepare(i, "d", [tokens(1)], TTL, T0)) for i in ids}
+    held = {i: prepared(prepare(pool, i, "d", [tokens(1)], TTL, T0)) for i in ids}
 
     def view() -> LedgerView:
         return pool.read_for_decision([*ids, "absent"], fences=0)
@@ -492,7 +487,7 @@ def test_giving_back_more_than_a_counter_holds_fails_and_keeps_nothing(
 ) -> None:
     # Counters and reservations disagree only if someone wrote the tables by hand: a
     # release or an expiry that would take a counter below zero fails whole.
-    held = prepared(pool.prepare("adm-1", "d", [SLOT, SANDBOX], TTL, T0))
+    held = prepared(prepare(pool, "adm-1", "d", [SLOT, SANDBOX], TTL, T0))
     if ledger_factory.kind == "sqlite":
         with contextlib.closing(sqlite3.connect(ledger_factory.main)) as db, db:
             db.execute("UPDATE ledger_capacity SET used = 0 WHERE resource = 'sandboxes'")
@@ -516,7 +511,7 @@ def test_threads_sharing_one_store_never_overbook(pool: LedgerStore) -> None:
     pool.set_capacity("pool-a", "model_slots", 25)
 
     def admit(n: int) -> bool:
-        outcome = pool.prepare(f"adm-{n}", "d", [SLOT], TTL, T0)
+        outcome = prepare(pool, f"adm-{n}", "d", [SLOT], TTL, T0)
         if isinstance(outcome, Refused):
             return False
         return isinstance(
@@ -535,7 +530,7 @@ def test_threads_sharing_one_store_never_overbook(pool: LedgerStore) -> None:
 def test_prepare_with_activate_ttl_goes_straight_to_active_and_logs_both_steps(
     pool: LedgerStore,
 ) -> None:
-    held = prepared(pool.prepare("adm-1", "d", [SLOT, tokens(5)], TTL, T0, activate_ttl_s=90))
+    held = prepared(prepare(pool, "adm-1", "d", [SLOT, tokens(5)], TTL, T0, activate_ttl_s=90))
 
     assert (held.state, held.expires_at) == (ReservationState.ACTIVE, T0 + 90)
     assert pool.get("adm-1") == held
@@ -544,21 +539,20 @@ def test_prepare_with_activate_ttl_goes_straight_to_active_and_logs_both_steps(
         ("activated", ReservationState.ACTIVE),
     ]
     assert pool.replay_log() == {"adm-1": (ReservationState.ACTIVE, held.fence)}
-    replayed = pool.prepare("adm-1", "d", [SLOT, tokens(5)], TTL, T0 + 1, activate_ttl_s=90)
+    replayed = prepare(pool, "adm-1", "d", [SLOT, tokens(5)], TTL, T0 + 1, activate_ttl_s=90)
     assert isinstance(replayed, Prepared) and replayed.replayed and replayed.reservation == held
     assert used(pool, "pool-a", "model_slots") == 1
     assert_conserved(pool)
 
 
-@PLANNED
-def test_a_batch_commits_every_call_in_it_at_once(pool: LedgerStore, plan: list[str]) -> None:
+def test_a_batch_commits_every_call_in_it_at_once(pool: LedgerStore) -> None:
     def work() -> list[Reservation]:
-        first = prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0, activate_ttl_s=TTL))
-        second = prepared(pool.prepare("adm-2", "d", [SLOT], TTL, T0))
+        first = prepared(prepare(pool, "adm-1", "d", [SLOT], TTL, T0, activate_ttl_s=TTL))
+        second = prepared(prepare(pool, "adm-2", "d", [SLOT], TTL, T0))
         assert pool.get("adm-1") == first  # the batch reads its own writes
         return [first, reservation(pool.activate("adm-2", second.fence, TTL, T0))]
 
-    first, second = pool.batch(work, plan=plan)
+    first, second = pool.batch(work)
 
     assert {r.state for r in (first, second)} == {ReservationState.ACTIVE}
     assert [r.admission_id for r in pool.active()] == ["adm-1", "adm-2"]
@@ -566,30 +560,26 @@ def test_a_batch_commits_every_call_in_it_at_once(pool: LedgerStore, plan: list[
     assert_conserved(pool)
 
 
-def test_a_planned_batch_replays_known_ids_and_reads_what_it_has_not_written_yet(
-    pool: LedgerStore,
-) -> None:
-    before = prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0, activate_ttl_s=TTL))
+def test_a_batch_replays_known_ids_and_reads_its_own_writes(pool: LedgerStore) -> None:
+    before = prepared(prepare(pool, "adm-1", "d", [SLOT], TTL, T0, activate_ttl_s=TTL))
     assert pool.record_decision("adm-1", "d", "admitted", T0, '{"n": 1}')
 
     def work() -> list[object]:
         return [
-            pool.prepare("adm-1", "d", [SLOT], TTL, T0 + 1, activate_ttl_s=TTL),  # replayed
-            pool.prepare("adm-1", "other", [SLOT], TTL, T0 + 1),  # conflict
-            pool.prepare("adm-2", "d", [SLOT, tokens(10)], TTL, T0 + 1, activate_ttl_s=TTL),
-            pool.prepare("adm-2", "d", [SLOT, tokens(10)], TTL, T0 + 1),  # its own, replayed
-            pool.prepare("adm-9", "d", [SLOT], TTL, T0 + 1),  # not announced; no slot left
+            prepare(pool, "adm-1", "d", [SLOT], TTL, T0 + 1, activate_ttl_s=TTL),  # replayed
+            prepare(pool, "adm-1", "other", [SLOT], TTL, T0 + 1),  # conflict
+            prepare(pool, "adm-2", "d", [SLOT, tokens(10)], TTL, T0 + 1, activate_ttl_s=TTL),
+            prepare(pool, "adm-2", "d", [SLOT, tokens(10)], TTL, T0 + 1),  # its own, replayed
+            prepare(pool, "adm-9", "d", [SLOT], TTL, T0 + 1),  # no slot left
             pool.record_decision("adm-1", "other", "rejected", T0 + 1, "{}"),  # not kept
             pool.record_decision("adm-2", "d", "admitted", T0 + 1, '{"n": 2}'),
-            pool.decision("adm-2"),  # recorded in this batch, not yet written
-            pool.usage()[("pool-a", "model_slots")],  # a read writes what is pending first
-            pool.decision("adm-2"),  # written now, still the batch's own
+            pool.decision("adm-2"),  # recorded in this batch, read back inside it
+            pool.usage()[("pool-a", "model_slots")],
+            pool.decision("adm-2"),  # still the batch's own
             pool.record_decision("adm-2", "other", "rejected", T0 + 2, "{}"),  # not kept
         ]
 
-    again, conflict, fresh, own, none_left, kept1, kept2, row, slots, row2, kept3 = pool.batch(
-        work, plan=["adm-1", "adm-1", "adm-2"]
-    )
+    again, conflict, fresh, own, none_left, kept1, kept2, row, slots, row2, kept3 = pool.batch(work)
 
     assert isinstance(again, Prepared) and again.replayed and again.reservation == before
     refused(conflict, LedgerReason.CONFLICT)
@@ -612,19 +602,16 @@ def test_a_planned_batch_replays_known_ids_and_reads_what_it_has_not_written_yet
     assert_conserved(pool)
 
 
-@PLANNED
-def test_a_refusal_inside_a_batch_rolls_back_only_its_own_call(
-    pool: LedgerStore, plan: list[str]
-) -> None:
+def test_a_refusal_inside_a_batch_rolls_back_only_its_own_call(pool: LedgerStore) -> None:
     def work() -> list[Prepared | Refused]:
         return [
-            pool.prepare("adm-1", "d", [SLOT], TTL, T0),
+            prepare(pool, "adm-1", "d", [SLOT], TTL, T0),
             # takes the second slot, then misses on budget: only this call is undone
-            pool.prepare("adm-2", "d", [SLOT, tokens(5_000)], TTL, T0),
-            pool.prepare("adm-3", "d", [SLOT, tokens(10)], TTL, T0),
+            prepare(pool, "adm-2", "d", [SLOT, tokens(5_000)], TTL, T0),
+            prepare(pool, "adm-3", "d", [SLOT, tokens(10)], TTL, T0),
         ]
 
-    one, two, three = pool.batch(work, plan=plan)
+    one, two, three = pool.batch(work)
 
     prepared(one)
     refused(two, LedgerReason.TENANT_BUDGET)
@@ -635,41 +622,37 @@ def test_a_refusal_inside_a_batch_rolls_back_only_its_own_call(
     assert_conserved(pool)
 
 
-@PLANNED
-def test_a_batch_that_fails_keeps_nothing(pool: LedgerStore, plan: list[str]) -> None:
+def test_a_batch_that_fails_keeps_nothing(pool: LedgerStore) -> None:
     class Boom(Exception):
         pass
 
     def work() -> None:
-        prepared(pool.prepare("adm-1", "d", [SLOT, tokens(10)], TTL, T0, activate_ttl_s=TTL))
+        prepared(prepare(pool, "adm-1", "d", [SLOT, tokens(10)], TTL, T0, activate_ttl_s=TTL))
         assert pool.record_decision("adm-1", "d", "admitted", T0, "{}")
         raise Boom
 
     with pytest.raises(Boom):
-        pool.batch(work, plan=plan)
+        pool.batch(work)
 
     assert pool.get("adm-1") is None and pool.decision("adm-1") is None
     assert pool.log() == []
     assert used(pool, "pool-a", "model_slots") == 0
     assert_conserved(pool)
-    prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0))  # the store is usable afterwards
+    prepared(prepare(pool, "adm-1", "d", [SLOT], TTL, T0))  # the store is usable afterwards
 
 
-@PLANNED
-def test_other_threads_wait_for_a_batch_and_then_see_all_of_it(
-    pool: LedgerStore, plan: list[str]
-) -> None:
+def test_other_threads_wait_for_a_batch_and_then_see_all_of_it(pool: LedgerStore) -> None:
     with ThreadPoolExecutor(max_workers=1) as reader:
 
         def work() -> Future[list[Reservation]]:
-            prepared(pool.prepare("adm-1", "d", [SLOT], TTL, T0))
+            prepared(prepare(pool, "adm-1", "d", [SLOT], TTL, T0))
             waiting = reader.submit(pool.active)
             time.sleep(0.2)
             assert not waiting.done(), "another thread read the ledger in the middle of a batch"
-            prepared(pool.prepare("adm-2", "d", [SLOT], TTL, T0))
+            prepared(prepare(pool, "adm-2", "d", [SLOT], TTL, T0))
             return waiting
 
-        waiting = pool.batch(work, plan=plan)
+        waiting = pool.batch(work)
         assert [r.admission_id for r in waiting.result(timeout=10)] == ["adm-1", "adm-2"]
 
 
@@ -701,21 +684,20 @@ def test_decisions_are_read_many_at_once_as_one_by_one(pool: LedgerStore) -> Non
     assert pool.decisions([]) == {}
 
 
-def test_a_batchs_counters_are_read_and_taken_together_or_not_at_all(pool: LedgerStore) -> None:
-    # What a planned batch does at its start and its end (each dialect its own way): read all
-    # of a request's counters at once; take the batch's totals, every one or (a counter
-    # would pass its capacity) none — the batch then fails and rolls back.
+def test_a_batchs_counters_are_taken_together_or_not_at_all(pool: LedgerStore) -> None:
+    # What a decided batch's writes do first (SQLite's way; PostgreSQL's ledger_move does the
+    # same in one call): take the batch's totals, every one or (a counter would pass its
+    # capacity) none — the batch then fails and rolls back.
     assert isinstance(pool, SqlLedger)
-    keys = [("*", "tenant_tokens:acme"), ("pool-a", "model_slots"), ("pool-a", "nothing")]
-    read = pool._transaction(lambda db: pool._counters(db, keys), write=False)
-    assert read == {keys[0]: (0, 1_000), keys[1]: (0, 2), keys[2]: None}
+    keys = [("*", "tenant_tokens:acme"), ("pool-a", "model_slots")]
+    writer = pool._writer
 
     fits = [(keys[0], 400), (keys[1], 2)]
-    assert pool._transaction(lambda db: pool._increment_all(db, fits), write=True)
+    assert pool._transaction(lambda db: writer.increment_all(db, fits), write=True)
     assert (used(pool, "*", "tenant_tokens:acme"), used(pool, "pool-a", "model_slots")) == (400, 2)
 
-    def take_or_fail(db: Db) -> None:  # as _flush_plan: a miss fails the whole transaction
-        if not pool._increment_all(db, [(keys[0], 100), (keys[1], 1)]):  # the slots are taken
+    def take_or_fail(db: Db) -> None:  # as a batch's flush: a miss fails the whole transaction
+        if not writer.increment_all(db, [(keys[0], 100), (keys[1], 1)]):  # the slots are taken
             raise StoreError("a counter would pass its capacity")
 
     with pytest.raises(StoreError):
@@ -732,10 +714,7 @@ def test_an_eligibility_snapshot_is_kept_once_under_its_ref(pool: LedgerStore) -
     assert pool.eligibility("sha256:b") is None
 
 
-@PLANNED
-def test_a_batch_keeps_its_snapshots_with_its_decisions_or_neither(
-    pool: LedgerStore, plan: list[str]
-) -> None:
+def test_a_batch_keeps_its_snapshots_with_its_decisions_or_neither(pool: LedgerStore) -> None:
     def work(fail: bool) -> None:
         pool.save_eligibility("sha256:s", "{}")
         assert pool.eligibility("sha256:s") == "{}"  # the batch reads its own write
@@ -744,19 +723,19 @@ def test_a_batch_keeps_its_snapshots_with_its_decisions_or_neither(
             raise RuntimeError("the batch fails")
 
     with pytest.raises(RuntimeError):
-        pool.batch(lambda: work(fail=True), plan=plan)
+        pool.batch(lambda: work(fail=True))
     assert pool.eligibility("sha256:s") is None and pool.decision("adm-1") is None
 
-    pool.batch(lambda: work(fail=False), plan=plan)
+    pool.batch(lambda: work(fail=False))
     assert pool.eligibility("sha256:s") == "{}" and pool.decision("adm-1") is not None
 
 
 def test_maintain_can_run_while_decisions_go_on(pool: LedgerStore) -> None:
     for n in range(50):
-        prepared(pool.prepare(f"adm-{n}", "d", [tokens(1)], TTL, T0, activate_ttl_s=TTL))
+        prepared(prepare(pool, f"adm-{n}", "d", [tokens(1)], TTL, T0, activate_ttl_s=TTL))
     with ThreadPoolExecutor(max_workers=1) as other:
         checkpoint = other.submit(pool.maintain)
-        prepared(pool.prepare("adm-last", "d", [tokens(1)], TTL, T0))
+        prepared(prepare(pool, "adm-last", "d", [tokens(1)], TTL, T0))
         checkpoint.result()
     assert used(pool, "*", "tenant_tokens:acme") == 51
     assert_conserved(pool)

@@ -43,6 +43,7 @@ from mesh.ledger import (
 from mesh.ledger.model import normalize_items
 
 from .conftest import LedgerFactory
+from .helpers import ask, prepare, prepare_all
 
 Key = tuple[str, str]
 COUNTERS: list[Key] = [
@@ -194,7 +195,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self, admission_id: str, digest: str, items: tuple[Item, ...], ttl: int, elapse: int
     ) -> None:
         self.now += elapse
-        outcome = self.store.prepare(admission_id, digest, items, ttl, self.now)
+        outcome = prepare(self.store, admission_id, digest, items, ttl, self.now)
         event(f"prepare: {describe(outcome)}")
         self.check_prepared(admission_id, digest, items, ttl, outcome, activated=False)
 
@@ -209,31 +210,27 @@ class LedgerMachine(RuleBasedStateMachine):
             min_size=1,
             max_size=4,
         ),
-        announced=st.integers(0, 4),
         ttl=st.integers(1, 8),
         elapse=ELAPSE,
     )
-    def prepare_in_a_planned_batch(
+    def prepare_in_one_batch(
         self,
         calls: list[tuple[str, str, tuple[Item, ...], bool]],
-        announced: int,
         ttl: int,
         elapse: int,
     ) -> None:
-        """Several prepares (some activated at once) in one planned batch; the plan announces
-        the first ``announced`` IDs (the others are read when they come)."""
+        """Several reservations (some activated at once) decided in one batch, on one view
+        and one apply, as the manager decides its batches."""
         self.now += elapse
-        outcomes = self.store.batch(
-            lambda: [
-                self.store.prepare(
-                    a, d, items, ttl, self.now, activate_ttl_s=ttl + 1 if activate else None
-                )
+        outcomes = prepare_all(
+            self.store,
+            [
+                ask(a, d, items, ttl, self.now, activate_ttl_s=ttl + 1 if activate else None)
                 for a, d, items, activate in calls
             ],
-            plan=[a for a, _, _, _ in calls[:announced]],
         )
         for (a, d, items, activate), outcome in zip(calls, outcomes, strict=True):
-            event(f"planned prepare: {describe(outcome)}")
+            event(f"batch prepare: {describe(outcome)}")
             self.check_prepared(a, d, items, ttl, outcome, activated=activate)
 
     def check_prepared(

@@ -20,6 +20,7 @@ from mesh.ledger.model import Item, Prepared, Refused, ReservationState
 from mesh.ledger.sqlite import EARLIER_ID_TABLES
 
 from .conftest import LedgerFactory
+from .helpers import prepare
 from .test_ledger_contract import prepared, reservation, used
 
 NOW = 1_000.0
@@ -120,8 +121,14 @@ def test_an_earlier_version_store_expires_old_reservations_and_writes_new_ones_i
     store = ledger_factory.open(location)
 
     new = prepared(
-        store.prepare(
-            "new-1", "sha256:new", [("pool-a", "model_slots", 1)], 30.0, NOW, descriptor_epoch=2
+        prepare(
+            store,
+            "new-1",
+            "sha256:new",
+            [("pool-a", "model_slots", 1)],
+            30.0,
+            NOW,
+            descriptor_epoch=2,
         )
     )
     assert store.get("new-1") == new and new.descriptor_epoch == 2
@@ -177,16 +184,15 @@ def test_a_sqlite_file_with_the_earlier_without_rowid_layout_keeps_it_and_works(
     with SqliteLedger(path) as store:
         store.set_capacity("pool-a", "model_slots", 2)
         first = prepared(
-            store.prepare("adm-1", "sha256:a", [("pool-a", "model_slots", 1)], 30, NOW)
+            prepare(store, "adm-1", "sha256:a", [("pool-a", "model_slots", 1)], 30, NOW)
         )
         assert store.record_decision("adm-1", "sha256:a", "admitted", NOW, "{}")
         assert not store.record_decision("adm-1", "sha256:other", "admitted", NOW, "{}")
         batch = store.batch(
             lambda: [
-                store.prepare("adm-2", "sha256:b", [("pool-a", "model_slots", 1)], 30, NOW),
-                store.prepare("adm-3", "sha256:c", [("pool-a", "model_slots", 1)], 30, NOW),
-            ],
-            plan=["adm-2", "adm-3"],
+                prepare(store, "adm-2", "sha256:b", [("pool-a", "model_slots", 1)], 30, NOW),
+                prepare(store, "adm-3", "sha256:c", [("pool-a", "model_slots", 1)], 30, NOW),
+            ]
         )
         assert isinstance(batch[0], Prepared) and isinstance(batch[1], Refused)  # one slot left
         reservation(store.release("adm-1", first.fence, NOW + 1))

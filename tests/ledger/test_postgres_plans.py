@@ -19,6 +19,7 @@ import pytest
 from mesh.ledger import PostgresLedger
 
 from .conftest import schema_name
+from .helpers import prepare
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +31,7 @@ def small_ledger(postgres_dsn: str, request: pytest.FixtureRequest) -> Iterator[
     try:
         ledger.set_capacity("pool-a", "model_slots", 100)
         for n in range(20):  # a few rows: what the tables hold when plans get cached
-            prepared = ledger.prepare(f"adm-{n}", "d", [("pool-a", "model_slots", 1)], 60, 1.0)
+            prepared = prepare(ledger, f"adm-{n}", "d", [("pool-a", "model_slots", 1)], 60, 1.0)
             if n % 2:
                 ledger.release(f"adm-{n}", prepared.reservation.fence, 2.0)  # type: ignore[union-attr]
         yield ledger

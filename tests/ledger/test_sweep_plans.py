@@ -20,6 +20,7 @@ from mesh.ledger import PostgresLedger, SqliteLedger
 from mesh.ledger.model import Prepared
 
 from .conftest import schema_name
+from .helpers import prepare
 from .test_ledger_upgrade import EARLIER_ID_TABLES
 from .test_postgres_plans import generic_plan
 
@@ -31,7 +32,7 @@ def _fill(store: SqliteLedger | PostgresLedger) -> list[str]:
     store.set_capacity("pool-a", "model_slots", 100)
     holding = []
     for n in range(20):
-        prepared = store.prepare(f"adm-{n:02d}", "d", [("pool-a", "model_slots", 1)], 30, NOW)
+        prepared = prepare(store, f"adm-{n:02d}", "d", [("pool-a", "model_slots", 1)], 30, NOW)
         assert isinstance(prepared, Prepared)
         if n % 2:
             store.release(f"adm-{n:02d}", prepared.reservation.fence, NOW + 1)
@@ -78,7 +79,7 @@ def test_postgres_sweep_plans_the_due_index_however_small_the_table(
     pg_ledger: PostgresLedger, postgres_dsn: str
 ) -> None:
     holding = _fill(pg_ledger)
-    plan = generic_plan(postgres_dsn, pg_ledger._due_sql, (str(NOW + 31),))
+    plan = generic_plan(postgres_dsn, pg_ledger._transitions.due_sql, (str(NOW + 31),))
 
     assert "ledger_reservation_due" in plan, plan
     assert "Seq Scan on ledger_reservation" not in plan, plan

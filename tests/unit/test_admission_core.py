@@ -90,7 +90,7 @@ def test_a_grant_is_a_reservation_to_write_and_a_record_nothing_kept_before_comm
     assert record.row.outcome == "admitted"
     assert c.decisions == {}  # kept only once the shell says the batch committed
     c.committed(batch)
-    assert list(c.decisions) == ["adm-1"] and "adm-1" in c.held
+    assert list(c.decisions) == ["adm-1"] and "adm-1" in c.grants.held
 
 
 def test_a_batch_decides_against_its_own_takes() -> None:

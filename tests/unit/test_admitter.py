@@ -11,6 +11,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from ledger.helpers import prepare
 
 from mesh.ledger.model import TENANT_POOL, Refused
 from mesh.ledger.sqlite import SqliteLedger
@@ -282,7 +283,7 @@ def test_releases_that_arrive_together_are_settled_in_one_transaction_as_one_by_
         (True, False, None),  # already released at that fence: answered the same, once
     ]
     assert settled[1][0].reason == AdmissionReason.STALE_FENCE
-    assert set(a.core.held) == {"adm-1"}  # only the stale holder's grant is still counted
+    assert set(a.core.grants.held) == {"adm-1"}  # only the stale holder's grant is still counted
     assert used(store) != {}  # and still holds its share
     assert a.release("adm-1", fences[1], T0 + 2).released
     assert used(store) == {}
@@ -297,12 +298,12 @@ def test_a_failed_release_batch_is_settled_again_one_by_one(tmp_path: Path) -> N
     releases = grant_pairs(a, 2)
     real_batch = store.batch
 
-    def failing(work, plan=()):  # type: ignore[no-untyped-def]
+    def failing(work):  # type: ignore[no-untyped-def]
         def then_fail():  # type: ignore[no-untyped-def]
             work()  # both released ...
             raise StoreError("deadlock detected")  # ... and rolled back
 
-        return real_batch(then_fail, plan=plan)
+        return real_batch(then_fail)
 
     store.batch = failing  # type: ignore[method-assign]
     try:
@@ -311,7 +312,7 @@ def test_a_failed_release_batch_is_settled_again_one_by_one(tmp_path: Path) -> N
         store.batch = real_batch  # type: ignore[method-assign]
     assert [(r.released, now) for r, now, _ in settled] == [(True, True), (True, True)]
     assert used(store) == {}
-    assert not a.core.held  # the pressure board heard of each release once it was kept
+    assert not a.core.grants.held  # the pressure board heard of each release once it was kept
     store.close()
 
 
@@ -333,7 +334,7 @@ def test_releases_that_come_with_a_batch_are_settled_in_its_one_transaction(
         (True, True, DESCRIPTOR.pool_id),
         (False, False, None),  # never granted: refused as release() refuses it
     ]
-    assert set(a.core.held) == {"adm-2"}  # the released grants no longer counted
+    assert set(a.core.grants.held) == {"adm-2"}  # the released grants no longer counted
     (granted,) = batch.decisions
     assert granted.grant is not None and used(store) != {}  # adm-2's share, only:
     assert a.release("adm-2", granted.grant.fence, T0 + 2).released
@@ -417,7 +418,7 @@ def test_a_retry_finishes_an_admission_whose_manager_stopped_between_prepare_and
 
     a = admitter(ledger)
     digest = requirement_digest(REQUIREMENTS, "tenant-a")
-    prepared = ledger.prepare("adm-1", digest, [("rag-eu", "model_slots", 1)], 10, T0)
+    prepared = prepare(ledger, "adm-1", digest, [("rag-eu", "model_slots", 1)], 10, T0)
     assert isinstance(prepared, Prepared)  # PREPARING, and then the manager died
 
     retried = a.admit(request("adm-1"), "tenant-a", T0 + 1)
@@ -452,16 +453,16 @@ def test_a_failed_batch_is_decided_again_one_by_one_and_its_external_grants_rele
     real_batch = store.batch
     calls: list[int] = []
 
-    def failing_batch(work, plan=()):  # type: ignore[no-untyped-def]
-        calls.append(len(plan))
+    def failing_batch(work):  # type: ignore[no-untyped-def]
+        calls.append(1)
         if len(calls) > 1:
-            return real_batch(work, plan=plan)
+            return real_batch(work)
 
         def then_fail():  # type: ignore[no-untyped-def]
             work()  # every decision made, grants taken ...
             raise StoreError("deadlock detected")  # ... and the transaction rolled back
 
-        return real_batch(then_fail, plan=plan)
+        return real_batch(then_fail)
 
     store.batch = failing_batch  # type: ignore[method-assign]
     try:
@@ -487,7 +488,7 @@ def test_a_request_whose_own_transaction_fails_is_deferred_as_ledger_unavailable
 
     a = admitter(ledger)
 
-    def broken(work, plan=()):  # type: ignore[no-untyped-def]
+    def broken(work):  # type: ignore[no-untyped-def]
         raise StoreError("disk I/O error")
 
     ledger.batch = broken  # type: ignore[method-assign]
@@ -612,9 +613,9 @@ def test_a_missing_or_damaged_snapshot_leaves_the_eligibility_unknown_not_the_de
 def test_the_decision_cache_is_bounded(
     ledger: SqliteLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mesh.core import admission
+    from mesh.core import decision_memory
 
-    monkeypatch.setattr(admission, "DECISION_CACHE_SIZE", 3)
+    monkeypatch.setattr(decision_memory, "DECISION_CACHE_SIZE", 3)
     a = admitter(ledger)
     for i in range(4):
         a.admit(request(f"adm-{i}"), "tenant-a", T0)
@@ -653,7 +654,7 @@ def test_advancing_an_epoch_releases_what_is_not_active_and_drains_what_is(
     assert active.outcome == "admitted" and active.grant is not None
     # A reservation still PREPARING (a manager waiting on external grants, say).
     items = [("rag-eu", "model_slots", 1)]
-    preparing = ledger.prepare("adm-preparing", "sha256:x", items, 10.0, T0, pool_id="rag-eu")
+    preparing = prepare(ledger, "adm-preparing", "sha256:x", items, 10.0, T0, pool_id="rag-eu")
     assert not isinstance(preparing, Refused)
     assert a.draining_allowlist("rag-eu", T0) is None  # no advance yet: nothing to say
 

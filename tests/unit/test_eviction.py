@@ -222,17 +222,17 @@ def test_an_eviction_in_a_batch_that_rolls_back_is_undone_everywhere(
     real_batch = ledger.batch
     calls: list[int] = []
 
-    def failing_once(work, plan=()):  # type: ignore[no-untyped-def]
-        calls.append(len(plan))
+    def failing_once(work):  # type: ignore[no-untyped-def]
+        calls.append(1)
         if len(calls) > 1:
-            return real_batch(work, plan=plan)
+            return real_batch(work)
 
         def then_fail():  # type: ignore[no-untyped-def]
             work()
             assert ledger.get(f"spec-{SLOTS - 1}").state == "RELEASED"  # type: ignore[union-attr]
             raise StoreError("deadlock detected")
 
-        return real_batch(then_fail, plan=plan)
+        return real_batch(then_fail)
 
     ledger.batch = failing_once  # type: ignore[method-assign]
     urgent = slot_request("urgent", "interactive", "side_effects")

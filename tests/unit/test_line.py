@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.core.admission import AdmissionCore, AdmissionPolicy, DecisionRecord
+from mesh.core.admission import AdmissionCore, AdmissionPolicy
 from mesh.core.capacity import LiveCapacity
 from mesh.core.eligibility import capacities
 from mesh.core.line import PoolLine
 from mesh.core.pressure import PressurePolicy
+from mesh.core.records import DecisionRecord
 from mesh.ledger.model import TENANT_POOL, DecisionRow, LedgerView, Reserve
 from mesh.wire import AdmissionDecision, AdmissionReason, AdmissionRequest
 
@@ -129,7 +130,7 @@ class Pool:
         admission_id, fence = next(iter(self.granted.items()))
         del self.granted[admission_id]
         del fence
-        held = self.core.held[admission_id]
+        held = self.core.grants.held[admission_id]
         for pool_id, resource, amount in held.items:
             used, cap = self.counters[(pool_id, resource)]
             self.counters[(pool_id, resource)] = (used - amount, cap)
@@ -165,7 +166,7 @@ def test_a_deferred_request_is_told_its_place_and_keeps_it_against_newcomers() -
 
     assert pool.ask("first", T0 + 2.1).outcome == "admitted"  # the slot was held for it
     assert pool.ask("second", T0 + 2.2).outcome == "deferred"
-    assert pool.core.lines[POOL].ahead("newcomer", "t", "interactive", T0 + 2.3) == 1
+    assert pool.core.places.lines[POOL].ahead("newcomer", "t", "interactive", T0 + 2.3) == 1
 
 
 def test_without_the_line_the_newcomer_takes_the_freed_slot() -> None:
@@ -205,7 +206,7 @@ def test_an_abandoned_batch_leaves_the_line_as_it_was() -> None:
 
     pool.core.abandoned(batch, T0 + 1.5)
 
-    assert "second" not in pool.core.lines[POOL] and "first" in pool.core.lines[POOL]
+    assert "second" not in pool.core.places.lines[POOL] and "first" in pool.core.places.lines[POOL]
 
 
 @pytest.mark.parametrize("deadline_in_s", [0.5])
@@ -226,7 +227,7 @@ def test_a_turn_that_would_come_after_the_deadline_is_refused_at_once(
 
     (decision,) = batch.final()
     assert (decision.outcome, decision.reason) == ("rejected", AdmissionReason.DEADLINE_UNREACHABLE)
-    assert "urgent" not in pool.core.lines.get(POOL, PoolLine())
+    assert "urgent" not in pool.core.places.lines.get(POOL, PoolLine())
 
 
 def test_a_new_core_rebuilds_the_line_from_the_recorded_deferrals_in_arrival_order() -> None:
@@ -237,13 +238,13 @@ def test_a_new_core_rebuilds_the_line_from_the_recorded_deferrals_in_arrival_ord
     for n, name in enumerate(("first", "second", "third")):
         assert pool.ask(name, T0 + 1 + n / 10).outcome == "deferred"
     records = recorded_deferrals(pool)
-    before = pool.core.lines[POOL]
+    before = pool.core.places.lines[POOL]
 
     restarted = Pool()
     restarted.counters = pool.counters
     # Fed newest first: the order comes from the records, not from the reading.
     assert restarted.core.rejoin_lines(reversed(list(records.items())), T0 + 1.5) == 3
-    line = restarted.core.lines[POOL]
+    line = restarted.core.places.lines[POOL]
     ahead = [line.ahead(a, "t", "interactive", T0 + 1.5) for a in ("first", "second", "third")]
     assert ahead == [0, 1, 2]
     assert line.get("first") == before.get("first")
@@ -263,14 +264,14 @@ def test_a_place_that_fell_due_while_no_manager_ran_is_kept_a_grace_after_the_re
     second = records["second"]
     assert second.line is not None
     second.line[0][4] = T0 + 5  # second's request gives up at T0 + 5
-    line = pool.core.lines[POOL]
+    line = pool.core.places.lines[POOL]
     due = max(w.due_by for w in (line.get("first"), line.get("second")) if w is not None)
     back = max(due, T0 + 5) + 1  # the manager is back after both fell due
 
     restarted = Pool()
     assert restarted.core.rejoin_lines(records.items(), back) == 1
-    kept = restarted.core.lines[POOL].get("first")
-    assert kept is not None and "second" not in restarted.core.lines[POOL]
+    kept = restarted.core.places.lines[POOL].get("first")
+    assert kept is not None and "second" not in restarted.core.places.lines[POOL]
     assert kept.due_by == back + restarted.core.policy.pressure.line_grace_s
     assert kept.joined_at == T0 + 1
 
@@ -282,5 +283,5 @@ def recorded_deferrals(pool: Pool) -> dict[str, DecisionRecord]:
             DecisionRow(admission_id, "d", "deferred", 0, decided.to_json())
         )
         for admission_id, decided in pool.core.decisions.items()
-        if admission_id in pool.core.lines[POOL]
+        if admission_id in pool.core.places.lines[POOL]
     }

@@ -6,7 +6,7 @@ import math
 import random
 import statistics
 
-from mesh.core.policy.retry_times import line_retry_ms, refusal_retry_ms
+from mesh.core.policy.retry_times import line_retry_ms, no_agent_retry_ms, refusal_retry_ms
 from mesh.core.policy.settings import PressurePolicy
 
 POLICY = PressurePolicy(jitter=0.0, line_jitter=0.0)
@@ -89,3 +89,17 @@ def test_without_jitter_the_retry_times_would_coincide() -> None:
         off = PressurePolicy(jitter=0.0)
         samples.add(refusal_retry_ms(4, 0, 20, 1.0, NOW, None, off, rng.random))
     assert samples == {200}
+
+
+def test_without_a_live_agent_a_request_comes_back_when_the_scale_up_is_expected() -> None:
+    # The scale planner expects an agent in 4 s; the spread is up to a fifth later.
+    assert no_agent_retry_ms(4.0, NOW, None, POLICY, lambda: 0.0) == 4_000
+    assert no_agent_retry_ms(4.0, NOW, None, POLICY, lambda: 1.0) == 4_800
+    # No scaling policy: the default retry time; and never zero.
+    assert no_agent_retry_ms(None, NOW, None, POLICY, lambda: 0.0) == POLICY.retry_default_ms
+    assert no_agent_retry_ms(0.0, NOW, None, POLICY, middle) == 1
+
+
+def test_without_a_live_agent_a_request_whose_deadline_passes_first_is_told_so() -> None:
+    assert no_agent_retry_ms(4.0, NOW, NOW + 4.0, POLICY, lambda: 0.0) is None
+    assert no_agent_retry_ms(4.0, NOW, NOW + 4.1, POLICY, lambda: 0.0) == 4_000

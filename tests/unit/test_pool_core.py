@@ -21,7 +21,7 @@ from mesh.core import (
     Reply,
     SendToAgent,
 )
-from mesh.core.pool import fingerprint
+from mesh.core.registration import fingerprint
 from mesh.wire import (
     DrainAccepted,
     DrainComplete,
@@ -712,7 +712,7 @@ def test_a_tick_looks_only_at_the_agents_whose_liveness_deadline_came_due() -> N
     pool.core = PoolCore(pool.settings)  # the checked core recounts the tally every event
     for n in range(20_000):
         pool.register(f"a-{n:05d}", capability("calc.add", "1.0.0"))
-    agents = pool.core.agents = CountingAgents(pool.core.agents)
+    agents = pool.core.registry.agents = CountingAgents(pool.core.agents)
     beating = [a for a in agents if a != "a-00007"]
     for _ in range(29):  # 29 s of heartbeats (every agent beats every second here, cheaply)
         pool.clock.advance(1.0)

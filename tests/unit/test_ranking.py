@@ -7,9 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ledger.helpers import prepare
 
 from mesh.core import LiveCapacity, LiveOffer, ranking
-from mesh.core.admission import by_preference
+from mesh.core.pool_order import by_preference
 from mesh.core.ranking import rank
 from mesh.ledger.model import Prepared
 from mesh.ledger.sqlite import SqliteLedger
@@ -52,7 +53,7 @@ def pool_order(ledger: SqliteLedger) -> list[str]:
         descriptor = DESCRIPTOR.model_copy(update={"pool_id": pool_id})
         assert admitter.publish_descriptor(descriptor, T0) is None
         ledger.set_capacity(pool_id, "model_slots", 2)
-    assert isinstance(ledger.prepare("held", "d", [("rag-a", "model_slots", 1)], 60, T0), Prepared)
+    assert isinstance(prepare(ledger, "held", "d", [("rag-a", "model_slots", 1)], 60, T0), Prepared)
     live = LiveCapacity(
         {
             ("rag-a", "rag.search"): (LiveOffer("2.1.0", 1, 4, "A"),),

@@ -170,7 +170,7 @@ def test_a_lease_refused_for_want_of_an_agent_says_when_to_ask_again(pool: Pool)
 
 
 def test_without_a_scaling_policy_the_lease_retry_hint_is_the_default() -> None:
-    from mesh.core.pool import NO_AGENT_RETRY_MS
+    from mesh.core.leases import NO_AGENT_RETRY_MS
 
     p = Pool()
     p.register("calc-1", capability(max_concurrency=1))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from mesh.core.policy.settings import PressurePolicy
 
-__all__ = ["line_retry_ms", "refusal_retry_ms"]
+__all__ = ["line_retry_ms", "no_agent_retry_ms", "refusal_retry_ms"]
 
 
 def refusal_retry_ms(
@@ -80,3 +80,24 @@ def line_retry_ms(
         if finish + 0.05 + slack * (finish - now) > deadline:
             return None
     return retry_ms
+
+
+def no_agent_retry_ms(
+    expected_s: float | None,
+    now: float,
+    deadline: float | None,
+    policy: PressurePolicy,
+    rand: Callable[[], float],
+) -> int | None:
+    """For a request refused because no live agent can take it: when one may be live — the
+    scale planner's estimate (``expected_s``) where the pool has a scaling policy, else
+    ``retry_default_ms`` — spread up to a fifth later so producers do not return in step.
+    ``None``: ``deadline`` passes first."""
+    if expected_s is None:
+        wait_ms = float(policy.retry_default_ms)
+    else:
+        wait_ms = 1000.0 * expected_s
+    wait_ms *= 1.0 + 0.2 * rand()  # spread the producers' returns
+    if deadline is not None and now + wait_ms / 1000.0 >= deadline:
+        return None
+    return max(1, round(wait_ms))
