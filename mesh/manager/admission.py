@@ -50,13 +50,12 @@ from mesh.leases import LeaseSigner
 from mesh.ledger.model import (
     TENANT_POOL,
     DecisionRow,
-    LedgerReason,
     Refused,
     Reservation,
-    ReservationState,
     Usage,
 )
 from mesh.ledger.store import LedgerStore
+from mesh.manager.settlement import Settled, settled_all
 from mesh.wire.admission import (
     AdmissionDecision,
     AdmissionReason,
@@ -393,7 +392,7 @@ class Admitter:
         records = [self.core.decisions.get(d.admission_id) for d in decisions]
         settled: list[tuple[AdmissionReleaseReply, bool, str | None]] | StoreError = []
         if released is not None:
-            settled = self._settled_all(releases, released, now)
+            settled = settled_all(self.ledger, self.core, releases, released, now)
         elif releases:
             try:
                 settled = self.settle_many(releases, now)
@@ -559,7 +558,8 @@ class Admitter:
         return decided
 
     def explain(self, admission_id: str) -> dict[str, Any] | None:
-        """The recorded decision and the eligibility record behind it (``mesh explain``)."""
+        """The recorded decision and the eligibility record behind it, as plain data (what
+        ``mesh explain`` answers is :func:`mesh.manager.admission_records.explain`)."""
         decided = self.recorded(admission_id)
         if decided is None:
             return None
@@ -589,9 +589,7 @@ class Admitter:
         reply, released_now, _ = self.settle_many([(admission_id, fence)], now)[0]
         return reply, released_now
 
-    def settle_many(
-        self, releases: Sequence[tuple[str, int]], now: float
-    ) -> list[tuple[AdmissionReleaseReply, bool, str | None]]:
+    def settle_many(self, releases: Sequence[tuple[str, int]], now: float) -> list[Settled]:
         """:meth:`settle` for releases that arrived together, in one ledger transaction (the
         manager's group commit: one commit shared by all of them), each with the pool it was
         released from when this call released it. The pressure board hears of them only once
@@ -603,62 +601,7 @@ class Admitter:
             if len(releases) == 1:
                 raise
             released = [self.ledger.release(a, f, now) for a, f in releases]
-        return self._settled_all(releases, released, now)
-
-    def _settled_all(
-        self,
-        releases: Sequence[tuple[str, int]],
-        released: Sequence[Reservation | Refused],
-        now: float,
-    ) -> list[tuple[AdmissionReleaseReply, bool, str | None]]:
-        """Each release's reply from its ledger outcome, once the transaction is kept."""
-        return [
-            self._settled(a, f, self._with_holder(a, outcome), now)
-            for (a, f), outcome in zip(releases, released, strict=True)
-        ]
-
-    def _with_holder(
-        self, admission_id: str, outcome: Reservation | Refused
-    ) -> tuple[Reservation | Refused, Reservation | None]:
-        """A release's outcome and, when the fence was stale, the reservation as it stands
-        (to tell a retry of a release from a stale holder)."""
-        if isinstance(outcome, Refused) and outcome.reason is LedgerReason.STALE_FENCE:
-            return outcome, self.ledger.get(admission_id)
-        return outcome, None
-
-    def _settled(
-        self,
-        admission_id: str,
-        fence: int,
-        ledger_side: tuple[Reservation | Refused, Reservation | None],
-        now: float,
-    ) -> tuple[AdmissionReleaseReply, bool, str | None]:
-        outcome, held = ledger_side
-        if not isinstance(outcome, Refused):
-            self.core.ended(admission_id, now, completed=True)
-            reply = AdmissionReleaseReply(admission_id=admission_id, released=True)
-            return reply, True, outcome.pool_id
-        if outcome.reason is LedgerReason.STALE_FENCE and admission_id in self.core.evicted:
-            outcome = Refused(
-                outcome.reason,
-                f"{outcome.detail}: the grant was evicted for more urgent work (resubmit it)",
-            )
-        elif outcome.reason is LedgerReason.STALE_FENCE:
-            if held is not None and held.state is ReservationState.RELEASED and held.fence == fence:
-                self.core.ended(admission_id, now, completed=False)  # if this core still counts it
-                reply = AdmissionReleaseReply(
-                    admission_id=admission_id,
-                    released=True,
-                    detail=f"already released at fence {fence}: nothing changed",
-                )
-                return reply, False, None
-        reply = AdmissionReleaseReply(
-            admission_id=admission_id,
-            released=False,
-            reason=AdmissionReason(outcome.reason.value),
-            detail=outcome.detail,
-        )
-        return reply, False, None
+        return settled_all(self.ledger, self.core, releases, released, now)
 
     def expire(self, now: float) -> list[Reservation]:
         """Overdue reservations → EXPIRED under a higher fence."""
