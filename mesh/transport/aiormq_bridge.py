@@ -17,8 +17,8 @@ neither library exposes. Each is used here and nowhere else:
   setting it moves reconnection to another broker address), ``reconnect_interval``, and
   ``transport.connection`` (the aiormq connection under it, closed to drop it at once).
 
-Tested on aiormq 7.2.4, pamqp 4.0.1 and aio-pika 10.2.1; pyproject.toml pins aiormq and
-pamqp to the ranges tested. ``tests/integration/test_aiormq_internals.py`` fails by name
+Tested on aiormq 7.2.4, pamqp 4.0.1 and aio-pika 10.2.1; pyproject.toml pins all three to
+the ranges tested. ``tests/integration/test_aiormq_internals.py`` fails by name
 when one of these moves or changes shape.
 """
 
