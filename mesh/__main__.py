@@ -1,3 +1,5 @@
+"""``python -m mesh``: the same as the ``mesh`` command."""
+
 from mesh.cli import main
 
 raise SystemExit(main())
