@@ -22,7 +22,7 @@ from collections.abc import Callable
 from mesh.agent.settings import Identity
 from mesh.agent.settling import ack, dead_letter
 from mesh.errors import MessageRejected
-from mesh.topology import Topology
+from mesh.topology import BindingSpec, Declarations, Topology, names
 from mesh.transport import Delivery
 from mesh.transport.ports import Transport as AgentTransport
 from mesh.wire.codec import decode_as
@@ -84,6 +84,16 @@ class ControlInbox:
         self._counters = counters
         self._awaiting_acceptance = awaiting_acceptance
         self._dispatch = dispatch
+
+    def grant_feed(self) -> Declarations:
+        """The binding by which this queue hears every grant revocation and epoch of our
+        pool (``grant.<deployment>.#`` on the events exchange)."""
+        binding = BindingSpec(
+            self.queue,
+            self._topology.events_exchange,
+            names.grant_binding(self._identity.deployment),
+        )
+        return Declarations(bindings=(binding,))
 
     async def on_control(self, delivery: Delivery) -> None:
         extra = self._identity.extra

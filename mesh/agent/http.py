@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from mesh.agent.settings import AgentSettings
 from mesh.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,25 @@ class AgentHttpServer:
         self._port: int | None = None
         self._closing = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_settings(
+        cls, target: DrainTarget, settings: AgentSettings, agent_id: str
+    ) -> AgentHttpServer | None:
+        """The server ``settings`` ask for (``None``: no ``http_port``), its ``/drain``
+        deadline derived from the drain's own timeouts unless set."""
+        if settings.http_port is None:
+            return None
+        deadline = settings.http_drain_deadline_s
+        if deadline is None:
+            deadline = default_drain_deadline_s(settings.drain_timeout_s, settings.shutdown_grace_s)
+        return cls(
+            target,
+            host=settings.http_host,
+            port=settings.http_port,
+            drain_deadline_s=deadline,
+            agent_id=agent_id,
+        )
 
     @property
     def port(self) -> int | None:

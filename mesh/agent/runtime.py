@@ -10,6 +10,7 @@ with its own theory of operation, which this runtime wires together, starts and 
 * :mod:`mesh.agent.credentials` — no credentials, no work: lease notices and questions;
 * :mod:`mesh.agent.tasks` — each task run, answered and settled, exactly once where it can be;
 * :mod:`mesh.agent.pool_queue` — the pool's shared task queue;
+* :mod:`mesh.agent.pool_events` — our pool's new epochs and revoked grants, carried out;
 * :mod:`mesh.agent.work` — the one count of the work under way.
 
 Theory of operation
@@ -60,9 +61,10 @@ from mesh.agent.base import Agent
 from mesh.agent.control import CONTROL_PREFETCH, ControlInbox
 from mesh.agent.core import AgentCore, Phase
 from mesh.agent.credentials import Credentials
-from mesh.agent.http import AgentHttpServer, default_drain_deadline_s
+from mesh.agent.http import AgentHttpServer
 from mesh.agent.leaving import Leaving
 from mesh.agent.liveness import Liveness
+from mesh.agent.pool_events import PoolEvents
 from mesh.agent.pool_queue import PoolQueue
 from mesh.agent.registration import Registration
 from mesh.agent.settings import AgentSettings, Identity, backoff_delay
@@ -71,7 +73,7 @@ from mesh.agent.tasks import TaskRunner
 from mesh.agent.work import Work
 from mesh.errors import LocalProtocolError, MeshError
 from mesh.leases import LeaseVerifier
-from mesh.topology import BindingSpec, Declarations, Topology, names
+from mesh.topology import Topology
 from mesh.transport import AmqpTransport
 from mesh.transport.amqp import url_user
 from mesh.transport.ports import Subscription
@@ -155,7 +157,7 @@ class AgentRuntime:
             transport=lambda: self.transport,
             counters=self.counters,
             rng=rng,
-            on_pool_epoch=self._on_event,
+            on_pool_epoch=lambda event: self._pool_events.on_event(event),
         )
         self.credentials = Credentials(
             me,
@@ -208,6 +210,14 @@ class AgentRuntime:
             credentials=self.credentials,
             liveness=self._liveness,
             pool=self._pool,
+        )
+        self._pool_events = PoolEvents(
+            me,
+            core=self.core,
+            pool=self._pool,
+            counters=self.counters,
+            stop_running=self.tasks.stop_running,
+            spawn=self._spawn,
         )
         self._leaving = Leaving(
             me,
@@ -317,10 +327,12 @@ class AgentRuntime:
         self.core.advance("starting")
         self._starting = asyncio.current_task()
         try:
-            await self._start_http()
+            self._http = AgentHttpServer.for_settings(self, self.settings, self.agent_id)
+            if self._http is not None:
+                await self._http.start()
             transport = await self._connect()
             bound = 2 * self.agent.total_concurrency
-            own = self.topology.agent_queues(self.agent_id, bound) + self._grant_feed()
+            own = self.topology.agent_queues(self.agent_id, bound) + self._inbox.grant_feed()
             if self.settings.shared_topology == "check":
                 await transport.check_exchanges(self.topology.shared_exchanges())
             else:
@@ -342,33 +354,6 @@ class AgentRuntime:
         if not self._draining:
             self._ready.set()
         log.info("agent ready", extra=self._identity.extra(capabilities=sorted(self._capabilities)))
-
-    def _grant_feed(self) -> Declarations:
-        """Our control queue hears every grant revocation of our pool."""
-        binding = BindingSpec(
-            self._inbox.queue,
-            self.topology.events_exchange,
-            names.grant_binding(self.agent.deployment),
-        )
-        return Declarations(bindings=(binding,))
-
-    async def _start_http(self) -> None:
-        s = self.settings
-        if s.http_port is None:
-            return
-        deadline = s.http_drain_deadline_s
-        self._http = AgentHttpServer(
-            self,
-            host=s.http_host,
-            port=s.http_port,
-            drain_deadline_s=(
-                default_drain_deadline_s(s.drain_timeout_s, s.shutdown_grace_s)
-                if deadline is None
-                else deadline
-            ),
-            agent_id=self.agent_id,
-        )
-        await self._http.start()
 
     async def _connect(self) -> AgentTransport:
         if self._transport is None:
@@ -408,7 +393,7 @@ class AgentRuntime:
         elif isinstance(message, Refusal):
             self._on_refusal(message)
         elif isinstance(message, OrchestrationEvent):
-            self._on_event(message)
+            self._pool_events.on_event(message)
         elif isinstance(message, Standing):
             self._liveness.on_standing(message)
         elif isinstance(message, AdmissionState):
@@ -465,30 +450,6 @@ class AgentRuntime:
         log.info("drain request refused", extra=self._identity.extra(reason=refusal.reason.value))
         if self._draining and refusal.reason in (Reason.UNKNOWN_AGENT, Reason.AGENT_TERMINATED):
             self._drain_complete.set()
-
-    def _on_event(self, event: OrchestrationEvent) -> None:
-        """A ``grant_revoked`` event for our pool: remember the highest revoked fence (and stop
-        the handler of an evicted or security-revoked grant); a ``descriptor_active`` one:
-        remember the highest epoch, and consume the pool queue (again)."""
-        extra = self._identity.extra
-        seen = self.core.on_event(event, pool_consumed=self._pool.consumed)
-        if seen.kind == "ignored":
-            self.counters["events_ignored"] += 1
-            log.debug("event ignored", extra=extra(kind=event.kind))
-            return
-        if seen.kind == "epoch":
-            if seen.newer:
-                log.info("descriptor epoch", extra=extra(descriptor_epoch=seen.epoch))
-            if seen.resubscribe:  # a new epoch may come with a new queue
-                self._spawn(self._pool.consume(seen.epoch), "pool consumer")
-            return
-        self.counters["grants_revoked_seen"] += 1
-        log.info(
-            "grant revoked",
-            extra=extra(admission_id=seen.admission_id, fence=seen.fence, evicted=seen.evicted),
-        )
-        if seen.stop_running and seen.admission_id is not None:
-            self.tasks.stop_running(seen.admission_id)
 
     # ---- drain and stop -------------------------------------------------------------------
     async def drain(

@@ -25,6 +25,7 @@ from typing import Any
 
 from mesh.agent.control import ControlInbox
 from mesh.agent.core import AgentCore
+from mesh.agent.pool_events import PoolEvents
 from mesh.agent.pool_queue import PoolQueue
 from mesh.agent.runtime import AgentRuntime
 from mesh.agent.tasks import TaskRunner
@@ -52,13 +53,13 @@ def heartbeats_leaping() -> None:
 
 
 def ignoring_revocations() -> None:
-    original = AgentRuntime._on_event
+    original = PoolEvents.on_event
 
-    def on_event(self: AgentRuntime, event: OrchestrationEvent) -> None:
+    def on_event(self: PoolEvents, event: OrchestrationEvent) -> None:
         if event.kind != "grant_revoked":
             original(self, event)
 
-    AgentRuntime._on_event = on_event  # type: ignore[method-assign]
+    PoolEvents.on_event = on_event  # type: ignore[method-assign]
 
 
 def dropping_tasks_on_drain() -> None:
