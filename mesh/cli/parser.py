@@ -18,6 +18,7 @@ from mesh.cli.common import (
     _json_object,
     _page_size,
 )
+from mesh.cli.demo_options import add_demo_options
 from mesh.cli.log import DEFAULT_LOG_LINES, cmd_log
 from mesh.cli.manager_options import add_manager_options
 from mesh.cli.ops import (
@@ -110,14 +111,7 @@ def _agent_command(command: Command) -> None:
 
 def _demo_command(command: Command) -> None:
     p = command("demo", help="run manager, sample agents and a producer on this machine")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of traffic (0: forever)")
-    p.add_argument("--concurrency", type=int, default=4, help="tasks in flight at once")
-    p.add_argument(
-        "--producer-only",
-        action="store_true",
-        help="only run the producer, against a mesh that is already running",
-    )
-    p.add_argument("--work-dir", default=".mesh/demo", help="journal and process logs")
+    add_demo_options(p)  # one table: flag and setting
     p.set_defaults(func=cmd_demo)
 
 

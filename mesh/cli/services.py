@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from mesh.cli.agent_options import agent_settings
 from mesh.cli.common import _run, _stop_on_signals
+from mesh.cli.demo_options import demo_settings
 from mesh.cli.manager_options import manager_settings
 from mesh.scaler.base import Scaler
 
@@ -77,16 +78,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mesh.demo import DemoSettings, run_demo
+    from mesh.demo import run_demo
 
-    settings = DemoSettings(
-        amqp_url=args.amqp_url,
-        namespace=args.namespace,
-        duration_s=args.duration,
-        concurrency=args.concurrency,
-        producer_only=args.producer_only,
-        work_dir=Path(args.work_dir),
-    )
+    settings = demo_settings(args)
     return _run(run_demo(settings))
 
 
