@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from mesh.core.batch import Batch
 from mesh.errors import StoreError
 from mesh.ledger import LedgerReason, LedgerStore, Prepared, Refused, Reservation
 from mesh.ledger.model import (
@@ -24,7 +25,6 @@ from mesh.ledger.model import (
     check_ttl,
     default_pool,
     normalize_items,
-    shortage,
 )
 
 ATTEMPTS = 100
@@ -115,7 +115,7 @@ def decide(
 ) -> tuple[list[Prepared | Refused], list[Reserve]]:
     """Each request's outcome against ``view`` (and the requests before it), and the
     :class:`Reserve` operations of those that take their items."""
-    counters = dict(view.counters)
+    batch = Batch(view, dict(view.counters), list(view.fences))  # the core's own counting
     known: dict[str, Reservation] = dict(view.reservations)
     fences = iter(view.fences)
     outcomes: list[Prepared | Refused] = []
@@ -125,13 +125,10 @@ def decide(
         if existing is not None:
             outcomes.append(_known(existing, request))
             continue
-        short = _short(counters, request.items)
+        short = batch.take(request.items)  # all of its items or none
         if short is not None:
             outcomes.append(short)
             continue
-        for pool, resource, amount in request.items:
-            used, capacity = counters[(pool, resource)]
-            counters[(pool, resource)] = (used + amount, capacity)
         active = request.activate_ttl_s is not None
         reservation = Reservation(
             request.admission_id, request.digest, request.pool_id,
@@ -154,14 +151,3 @@ def _known(existing: Reservation, request: Ask) -> Prepared | Refused:
             f"{existing.digest!r}, not {request.digest!r}",
         )
     return Prepared(existing, replayed=True)
-
-
-def _short(
-    counters: dict[tuple[str, str], tuple[int, int]], items: tuple[Item, ...]
-) -> Refused | None:
-    """The refusal for the first item its counter cannot give (no row: capacity 0)."""
-    for pool, resource, amount in items:
-        counter = counters.get((pool, resource))
-        if counter is None or counter[0] + amount > counter[1]:
-            return shortage(pool, resource, amount, counter)
-    return None
