@@ -1,6 +1,6 @@
 """Admission for one manager: the RPCs that admit, release and explain, the pool task queues,
 and the admitter's ticks; the operator's descriptors, epochs and revocations go to its
-:class:`~mesh.manager.rollout.Rollout`.
+:class:`~mesh.manager.rollout.RolloutService`.
 
 Theory of operation
 -------------------
@@ -64,7 +64,7 @@ from mesh.manager.commands import CommandExecutor
 from mesh.manager.journal import Journal
 from mesh.manager.observe import Observer
 from mesh.manager.pool_queues import PoolQueues
-from mesh.manager.rollout import Rollout
+from mesh.manager.rollout import RolloutService
 from mesh.manager.settings import ManagerSettings, open_ledger
 from mesh.topology import names
 from mesh.topology.specs import Topology
@@ -143,7 +143,7 @@ class AdmissionService:
         self._pool_queues = PoolQueues(
             topology=topology, transport=transport, observer=observer, counters=counters
         )
-        self.rollout = Rollout(
+        self.rollout = RolloutService(
             settings,
             clock=clock,
             counters=counters,

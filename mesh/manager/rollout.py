@@ -65,8 +65,9 @@ class Revoker(Protocol):
     ) -> Awaitable[None]: ...
 
 
-class Rollout:
-    """Descriptors, epochs and revocations, for the operator."""
+class RolloutService:
+    """Descriptors, epochs and revocations, for the operator: the I/O around the admission
+    core's own :class:`~mesh.core.rollout.Rollout`."""
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ synchronous and never interleaves). The service starts, wires and stops these ro
 * :class:`~mesh.manager.commands.CommandExecutor` carries out what the cores decide: the
   journal, the live feed, messages to agents, replies.
 * :class:`~mesh.manager.admission_service.AdmissionService`: admission (the ledger), with
-  :class:`~mesh.manager.rollout.Rollout` for the operator's descriptors and revocations.
+  :class:`~mesh.manager.rollout.RolloutService` for the operator's descriptors and revocations.
 * :class:`~mesh.manager.scaling.Scaling`: the scaler and fencing of lost agents.
 * :class:`~mesh.manager.sharding.Sharding` and :class:`~mesh.manager.forwarding.Forwarding`:
   several managers (shard leases, and the lease path across every owner's registry).
