@@ -75,6 +75,17 @@ async def a_live_old_incarnation(
     return old, transport, dropped
 
 
+@asynccontextmanager
+async def closing_at_the_end(transport: AmqpTransport) -> AsyncIterator[None]:
+    """The old incarnation's transport closed when the test ends: fenced, it reconnects (it
+    is robust), and a reconnect left to the event loop's teardown leaks its socket into
+    whichever test the garbage collector runs in next."""
+    try:
+        yield
+    finally:
+        await transport.close()
+
+
 def the_restarted_process(amqp_url: str, namespace: str) -> AgentRuntime:
     return AgentRuntime(
         SAMPLES["echo"](AGENT_ID, heartbeat_interval_s=5.0),
@@ -121,10 +132,10 @@ async def test_a_restarted_agent_takes_no_pool_task_before_its_own_incarnation_i
     subscribe to the pool queue then, only once the manager accepted it."""
     runtime = the_restarted_process(amqp_url, namespace)
     pool = runtime.agent.deployment
-    old, _, _ = await a_live_old_incarnation(fencing_manager, amqp_url, topology, pool)
+    old, old_transport, _ = await a_live_old_incarnation(fencing_manager, amqp_url, topology, pool)
     operator = await transport_factory(suffix="operator")
     await operator.declare(topology.pool(pool))
-    async with deferred_start(runtime) as starting:
+    async with closing_at_the_end(old_transport), deferred_start(runtime) as starting:
         await announce_epoch(operator, topology, pool)
         await eventually(lambda: runtime.core.active_epoch == 1, what="the epoch heard")
         await asyncio.sleep(0.5)  # time for a subscription the announcement would start
@@ -179,7 +190,7 @@ async def test_work_leased_to_a_lost_incarnation_is_served_by_its_successor_thro
     ``UNKNOWN_LEASE`` (not the permanent ``NOT_AUTHORIZED``), and ``run_task`` leases again
     and is served within its deadline."""
     runtime = the_restarted_process(amqp_url, namespace)
-    old, _, _ = await a_live_old_incarnation(fencing_manager, amqp_url, topology, "raw")
+    old, old_transport, _ = await a_live_old_incarnation(fencing_manager, amqp_url, topology, "raw")
     client = await MeshClient.connect(amqp_url, namespace=namespace, name="restarts-producer")
     try:
         running = asyncio.create_task(
@@ -197,3 +208,4 @@ async def test_work_leased_to_a_lost_incarnation_is_served_by_its_successor_thro
     finally:
         await client.close()
         await runtime.stop()
+        await old_transport.close()
