@@ -1,7 +1,8 @@
 # One image for every mesh role: `docker run agent-mesh manager`, `… agent calc`, `… demo`.
 # Used by docker-compose.yml; the broker URL comes from MESH_AMQP_URL. `pip install .` brings
 # the PostgreSQL driver too (psycopg[binary], libpq included), so `mesh manager --ledger
-# postgresql://…` works in this slim image with no system package.
+# postgresql://…` works in this slim image with no system package; the otel extra lets every
+# process export traces when OTEL_TRACES_EXPORTER is set (docker-compose.yml: to Jaeger).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -13,7 +14,7 @@ WORKDIR /src
 # README.md* : the project metadata refers to it, but the build must not fail without it.
 COPY pyproject.toml README.md* ./
 COPY mesh ./mesh
-RUN pip install . \
+RUN pip install '.[otel]' \
     && rm -rf /src \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin mesh \
     && mkdir -p /home/mesh/.mesh \

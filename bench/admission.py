@@ -7,6 +7,10 @@ with one sentence; without a reachable PostgreSQL its rows of part B are (neithe
 failure). ``--part b`` runs part B alone.
 ``--profile`` adds one admission round under cProfile after part A and prints the time per
 admission by stage, for the event loop (manager and client) and the manager's ledger thread.
+``--tracing`` adds, per number in flight, rounds of ours with tracing off (no tracer provider)
+and on with the sampler off (the OpenTelemetry SDK's ``ALWAYS_OFF``: every request still
+makes its spans and carries ``traceparent``, nothing is recorded), interleaved (off, on, on,
+off, …), and the target that tracing sampled out costs at most 5 % of the rate.
 
 A) End-to-end admission. A producer's ``MeshClient.admit`` goes over RabbitMQ to the
    manager's ``rpc`` queue; the manager decodes it, runs ``Admitter.admit`` on its single
@@ -130,6 +134,7 @@ from mesh.wire.codec import encode
 DEFAULT_PG_DSN = "postgresql://postgres@127.0.0.1:5432/mesh_test"
 
 TARGET_THROUGHPUT_RATIO = 0.8  # ours / each fair echo's, at least
+TARGET_TRACING_RATIO = 0.95  # ours traced with the sampler off / ours untraced, at least
 TARGET_P99_RATIO = 1.5  # ours / each fair echo's, at most
 TARGET_ECHOES = (  # (path, target name, as the target's sentence says it)
     ("echo", "aiormq_echo", "the aiormq echo's"),
@@ -808,7 +813,13 @@ ORDERS = (("ours", "echo", "own", "pika"), ("pika", "own", "echo", "ours"))  # a
 
 
 async def run_part_a(
-    url: str, count: int, concurrencies: tuple[int, ...], rounds: int, profile: bool, workdir: Path
+    url: str,
+    count: int,
+    concurrencies: tuple[int, ...],
+    rounds: int,
+    profile: bool,
+    workdir: Path,
+    traced: bool = False,
 ) -> dict[int, dict[str, Summary]] | None:
     """For each number in flight: ``rounds`` rounds of each path, their medians by path."""
     try:
@@ -835,6 +846,10 @@ async def run_part_a(
             await run(min(count, 200), max(concurrencies))
         for concurrency in concurrencies:
             out[concurrency] = await part_a_rounds(bench, paths, count, concurrency, rounds)
+            if traced:
+                out[concurrency].update(
+                    await tracing_rounds(bench.ours, count, concurrency, 2 * rounds)
+                )
         assert bench.service is not None
         decided, batches = (
             bench.service.counters["admission.admitted"],
@@ -884,6 +899,53 @@ async def part_a_rounds(
         )
     print_floor(summaries)
     return summaries
+
+
+async def tracing_rounds(
+    ours: Callable[[int, int], Awaitable[Round]], count: int, concurrency: int, rounds: int
+) -> dict[str, Summary]:
+    """``rounds`` rounds of ours untraced and as many traced with the SDK's sampler off
+    (``mesh.tracing.use_provider``: the client and the manager share this process),
+    interleaved against drift; their medians, as ``untraced`` and ``traced``."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    from mesh import tracing
+
+    sampled_out = TracerProvider(sampler=ALWAYS_OFF)
+    results: dict[str, list[Round]] = {"untraced": [], "traced": []}
+    print(f"\n   tracing at {concurrency} in flight: off (no provider) and on (sampler off)")
+    for n in range(rounds):
+        for mode in ("untraced", "traced") if n % 2 == 0 else ("traced", "untraced"):
+            tracing.use_provider(sampled_out if mode == "traced" else None)
+            try:
+                result = await ours(count, concurrency)
+            finally:
+                tracing.use_global_provider()
+            results[mode].append(result)
+            print(
+                f"   {n + 1:>5}  {mode:<28}{result.seconds:>8.2f}  {result.rate:>7,.0f}  "
+                f"{result.percentile(50):>7.2f}  {result.percentile(99):>7.2f}  "
+                f"{result.cpu_us:>19,.0f}",
+                flush=True,
+            )
+    summaries = {mode: summarise(rounds_) for mode, rounds_ in results.items()}
+    off, on = summaries["untraced"], summaries["traced"]
+    # Rounds drift (the ledger grows, the machine is shared): each traced round is compared
+    # with the untraced one run next to it, and the target reads the median of those ratios.
+    pairs = list(zip(results["untraced"], results["traced"], strict=True))
+    TRACING_PAIR_RATIOS[concurrency] = statistics.median(t.rate / u.rate for u, t in pairs)
+    cpu = statistics.median(t.cpu_us / u.cpu_us for u, t in pairs)
+    print(
+        f"   tracing, sampler off: {TRACING_PAIR_RATIOS[concurrency]:.3f}x the rate untraced "
+        f"(median of {len(pairs)} side-by-side pairs; medians {on.rate:,.0f} vs "
+        f"{off.rate:,.0f} req/s); CPU µs/req {cpu - 1:+.1%} (pairs; medians {on.cpu_us:,.0f} "
+        f"vs {off.cpu_us:,.0f})"
+    )
+    return summaries
+
+
+TRACING_PAIR_RATIOS: dict[int, float] = {}  # by number in flight: traced / untraced rate
 
 
 def print_floor(summaries: dict[str, Summary]) -> None:
@@ -1419,6 +1481,11 @@ def main() -> int:
     )
     parser.add_argument("--profile", action="store_true", help="profile one more round of ours")
     parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also ours with tracing on, sampler off (needs the otel extra), against off",
+    )
+    parser.add_argument(
         "--part", choices=("all", "b"), default="all", help="b: part B alone (no broker)"
     )
     parser.add_argument(
@@ -1441,7 +1508,13 @@ def main() -> int:
         if args.part == "all":
             end_to_end = asyncio.run(
                 run_part_a(
-                    args.amqp_url, count, concurrencies, rounds, args.profile, Path(tmp) / "a"
+                    args.amqp_url,
+                    count,
+                    concurrencies,
+                    rounds,
+                    args.profile,
+                    Path(tmp) / "a",
+                    args.tracing,
                 )
             )
             print()
@@ -1483,6 +1556,21 @@ def part_a_targets(report: Report, concurrency: int, summaries: dict[str, Summar
         )
     ours = summaries["ours"]
     targets = []
+    if "traced" in summaries:
+        off, on = summaries["untraced"], summaries["traced"]
+        ratio = TRACING_PAIR_RATIOS.get(concurrency, on.rate / off.rate)
+        targets.append(
+            Target(
+                f"tracing_sampler_off_at_{concurrency}",
+                ratio >= TARGET_TRACING_RATIO,
+                f"at {concurrency} in flight tracing with the sampler off runs admissions at "
+                f"{ratio:.3f}x the untraced rate (target ≥ {TARGET_TRACING_RATIO:g}x)",
+                value=on.rate,
+                baseline=off.rate,
+                ratio=ratio,
+                bound=f">= {TARGET_TRACING_RATIO:g}",
+            )
+        )
     for path, name, said in TARGET_ECHOES:
         echo = summaries[path]
         throughput, p99 = ours.rate / echo.rate, ours.p99_ms / echo.p99_ms

@@ -98,12 +98,17 @@ H_LEASE_ID: Final = "x-mesh-lease-id"
 # redelivered): the owner answers with that lease, or UNKNOWN_LEASE — never a new one.
 H_HELD_ONLY: Final = "x-mesh-held-only"
 H_ADMISSION_ID: Final = "x-mesh-admission-id"  # the business ID of a granted task's publish
+# W3C Trace Context (docs/protocol.md, "Trace context"): carried on every message of a task's
+# life, and copied from a task onto its result by any agent, traced or not.
+H_TRACEPARENT: Final = "traceparent"
+H_TRACESTATE: Final = "tracestate"
 # A client's request: the reply fields added after their message's release that it knows,
 # comma-separated (docs/protocol.md 1.2); a manager sets such a field only for a client that
 # lists it, as it does for an agent that lists a feature in its registration.
 H_FEATURES: Final = "x-mesh-features"
 FEATURE_UNANSWERED: Final = "unanswered-shards"  # {Status,Find}Reply.unanswered_shards
 FEATURE_SETTLING: Final = "settling-shards"  # StatusReply.settling_shards
+FEATURE_POOL_SIGNALS: Final = "pool-signals"  # StatusReply.pool_signals
 
 CONTENT_TYPE: Final = "application/json"
 

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from mesh import constants as c
+from mesh import tracing
 from mesh.errors import (
     AdmissionRefused,
     MeshError,
@@ -243,6 +244,7 @@ async def run_demo(settings: DemoSettings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
+        say(_tracing_said())
         await _follow_events(client)
         agent_names = await _start_mesh(settings, procs, client, stop)
         if agent_names is None:
@@ -256,6 +258,16 @@ async def run_demo(settings: DemoSettings) -> int:
     finally:
         procs.close()
         await client.close()
+
+
+def _tracing_said() -> str:
+    """Whether this run is traced; the children inherit the ``OTEL_*`` environment."""
+    if tracing.tracer() is not None:
+        return "traces: on, from every process of the demo (see docs/tracing.md)"
+    return (
+        "traces: off (with agent-mesh[otel]: OTEL_TRACES_EXPORTER=otlp "
+        "OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 mesh demo; docs/tracing.md)"
+    )
 
 
 async def _follow_events(client: MeshClient) -> None:

@@ -59,6 +59,7 @@ def render_status(reply: StatusReply) -> str:
     lines += _shard_rows(reply)
     lines += _agent_rows(reply, total)
     lines += _pool_capacity_rows(reply)
+    lines += _pool_signal_rows(reply)
     counters = " ".join(f"{k}={v}" for k, v in reply.counters.items())
     lines += ["", f"counters: {counters or '-'}"]
     return "\n".join(lines)
@@ -72,6 +73,30 @@ def _pools_by_state(reply: StatusReply) -> dict[str, dict[str, int]]:
         states = by_pool.setdefault(agent.deployment, {})
         states[agent.state] = states.get(agent.state, 0) + 1
     return by_pool
+
+
+def _pool_signal_rows(reply: StatusReply) -> list[str]:
+    """Each pool's signals for scaling (``--json`` has every field; docs/operating.md)."""
+    if not reply.pool_signals:
+        return []
+    window = next(iter(reply.pool_signals.values())).window_s
+    lines = [
+        "",
+        f"pool signals (rates per second over {window:.0f} s):",
+        f"{'POOL':<24} {'QUEUED':>7} {'DEFERRED':>8} {'OLDEST':>8} {'ADD/S':>7} "
+        f"{'DISPATCH/S':>10} {'IN-FLIGHT':>9} {'LIVE':>6} {'READY':>6} {'DESIRED':>7}",
+    ]
+    for pool_id, s in reply.pool_signals.items():
+        desired = "-" if s.desired_replicas is None else f"{s.desired_replicas:,}"
+        lines.append(
+            f"{pool_id:<24} {s.queued:>7,} {s.deferred:>8,} {s.oldest_wait_s:>7.1f}s "
+            f"{s.add_rate:>7.2f} {s.dispatch_rate:>10.2f} {s.in_flight:>9,} "
+            f"{s.live_capacity:>6,} {s.agents_ready:>6,} {desired:>7}"
+        )
+        if s.refusals:
+            refused = ", ".join(f"{reason} {n:,}" for reason, n in s.refusals.items())
+            lines.append(f"{'':<24} refused in the window: {refused}")
+    return lines
 
 
 def _shard_rows(reply: StatusReply) -> list[str]:

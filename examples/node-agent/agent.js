@@ -423,6 +423,20 @@ function failure(task, startedAt, code, message) {
   return result(task, startedAt, { status: "error", error: { code, message: message.slice(0, 4000) } });
 }
 
+// The task's W3C trace context (docs/protocol.md, "Trace context"), carried on unchanged onto
+// its result so the producer's trace does not break at this agent. An agent with a tracer of
+// its own would put its span's context here instead.
+function traceContext(msg) {
+  const headers = msg.properties.headers || {};
+  const carried = {};
+  for (const name of ["traceparent", "tracestate"]) {
+    if (typeof headers[name] === "string" || Buffer.isBuffer(headers[name])) {
+      carried[name] = String(headers[name]);
+    }
+  }
+  return carried;
+}
+
 // Publish the result to the task's reply_to, then ack the task (``ack`` false: the caller
 // settles it, e.g. by dead-lettering it).
 async function answer(msg, result, ack = true) {
@@ -431,7 +445,7 @@ async function answer(msg, result, ack = true) {
     try {
       await publish("", replyTo, result, {
         correlationId: result.task_id,
-        headers: { "x-mesh-agent-id": AGENT_ID },
+        headers: { "x-mesh-agent-id": AGENT_ID, ...traceContext(msg) },
       });
     } catch (err) {
       log("result not confirmed; the task goes back", { task_id: result.task_id });

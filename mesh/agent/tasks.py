@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mesh import constants as c
+from mesh import tracing
 from mesh.agent.base import BoundCapability
 from mesh.agent.context import idempotency_key
 from mesh.agent.core import AgentCore
@@ -322,11 +323,14 @@ class TaskRunner:
     async def _run_and_answer(self, delivery: Delivery, task: Task, extra: dict[str, Any]) -> None:
         """Run the handler, revalidate, publish the result, then ack (or requeue)."""
         claimed = time.monotonic()
-        result = await self._run_handler(delivery, task, extra)
-        self._counters[f"tasks_{result.status}"] += 1
-        if result.error is not None:
-            log.info("task failed", extra={**extra, "code": result.error.code.value})
-        await self._publish_answer(delivery, task, _Finished(claimed, result), extra)
+        agent, pool = self._identity.agent_id, self._identity.deployment
+        with tracing.invoke(delivery.headers, task, agent_id=agent, agent_name=pool) as span:
+            result = await self._run_handler(delivery, task, extra)
+            span.ran(result)
+            self._counters[f"tasks_{result.status}"] += 1
+            if result.error is not None:
+                log.info("task failed", extra={**extra, "code": result.error.code.value})
+            await self._publish_answer(delivery, task, _Finished(claimed, result), extra)
 
     async def _publish_answer(
         self, delivery: Delivery, task: Task, finished: _Finished, extra: dict[str, Any]
@@ -461,7 +465,10 @@ class TaskRunner:
                     delivery.reply_to,
                     result,
                     correlation_id=result.task_id,
-                    headers={c.H_AGENT_ID: self._identity.agent_id},
+                    # The task's trace context goes on (this run's span's, when tracing).
+                    headers=tracing.result_headers(
+                        delivery.headers, {c.H_AGENT_ID: self._identity.agent_id}
+                    ),
                     timeout_s=self._settings.publish_timeout_s,
                 )
                 return True

@@ -167,9 +167,9 @@ def _conformance_command(command: Command) -> None:
         # The keys of mesh.conformance.CHECKS, in order (not imported here: it would load the
         # manager into every `mesh` command; tests/unit/test_cli_help.py keeps them equal).
         help="run only this check (repeatable; the registration check always runs): "
-        "register, heartbeats, lease-path, input-schema, admission-path, grants, epochs, "
-        "reregister, hand-over, signed, pool-queue, forged-heartbeat, restart, fence, drain, "
-        "sigterm, short-interval",
+        "register, heartbeats, lease-path, input-schema, admission-path, trace-context, grants, "
+        "epochs, reregister, hand-over, signed, pool-queue, forged-heartbeat, restart, fence, "
+        "drain, sigterm, short-interval",
     )
     p.set_defaults(func=cmd_conformance)
 

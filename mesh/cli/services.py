@@ -19,8 +19,22 @@ if TYPE_CHECKING:
     pass
 
 
+def _start_tracing(service: str) -> None:
+    """OpenTelemetry set up from the ``OTEL_*`` environment for this process, named
+    ``service`` unless ``OTEL_SERVICE_NAME`` says otherwise; nothing unless asked
+    (:mod:`mesh.tracing.setup`)."""
+    from mesh.tracing.setup import configure
+
+    described = configure(service)
+    if described is not None:
+        logging.getLogger("mesh.tracing").info(described)
+
+
 def cmd_manager(args: argparse.Namespace) -> int:
     from mesh.manager.service import ManagerService
+    from mesh.tracing.setup import MANAGER_SERVICE
+
+    _start_tracing(MANAGER_SERVICE)
 
     async def run() -> int:
         settings = manager_settings(args)
@@ -64,11 +78,13 @@ def _build_scaler(args: argparse.Namespace) -> Scaler | None:
 def cmd_agent(args: argparse.Namespace) -> int:
     from mesh.agent import run_agent
     from mesh.samples import SAMPLES
+    from mesh.tracing.setup import agent_service
 
     settings = agent_settings(args)
 
     async def run() -> int:
         agent = SAMPLES[args.sample](args.agent_id, heartbeat_interval_s=args.heartbeat_interval)
+        _start_tracing(agent_service(agent.agent_id))  # its ID known (maybe made up) by now
         stop = asyncio.Event()
         _stop_on_signals(stop)  # SIGTERM drains: no new work, in-flight finishes, then exit
         await run_agent(agent, settings, stop)
@@ -79,8 +95,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from mesh.demo import run_demo
+    from mesh.tracing.setup import PRODUCER_SERVICE
 
     settings = demo_settings(args)
+    _start_tracing(PRODUCER_SERVICE)  # the demo's own process is its producer
     return _run(run_demo(settings))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import signal
 import time
 import uuid
@@ -138,6 +139,39 @@ async def serves_the_admission_path(kit: Kit) -> str:
     done = await kit.client.submit(kit.requirements(), kit.s.payload, timeout_s=ANSWER_TIMEOUT_S)
     expect(done.result.agent_id == kit.agent_id, f"answered by {done.result.agent_id}")
     return f"submit admitted to pool {registration.deployment} and answered ok"
+
+
+# A trace context as a traced producer sends it (W3C Trace Context: version, trace ID, the
+# sender's span ID, flags "sampled"), and a vendor's tracestate entry.
+KIT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+KIT_TRACEPARENT = f"00-{KIT_TRACE_ID}-00f067aa0ba902b7-01"
+KIT_TRACESTATE = "kit=conformance"
+TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+async def carries_the_trace_context(kit: Kit) -> str:
+    """A task's ``traceparent`` and ``tracestate`` (docs/protocol.md, "Trace context") come
+    back on its result: the same trace ID (an agent that traces puts its own span's ID in
+    it, one that does not copies it unchanged) and the same ``tracestate``, so the producer's
+    trace does not break at the agent."""
+    assert kit.client is not None
+    grant = await kit.grant()
+    try:
+        sent = {c.H_TRACEPARENT: KIT_TRACEPARENT, c.H_TRACESTATE: KIT_TRACESTATE}
+        result = await kit.send_granted(grant, kit.s.payload, headers=sent)
+        _expect_ok(result, "a task with a trace context was answered")
+    finally:
+        await kit.client.release_admission(grant)
+    headers = kit.answer_headers.pop(result.task_id, {})
+    carried = headers.get(c.H_TRACEPARENT)
+    expect(carried is not None, "the result carries no traceparent header")
+    found = TRACEPARENT.match(str(carried))
+    expect(found is not None, f"the result's traceparent {carried!r} is not W3C's format")
+    assert found is not None
+    expect(found.group(1) == KIT_TRACE_ID, f"the result is on trace {found.group(1)}")
+    state = headers.get(c.H_TRACESTATE)
+    expect(str(state) == KIT_TRACESTATE, f"the result's tracestate is {state!r}")
+    return f"the result carried trace {KIT_TRACE_ID[:8]}… and its tracestate on"
 
 
 async def _refused(kit: Kit, grant: AdmissionGrant, what: str, pool: str) -> str:
@@ -521,6 +555,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("lease-path", "serves a task on the lease path", serves_the_lease_path),
     ("input-schema", "answers INPUT_SCHEMA_VIOLATION for an invalid payload", validates_task_input),
     ("admission-path", "serves a task on the admission path", serves_the_admission_path),
+    ("trace-context", "carries a task's trace context onto its result", carries_the_trace_context),
     ("grants", "refuses foreign, expired and revoked grants", refuses_bad_grants),
     ("epochs", "refuses an older-epoch grant, honours the draining allowlist", judges_epochs),
     ("reregister", "registers again when the manager asks", reregisters_when_asked),

@@ -10,7 +10,7 @@ import shlex
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,6 +189,7 @@ class Kit:
         self.raw: AmqpTransport | None = None
         self.reply_queue = ""
         self.results: dict[str, asyncio.Future[TaskResult]] = {}
+        self.answer_headers: dict[str, dict[str, Any]] = {}  # by task ID
         self.agent: AgentProcess | None = None
         self.agent_id = ""
         self.watch = Watch()
@@ -259,6 +260,7 @@ class Kit:
             waiting.set_exception(CheckFailed(f"an answer that does not decode: {exc}"))
             return
         if isinstance(message, TaskResult):
+            self.answer_headers[message.task_id] = dict(delivery.headers)
             waiting.set_result(message)
         else:
             waiting.set_exception(CheckFailed(f"answered a task with {message.type}"))
@@ -382,10 +384,15 @@ class Kit:
         return decision.grant
 
     async def send_granted(
-        self, grant: AdmissionGrant, payload: dict[str, Any], pool: str | None = None
+        self,
+        grant: AdmissionGrant,
+        payload: dict[str, Any],
+        pool: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> TaskResult:
         """A task under ``grant`` on a pool's queue (``pool``, default the grant's), as a
-        producer sends it; its answer."""
+        producer sends it, with ``headers`` besides the admission ID; its answer (the
+        answer's own headers: ``answer_headers[task_id]``)."""
         assert self.raw is not None
         pool = pool or grant.pool_id
         task = Task(
@@ -397,7 +404,10 @@ class Kit:
             grant=grant,
         )
         return await self._send(
-            task, names.pool_task_key(pool), {c.H_ADMISSION_ID: grant.admission_id}, f"pool {pool}"
+            task,
+            names.pool_task_key(pool),
+            {**(headers or {}), c.H_ADMISSION_ID: grant.admission_id},
+            f"pool {pool}",
         )
 
     async def send_leased(self, lease: Lease, payload: dict[str, Any]) -> TaskResult:

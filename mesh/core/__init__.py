@@ -1,6 +1,7 @@
 """The sans-I/O manager core: events in, commands out. No asyncio, aio-pika or kubernetes."""
 
 from mesh.core.capacity import LiveCapacity, LiveOffer, live_slots_resource
+from mesh.core.demand import PoolDemand, admission_demand
 from mesh.core.events import (
     AcceptanceUndelivered,
     AcquireRequested,
@@ -11,6 +12,7 @@ from mesh.core.events import (
     ConnectionLost,
     ConnectionRestored,
     DeletePod,
+    DemandObserved,
     DeregistrationReceived,
     DrainRequested,
     Event,
@@ -46,6 +48,7 @@ __all__ = [
     "ConnectionLost",
     "ConnectionRestored",
     "DeletePod",
+    "DemandObserved",
     "DeregistrationReceived",
     "DrainRequested",
     "Event",
@@ -58,6 +61,7 @@ __all__ = [
     "LiveOffer",
     "LogEntry",
     "PoolCore",
+    "PoolDemand",
     "PoolSettings",
     "RegistrationReceived",
     "ReleaseRequested",
@@ -70,6 +74,7 @@ __all__ = [
     "SendToAgent",
     "Tick",
     "Trigger",
+    "admission_demand",
     "live_slots_resource",
     "next_state",
     "render_mermaid",

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mesh.core.demand import PoolDemand
 from mesh.wire.models import (
     AcquireRequest,
     AgentRegistration,
@@ -123,6 +124,14 @@ class CapacityMissed:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class DemandObserved:
+    """Admission's figures of each pool's demand (its queue, its line, the grants held), for
+    the scale planner: a pool it does not name has none (:mod:`mesh.core.demand`)."""
+
+    demand: Mapping[str, PoolDemand]
+
+
 Event = (
     RegistrationReceived
     | DeregistrationReceived
@@ -137,6 +146,7 @@ Event = (
     | ConnectionRestored
     | ScaleObserved
     | CapacityMissed
+    | DemandObserved
 )
 
 # ---- commands -----------------------------------------------------------------------------

@@ -113,6 +113,11 @@ class Leases:
             if refusal.reason is Reason.NO_AGENT_AVAILABLE:
                 retry_ms = self._free_slot_expected_ms(offering, now)
                 refusal = refusal.model_copy(update={"retry_after_ms": retry_ms})
+            elif scaled := self.scaling.deployments_for(request.capability):
+                # Nobody offers it now, but a policy's pool does (one at zero replicas,
+                # say): when its replica is expected.
+                retry_ms = self._free_slot_expected_ms(scaled, now)
+                refusal = refusal.model_copy(update={"retry_after_ms": retry_ms})
         return refusal
 
     def release(

@@ -58,6 +58,15 @@ class PoolLine:
     def get(self, admission_id: str) -> Waiter | None:
         return self._waiters.get(admission_id)
 
+    def places(self) -> list[tuple[float, float]]:
+        """``(joined_at, due_by)`` of every waiter, overdue ones included (a copy made in one
+        step: the pool signals read it from the event loop while a batch may change it)."""
+        return [(w.joined_at, w.due_by) for w in list(self._waiters.values())]
+
+    def waiting(self, now: float) -> int:
+        """How many places are held at ``now`` (overdue ones not counted; nothing changes)."""
+        return sum(1 for w in self._waiters.values() if w.due_by >= now)
+
     def ahead(self, admission_id: str, tenant: str, service_class: str, now: float) -> int:
         """How many live waiters come before this request: everyone waiting in a class ranked
         above its own, and in its own class the round-robin order — each other tenant's first

@@ -23,8 +23,9 @@ capacity), which it receives explicitly:
 * Live capacity (:mod:`mesh.core.capacity`): per pool, capability and version, the Ready and
   Busy agents and their concurrency not held by leases, kept as a running aggregate;
   admission grants at most that (``live_capacity``).
-* Scaling (:mod:`mesh.core.scaling`): capacity misses and observed replicas feed the scale
-  planner; on each tick its decisions become scale commands and drains here.
+* Scaling (:mod:`mesh.core.scaling`): capacity misses, observed replicas, admission's
+  demand figures and accepted registrations (each a measured start) feed the scale planner;
+  on each tick its decisions become scale commands and drains here.
 
 Nothing here raises for an expected outcome: refusals are ``Refusal`` values
 with a :class:`~mesh.wire.reasons.Reason`.
@@ -48,6 +49,7 @@ from mesh.core.events import (
     Command,
     ConnectionLost,
     ConnectionRestored,
+    DemandObserved,
     DeregistrationReceived,
     DrainRequested,
     Event,
@@ -128,7 +130,7 @@ class PoolCore:
         )
         self._handlers: dict[type[Any], Callable[[Any, Instant], list[Command]]] = {
             HeartbeatReceived: self._on_heartbeat,
-            RegistrationReceived: self.registrations.on_registration,
+            RegistrationReceived: self._on_registration,
             DeregistrationReceived: self.registrations.on_deregistration,
             FindRequested: self._on_find,
             AcquireRequested: self._on_acquire,
@@ -140,6 +142,7 @@ class PoolCore:
             ConnectionRestored: self._on_connection_restored,
             ScaleObserved: self._on_scale_observed,
             CapacityMissed: self._on_capacity_missed,
+            DemandObserved: self._on_demand_observed,
         }
 
     # ---- the registry's tables, read by the manager, the metrics and the tests ----------------
@@ -238,6 +241,19 @@ class PoolCore:
         return out
 
     # ---- events handed to the rooms ----------------------------------------------------------
+    def _on_registration(self, event: RegistrationReceived, now: Instant) -> list[Command]:
+        """The registration room decides; an agent it accepted is a start the scale planner
+        measures (the time from the scale-up that asked for it)."""
+        agent_id = event.registration.agent_id
+        before = self.agents.get(agent_id)
+        out = self.registrations.on_registration(event, now)
+        after = self.agents.get(agent_id)
+        if after is not None and after is not before and after.state is not AgentState.DRAINING:
+            start_s = self.scaling.registered(after.deployment, now.mono)
+            if start_s is not None:
+                self.counters["starts_measured"] += 1
+        return out
+
     def _on_heartbeat(self, event: HeartbeatReceived, now: Instant) -> list[Command]:
         return self.heartbeats.heartbeat(event.heartbeat, now)
 
@@ -271,7 +287,11 @@ class PoolCore:
 
     # ---- scaling -----------------------------------------------------------------------------
     def _on_scale_observed(self, event: ScaleObserved, now: Instant) -> list[Command]:
-        self.scaling.observed(event.deployment, event.replicas)
+        self.scaling.observed(event.deployment, event.replicas, now.mono)
+        return []
+
+    def _on_demand_observed(self, event: DemandObserved, now: Instant) -> list[Command]:
+        self.scaling.observe_demand(event.demand, now.mono)
         return []
 
     def _on_capacity_missed(self, event: CapacityMissed, now: Instant) -> list[Command]:
@@ -284,10 +304,13 @@ class PoolCore:
         """The managed deployments' live and idle agents to the scale planner; each of its
         decisions becomes a scale command, and a scale-down's chosen agent is drained."""
         live: Counter[str] = Counter()
+        busy: Counter[str] = Counter()  # with work in flight, draining or not
         idle: dict[str, list[IdleAgent]] = {}
         for agent in self.agents.values():
             if not self.scaling.manages(agent.deployment):
                 continue
+            if agent.in_flight:
+                busy[agent.deployment] += 1
             if agent.state is not AgentState.DRAINING:
                 live[agent.deployment] += 1
             if agent.state is AgentState.READY and agent.in_flight == 0:
@@ -295,7 +318,7 @@ class PoolCore:
                     IdleAgent(agent.agent_id, agent.idle_since)
                 )
         out: list[Command] = []
-        for decision in self.scaling.plan(now.mono, live, idle):
+        for decision in self.scaling.plan(now.mono, live, idle, busy):
             self.counters["scale_decisions"] += 1
             entry = LogEntry(
                 at=now.wall,

@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mesh import constants as c
 from mesh.core.capacity import LiveCapacity, live_slots_resource
+from mesh.core.demand import admission_demand
 from mesh.core.eligibility import MODEL_SLOTS
 from mesh.core.events import (
     AppendLog,
     CapacityMissed,
+    DemandObserved,
     Instant,
     LogEntry,
 )
@@ -230,6 +232,12 @@ class AdmissionService:
         must refuse older ones, and say so (``features``)."""
         described = registration.deployment in self.descriptors
         return not described or c.FEATURE_DESCRIPTOR_EPOCHS in registration.features
+
+    def stage_of(self, pool_id: str) -> str | None:
+        """The pool's shedding stage (its name) as the admitter last observed it, or ``None``
+        (a trace's admission span says it)."""
+        seen = None if self.admitter is None else self.admitter.pools_seen.get(pool_id)
+        return None if seen is None else seen.stage.name
 
     def pool_epoch(self, pool_id: str) -> PoolEpoch | None:
         """The pool's epoch as last announced (what a registration's acceptance carries)."""
@@ -507,6 +515,9 @@ class AdmissionService:
             )
         )  # fmt: skip
         await self._journal_stage_changes(changes)
+        if self._core.scaling.deployments:  # the pools' demand, for scaling (to zero)
+            demand = await self._on_ledger(admission_demand, admitter.core, now.wall)
+            await self._commands.execute(self._core.handle(DemandObserved(demand), now))
 
     async def _journal_stage_changes(self, changes: list[StageChange]) -> None:
         for change in changes:

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mesh import tracing
 from mesh.core.events import (
     AcceptanceUndelivered,
     Announce,
@@ -338,6 +339,7 @@ class CommandExecutor:
                 request.reply_to,
                 message,
                 correlation_id=request.correlation_id,
+                headers=tracing.reply_headers(request.headers, message),  # the trace goes on
             )
         except PublishUnroutable:
             self._counters["requester_gone"] += 1

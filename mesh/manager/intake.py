@@ -30,6 +30,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 
 from mesh import constants as c
+from mesh import tracing
 from mesh.core.events import (
     AcquireRequested,
     Command,
@@ -56,6 +57,7 @@ from mesh.topology.specs import Topology
 from mesh.transport.delivery import Delivery
 from mesh.transport.ports import ManagerTransport
 from mesh.wire.admission import (
+    AdmissionDecision,
     AdmissionRelease,
     AdmissionRequest,
     AdmissionRevoke,
@@ -131,6 +133,7 @@ class Intake:
     ) -> None:
         self._settings = settings
         self._topology = topology
+        self._rpc_queue = topology.rpc_queue  # named on a request's span
         self._core = core
         self._clock = clock
         self._counters = counters
@@ -397,18 +400,26 @@ class Intake:
         await self._refuse_for(registration, Reason.EPOCHS_UNSUPPORTED, detail)
 
     async def handle_request(self, delivery: Delivery) -> None:
-        """A request from the RPC queue, handled and answered (not acked: see _guarded)."""
+        """A request from the RPC queue, handled and answered (not acked: see _guarded); one
+        of a task's life in a span of its own, from now to its reply (:mod:`mesh.tracing`)."""
         message = decode_as(delivery.body, *_RPC_TYPES)
         self._counters[f"received.{message.type}"] += 1
+        with tracing.serving(message, delivery.headers, self._rpc_queue) as span:
+            await self._handle_request(message, delivery, span)
+
+    async def _handle_request(
+        self, message: Message, delivery: Delivery, span: tracing.Traced
+    ) -> None:
         if isinstance(message, StatusRequest):
             await self._sharding.checked()
             if self._sharding.peers is not None and not self._from_a_manager(delivery):
                 merged = await self._forwarding.status_everywhere(
                     message, _knows_unanswered(delivery), _knows(delivery, c.FEATURE_SETTLING)
                 )
-                await self._commands.reply(delivery, merged)
+                await self._commands.reply(delivery, _signals_if_known(delivery, merged))
             else:
-                await self._commands.reply(delivery, self._status(message))
+                reply = _signals_if_known(delivery, self._status(message))
+                await self._commands.reply(delivery, reply)
             return
         if isinstance(
             message,
@@ -419,7 +430,10 @@ class Intake:
             | DescriptorShadow
             | ExplainRequest,
         ):
-            await self._commands.reply(delivery, await self._admission.handle(message, delivery))
+            answer = await self._admission.handle(message, delivery)
+            if span.recording and isinstance(answer, AdmissionDecision) and answer.grant:
+                span.note("mesh.shedding.stage", self._admission.stage_of(answer.grant.pool_id))
+            await self._commands.reply(delivery, answer)
             return
         await self._lease_path(message, delivery)
 
@@ -582,6 +596,13 @@ class Intake:
             await self._commands.reply(
                 delivery, Refusal(reason=Reason(exc.reason), detail=exc.detail)
             )
+
+
+def _signals_if_known(delivery: Delivery, reply: StatusReply) -> StatusReply:
+    """The reply's pool signals only for a client that lists ``pool-signals``."""
+    if reply.pool_signals is None or _knows(delivery, c.FEATURE_POOL_SIGNALS):
+        return reply
+    return reply.model_copy(update={"pool_signals": None})
 
 
 def _knows_unanswered(delivery: Delivery) -> bool:

@@ -2,7 +2,8 @@
 
 :class:`Observer` is the one object :class:`~mesh.manager.service.ManagerService` talks to
 about observability. It owns the :class:`~mesh.manager.metrics.ManagerMetrics`, the
-:class:`~mesh.manager.web.StatusHistory` and, when a port is configured, the
+:class:`~mesh.manager.web.StatusHistory`, the pools' signals for scaling
+(:class:`~mesh.manager.pool_signals.PoolSignalSource`) and, when a port is configured, the
 :class:`~mesh.manager.web.ManagerWeb` server. The service calls it at four points: every
 admission decision (``admitted``), every dead-lettered message, every tick (``tick``: a
 ledger-usage snapshot, a history sample, and every ``queue_poll_interval_s`` the queue
@@ -25,9 +26,12 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import aiohttp
 
 from mesh import constants as c
+from mesh.core.capacity import LiveCapacity
+from mesh.core.line import PoolLine
 from mesh.core.pressure import PoolPressure
 from mesh.core.tally import FleetTally
 from mesh.manager.metrics import ManagerMetrics, MeshView, QueueStat
+from mesh.manager.pool_signals import PoolSignalSource
 from mesh.manager.web import ManagerWeb, Sample, StatusHistory, management_queue_url
 from mesh.topology import names
 from mesh.topology.specs import PolicySpec
@@ -79,6 +83,9 @@ class Observer:
         queue_poll_interval_s: float = 5.0,
         shards: Callable[[], Mapping[int, int]] = dict,
         shard_owners: Callable[[], tuple[int, list[tuple[int, str, int]]] | None] = lambda: None,
+        live: Callable[[], LiveCapacity] = LiveCapacity,
+        lines: Callable[[], Mapping[str, PoolLine]] = dict,
+        desired_replicas: Callable[[str], int | None] = lambda _: None,
     ) -> None:
         self.manager_id = manager_id
         self.namespace = namespace
@@ -110,6 +117,9 @@ class Observer:
             },
         )
         self.metrics = ManagerMetrics(self.view)
+        self.pool_signals = PoolSignalSource(
+            self.view, namespace, live=live, lines=lines, desired=desired_replicas
+        )
         self.management_url = management_url
         self.queue_poll_interval_s = queue_poll_interval_s
         self._api: str | None = None
@@ -124,7 +134,9 @@ class Observer:
     # ---- lifecycle --------------------------------------------------------------------------
     async def serve(self, host: str, port: int) -> str:
         """Start the HTTP server; its URL."""
-        self.web = ManagerWeb(self.metrics, self.document, host=host, port=port)
+        self.web = ManagerWeb(
+            self.metrics, self.document, host=host, port=port, pools=self.pool_signals.signals
+        )
         await self.web.start()
         return self.web.url
 
@@ -217,6 +229,7 @@ class Observer:
         eligibility: Mapping[str, object] | None,
     ) -> None:
         self.metrics.admission(requirements, decision, eligibility)
+        self.pool_signals.decided(at, decision, eligibility)
         if decision.outcome != "admitted":
             reason = decision.reason.value if decision.reason else decision.outcome
             self.history.refusal(

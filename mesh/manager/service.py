@@ -123,6 +123,9 @@ class ManagerService:
             queue_poll_interval_s=settings.queue_poll_interval_s,
             shards=lambda: self.sharding.owned(),
             shard_owners=lambda: self.sharding.owners(),
+            live=lambda: core.live_capacity(self.clock.now()),
+            lines=lambda: self.admitter.core.places.lines if self.admitter else {},
+            desired_replicas=core.scaling.desired,
         )
         self.scaling = Scaling(
             core=core,
@@ -412,6 +415,7 @@ class ManagerService:
             "uptime_s": now.mono - self._started_at,
             "counters": dict(sorted(counters.items())),
             "pools": self.admission.pool_capacities(now),
+            "pool_signals": self.observer.pool_signals.signals(),
         }
         shards = self.sharding.shards
         if shards is not None:

@@ -122,6 +122,7 @@ class ScalingEntry(BaseModel):
     window_s: float = Field(default=_DEFAULT.window_s, gt=0)
     scale_down_idle_s: float = Field(default=_DEFAULT.scale_down_idle_s, gt=0)
     start_s: float = Field(default=_DEFAULT.start_s, gt=0)
+    scale_to_zero_after_s: float = Field(default=_DEFAULT.scale_to_zero_after_s, gt=0)
 
     @model_validator(mode="after")
     def _min_at_most_max(self) -> ScalingEntry:
@@ -140,10 +141,12 @@ class ScalingFile(BaseModel):
 
         {"deployments": [{"deployment": "calc", "capabilities": ["math.evaluate"],
           "min_replicas": 1, "max_replicas": 10, "scale_up_step": 1, "window_s": 5,
-          "scale_down_idle_s": 300, "start_s": 5}, ...]}
+          "scale_down_idle_s": 300, "start_s": 5, "scale_to_zero_after_s": 300}, ...]}
 
     Every field but ``deployment`` has the default :class:`ScalingPolicy` gives it; an
-    unknown field is an error (a typo must not pass for a default)."""
+    unknown field is an error (a typo must not pass for a default). ``min_replicas: 0``
+    lets the pool go to zero replicas once idle for ``scale_to_zero_after_s``
+    (docs/scaling.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

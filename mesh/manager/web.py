@@ -1,4 +1,5 @@
-"""The manager's HTTP side: ``/metrics`` for Prometheus, ``/api/status`` and a status page.
+"""The manager's HTTP side: ``/metrics`` for Prometheus, ``/api/status``, ``/api/pools`` and a
+status page.
 
 Theory of operation
 -------------------
@@ -15,6 +16,11 @@ static files without hand-written parsing). Nothing here changes state: every ha
   point per manager tick) for the charts. The figures come from running aggregates; agent
   rows come one page at a time (``?agents_offset=0&agents_limit=200``, the default; at most
   5,000 a page), with ``agents_total`` beside them.
+* ``GET /api/pools`` — every pool's signals for scaling (``{"pools": {"<pool>": {...}}}``,
+  each a :class:`~mesh.wire.status.PoolSignals`), and ``GET /api/pools/<pool>`` one pool's
+  (404 for a pool this manager does not know): what an autoscaler reads (KEDA's
+  ``metrics-api`` scaler, ``valueLocation: demand``). Both carry ``manager_id`` and
+  ``served_at``.
 * ``GET /`` — the status page (``mesh/manager/static/status.html``): plain HTML and one
   script, no build step; it polls ``/api/status``.
 
@@ -38,6 +44,7 @@ from aiohttp import web
 
 from mesh.errors import MeshError
 from mesh.manager.metrics import CONTENT_TYPE, ManagerMetrics
+from mesh.wire.status import PoolSignals
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +115,7 @@ def _count(text: str, name: str, most: int | None) -> int:
 
 
 class ManagerWeb:
-    """Serves ``/metrics``, ``/api/status`` and ``/`` for one manager."""
+    """Serves ``/metrics``, ``/api/status``, ``/api/pools`` and ``/`` for one manager."""
 
     def __init__(
         self,
@@ -117,9 +124,11 @@ class ManagerWeb:
         *,
         host: str = "0.0.0.0",
         port: int = 0,
+        pools: Callable[[], Mapping[str, PoolSignals]] = dict,
     ) -> None:
         self.metrics = metrics
         self.status = status
+        self.pools = pools
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
@@ -130,6 +139,8 @@ class ManagerWeb:
         app.router.add_static("/static/", str(static))
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/api/status", self._status)
+        app.router.add_get("/api/pools", self._pools)
+        app.router.add_get("/api/pools/{pool_id}", self._pool)
         self.app = app
 
     @property
@@ -177,5 +188,25 @@ class ManagerWeb:
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         document = dict(self.status(offset, limit))
+        document["served_at"] = time.time()
+        return web.json_response(document, headers={"Cache-Control": "no-store"})
+
+    async def _pools(self, _: web.Request) -> web.Response:
+        pools = {
+            pool_id: signals.model_dump(mode="json") for pool_id, signals in self.pools().items()
+        }
+        return self._json({"pools": pools})
+
+    async def _pool(self, request: web.Request) -> web.Response:
+        pool_id = request.match_info["pool_id"]
+        found = self.pools().get(pool_id)
+        if found is None:
+            return web.json_response(
+                {"error": f"no pool {pool_id!r} known to this manager"}, status=404
+            )
+        return self._json(found.model_dump(mode="json"))
+
+    def _json(self, document: dict[str, Any]) -> web.Response:
+        document["manager_id"] = self.metrics.view.manager_id
         document["served_at"] = time.time()
         return web.json_response(document, headers={"Cache-Control": "no-store"})

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mesh import constants as c
+from mesh import tracing
 from mesh.backoff import Backoff
 from mesh.errors import (
     AdmissionRefused,
@@ -146,7 +147,29 @@ class AdmissionPath:
         on_deferred: OnDeferred | None,
         rand: Callable[[], float],
     ) -> Submitted:
-        """:meth:`MeshClient.submit <mesh.producer.MeshClient.submit>`."""
+        """:meth:`MeshClient.submit <mesh.producer.MeshClient.submit>`, in a span of its own
+        (``submit {capability}``): each deferral waited out is an event on it."""
+        with tracing.operation("submit", requirements.capability.name) as span:
+            done = await self._submit(
+                requirements, payload, span, timeout_s, backoff, on_deferred, rand
+            )
+            granted = done.decision.grant
+            span.note("mesh.admission_id", done.decision.admission_id)
+            span.note("mesh.pool", granted.pool_id if granted else None)
+            span.note("mesh.attempts", done.attempts)
+            span.note("gen_ai.agent.id", done.result.agent_id)
+            return done
+
+    async def _submit(
+        self,
+        requirements: TaskRequirements,
+        payload: dict[str, Any],
+        span: tracing.Traced,
+        timeout_s: float,
+        backoff: Backoff,
+        on_deferred: OnDeferred | None,
+        rand: Callable[[], float],
+    ) -> Submitted:
         called = time.monotonic()
         deadline = time.time() + timeout_s
         if requirements.deadline is not None:
@@ -193,6 +216,7 @@ class AdmissionPath:
                 delay = submit_delay_s(decision, refusals, backoff, rand)
                 if delay is None or not await _keep_waiting(on_deferred, decision):
                     raise AdmissionRefused(decision)
+                span.deferred(decision, attempts)
                 if decision.position is not None:
                     self._counters["submit_waits_in_line"] += 1
                 refusals += 1

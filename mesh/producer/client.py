@@ -88,7 +88,7 @@ __all__ = ["MeshClient", "OnDeferred", "Submitted", "TaskOutcome"]
 log = logging.getLogger(__name__)
 
 _FEATURES: Mapping[str, str] = MappingProxyType(
-    {c.H_FEATURES: f"{c.FEATURE_UNANSWERED},{c.FEATURE_SETTLING}"}
+    {c.H_FEATURES: f"{c.FEATURE_UNANSWERED},{c.FEATURE_SETTLING},{c.FEATURE_POOL_SIGNALS}"}
 )
 """The header naming the reply fields added since their messages' release that this client
 knows (docs/protocol.md 1.2), sent with the requests whose replies have such fields."""
@@ -128,6 +128,7 @@ class MeshClient:
             release_lease=self._leases.release_quietly,
             settle_grant=self._admissions.settle_quietly,
             awaited=self._admissions.is_awaited,
+            destination=topology.control_exchange,
         )
         # The last requests answered twice differently: (correlation ID, first, second).
         self.answered_differently = self._replies.answered_differently
@@ -212,7 +213,7 @@ class MeshClient:
         correlation_id: str,
         message: Message,
         method: str,
-        headers: Mapping[str, str] | None,
+        headers: Mapping[str, Any] | None,
         timeout_s: float,
     ) -> None:
         await self.transport.publish(

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from mesh import constants as c
+from mesh import tracing
 from mesh.backoff import Backoff
 from mesh.errors import (
     PublishNacked,
@@ -79,7 +80,21 @@ class LeasePath:
         timeout_s: float,
     ) -> TaskOutcome:
         """:meth:`MeshClient.run_task <mesh.producer.MeshClient.run_task>`, leases taken
-        with ``acquire``."""
+        with ``acquire``, in a span of its own (``run_task {capability}``)."""
+        with tracing.operation("run_task", capability) as span:
+            done = await self._run_task(acquire, capability, payload, version_spec, timeout_s)
+            span.note("mesh.lease_id", done.lease.lease_id)
+            span.note("gen_ai.agent.id", done.lease.agent_id)
+            return done
+
+    async def _run_task(
+        self,
+        acquire: Acquire,
+        capability: str,
+        payload: dict[str, Any],
+        version_spec: str,
+        timeout_s: float,
+    ) -> TaskOutcome:
         deadline = time.time() + timeout_s
         task_id = uuid.uuid4().hex
         refused = 0  # publishes the agents' queues refused, so far

@@ -11,6 +11,7 @@ rules for late, duplicate and lost answers can be read in one place.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -18,8 +19,10 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Protocol, TypeVar
 
+from mesh import tracing
 from mesh.errors import LocalProtocolError, PublishUnroutable, RequestTimeout, TransportError
 from mesh.ids import IdSequence
+from mesh.topology import names
 from mesh.transport.delivery import Delivery
 from mesh.wire.admission import AdmissionDecision, AdmissionGrant
 from mesh.wire.codec import decode
@@ -30,10 +33,11 @@ __all__ = ["REPLY_MAX_BYTES", "Ask", "Replies", "Request", "expect"]
 log = logging.getLogger(__name__)
 
 REPLY_MAX_BYTES = 64 * 1024 * 1024
+_rpc_key = functools.lru_cache(maxsize=64)(names.rpc_key)  # a request's key: made once
 _ASK_AGAIN_FOR_S = 15.0  # after a reconnect, while the manager's request queue is not back
 _ANSWERED_KEPT = 10_000  # answered correlation IDs remembered, to tell duplicates from late
 
-_Asked = tuple[Message, str, Mapping[str, str] | None]  # a request, its method, its headers
+_Asked = tuple[Message, str, Mapping[str, Any] | None]  # a request, its method, its headers
 
 
 class Ask(Protocol):
@@ -45,7 +49,7 @@ class Ask(Protocol):
         correlation_id: str,
         message: Message,
         method: str,
-        headers: Mapping[str, str] | None,
+        headers: Mapping[str, Any] | None,
         timeout_s: float,
     ) -> Awaitable[None]: ...
 
@@ -79,8 +83,10 @@ class Replies:
         release_lease: Callable[[str], Coroutine[Any, Any, None]],
         settle_grant: Callable[[AdmissionGrant], Coroutine[Any, Any, None]],
         awaited: Callable[[str], bool],
+        destination: str = "",
     ) -> None:
         self.pending = pending
+        self._destination = destination  # the exchange requests go to (for their spans)
         self._counters = counters
         self._ask = ask
         self._release_lease = release_lease
@@ -110,15 +116,20 @@ class Replies:
         method: str,
         *,
         timeout_s: float,
-        headers: Mapping[str, str] | None,
+        headers: Mapping[str, Any] | None,
     ) -> Message:
         """Send ``message`` as ``rpc.<method>`` and wait for its reply."""
         correlation_id = self._correlation_ids.next()
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self.pending[correlation_id] = fut
-        self._asked[correlation_id] = (message, method, headers)
         try:
-            await self._ask(correlation_id, message, method, headers, timeout_s)
+            # Its trace context is kept with it: asked again, it is the same message.
+            with tracing.send(
+                self._destination, _rpc_key(method), conversation_id=correlation_id
+            ) as sent:
+                headers = sent.headers(headers)
+                self._asked[correlation_id] = (message, method, headers)
+                await self._ask(correlation_id, message, method, headers, timeout_s)
             async with asyncio.timeout(timeout_s):  # cheaper than wait_for: no inner task
                 return await fut
         except PublishUnroutable:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mesh import tracing
 from mesh.backoff import Backoff
 from mesh.errors import (
     PublishNacked,
@@ -84,28 +85,32 @@ class TaskSender:
         ``deadline``. The task may then arrive twice: one task ID and one idempotency key, so
         the agent that answered it answers again from its record, and effects kept with
         :func:`mesh.agent.once` happen once. A nack or a return is an answer: raised."""
-        retries = 0
-        while True:
-            try:
-                await self._transport.publish(
-                    self._exchange,
-                    key,
-                    task,
-                    reply_to=self._reply_queue,
-                    correlation_id=task.task_id,
-                    headers=headers,
-                    persistent=True,
-                )
-                return
-            except (PublishNacked, PublishUnroutable):
-                raise
-            except TransportError:
-                delay = retry_delay_s(None, retries, Backoff(), random.random)
-                retries += 1
-                if time.time() + delay >= deadline:
+        with tracing.send(
+            self._exchange, key, conversation_id=task.task_id, task_id=task.task_id
+        ) as sent:
+            traced = sent.headers(headers)  # one message, one span: the same when sent again
+            retries = 0
+            while True:
+                try:
+                    await self._transport.publish(
+                        self._exchange,
+                        key,
+                        task,
+                        reply_to=self._reply_queue,
+                        correlation_id=task.task_id,
+                        headers=traced,
+                        persistent=True,
+                    )
+                    return
+                except (PublishNacked, PublishUnroutable):
                     raise
-                self._counters["task_publish_retries"] += 1
-                await asyncio.sleep(delay)
+                except TransportError:
+                    delay = retry_delay_s(None, retries, Backoff(), random.random)
+                    retries += 1
+                    if time.time() + delay >= deadline:
+                        raise
+                    self._counters["task_publish_retries"] += 1
+                    await asyncio.sleep(delay)
 
 
 def lease_unknown(result: TaskResult) -> bool:

@@ -1,6 +1,6 @@
 """``mesh status`` on the wire: the request and the reply, and their parts — the fleet
 summarised by pool, state and capability, one page of agent rows, what each pool can grant,
-and with several managers who holds which shard."""
+each pool's signals for scaling, and with several managers who holds which shard."""
 
 from __future__ import annotations
 
@@ -90,6 +90,57 @@ class ShardOwner(WireModel):
     fence: int = Field(ge=1)
 
 
+class PoolSignals(WireModel):
+    """One pool's figures to scale on, as one manager knows them now (docs/operating.md,
+    "Pool signals"): what waits, how fast work arrives and leaves, what runs, what the live
+    agents offer. Counts are whole numbers; times are seconds; rates are per second over the
+    last ``window_s``. The same object is served by ``GET /api/pools`` on the manager."""
+
+    pool_id: str
+    backlog: int = Field(ge=0, description="queued + deferred: work waiting for the pool.")
+    queued: int = Field(
+        ge=0, description="Tasks ready in the pool's task queue, as last polled (0: none known)."
+    )
+    deferred: int = Field(ge=0, description="Requests holding a place in the pool's line.")
+    oldest_wait_s: float = Field(
+        ge=0, description="The longer of oldest_deferred_s and oldest_queued_s (0: none waits)."
+    )
+    oldest_deferred_s: float | None = Field(
+        default=None, description="Since the oldest place in the pool's line was first taken."
+    )
+    oldest_queued_s: float | None = Field(
+        default=None,
+        description="Age of the task at the head of the pool's queue (the management API's "
+        "head message timestamp; None: not known).",
+    )
+    add_rate: float = Field(ge=0, description="Admission decisions for the pool, per second.")
+    dispatch_rate: float = Field(ge=0, description="Grants on the pool, per second.")
+    window_s: float = Field(gt=0, description="The window the rates and refusals count over.")
+    in_flight: int = Field(
+        ge=0, description="Grants held and not released (task queued or running)."
+    )
+    demand: int = Field(ge=0, description="in_flight + deferred: the slots asked for now.")
+    live_capacity: int = Field(
+        ge=0,
+        description="Slots the pool's live (Ready, Busy) agents offer admission now: their "
+        "concurrency not held by leases (grants held are not subtracted: see in_flight).",
+    )
+    model_slots: int | None = Field(default=None, description="The descriptor's slot limit.")
+    agents: int = Field(ge=0, description="The pool's registered agents, in any state.")
+    agents_ready: int = Field(ge=0, description="Of them Ready or Busy (taking work).")
+    desired_replicas: int | None = Field(
+        default=None, description="The manager's scaler's target (None: not scaled here)."
+    )
+    refusals: dict[str, int] = Field(
+        default_factory=dict,
+        description="Deferrals and rejections within the window, by reason code.",
+    )
+    refusals_total: dict[str, int] = Field(
+        default_factory=dict,
+        description="Deferrals and rejections since the manager started, by reason code.",
+    )
+
+
 class StatusReply(Message):
     """Manager -> client: the fleet summarised (``agents_total``, ``pool_states``,
     ``capability_loads``), one page of agent rows from ``agents_offset``, the manager's
@@ -104,7 +155,9 @@ class StatusReply(Message):
     ``x-mesh-features`` header. ``settling_shards`` (for a client that lists
     ``settling-shards``) is how many shards have no live lease or changed hands within the
     last default heartbeat interval, as this manager last read the lease table: their agents
-    may still be registering again with the new owner and be missing from the figures."""
+    may still be registering again with the new owner and be missing from the figures.
+    ``pool_signals`` (for a client that lists ``pool-signals``) holds each pool's signals
+    for scaling (:class:`PoolSignals`), as this manager knows them."""
 
     TYPE = "mesh.status-reply.v1"
     ADDED_FIELDS = frozenset(
@@ -117,6 +170,7 @@ class StatusReply(Message):
             "shards",
             "unanswered_shards",
             "settling_shards",
+            "pool_signals",
         }
     )
     type: Literal["mesh.status-reply.v1"] = "mesh.status-reply.v1"
@@ -133,6 +187,7 @@ class StatusReply(Message):
     shards: list[ShardOwner] | None = None
     unanswered_shards: int | None = Field(default=None, ge=0)
     settling_shards: int | None = Field(default=None, ge=0)
+    pool_signals: dict[str, PoolSignals] | None = None
 
 
 STATUS_MESSAGE_TYPES: tuple[type[Message], ...] = (StatusRequest, StatusReply)

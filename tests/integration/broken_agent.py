@@ -14,7 +14,9 @@ Usage: ``python broken_agent.py DEFECT`` (the kit's environment names the agent 
   it was told of (tasks granted just before the hand-over are refused);
 * ``signed``: control messages are taken from anyone, not only from the managers' user;
 * ``pool-queue``: the broker's cancel of its pool consumer (the queue was deleted) goes
-  unheeded: it still counts itself subscribed, and never consumes the queue declared again.
+  unheeded: it still counts itself subscribed, and never consumes the queue declared again;
+* ``trace``: a task's ``traceparent``/``tracestate`` are not carried onto its result (the
+  producer's trace breaks at the agent).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from mesh import tracing
 from mesh.agent.control import ControlInbox
 from mesh.agent.core import AgentCore
 from mesh.agent.pool_events import PoolEvents
@@ -96,6 +99,13 @@ def deaf_to_pool_cancels() -> None:
     PoolQueue._gone = pool_queue_gone  # type: ignore[method-assign]
 
 
+def dropping_trace_context() -> None:
+    def result_headers(received: Any, headers: dict[str, Any]) -> dict[str, Any]:
+        return headers
+
+    tracing.result_headers = result_headers  # type: ignore[assignment]
+
+
 DEFECTS = {
     "seq": heartbeats_without_seq,
     "seq-leap": heartbeats_leaping,
@@ -104,6 +114,7 @@ DEFECTS = {
     "hand-over": forgetting_leases_on_hand_over,
     "signed": trusting_any_sender,
     "pool-queue": deaf_to_pool_cancels,
+    "trace": dropping_trace_context,
 }
 
 if __name__ == "__main__":

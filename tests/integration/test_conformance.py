@@ -47,6 +47,7 @@ async def test_the_python_sample_agent_passes_every_check(
         ("signed", "signed"),
         ("pool-queue", "pool-queue"),
         ("seq-leap", "forged-heartbeat"),
+        ("trace", "trace-context"),
     ],
 )
 async def test_an_agent_with_a_defect_fails_its_check(

@@ -206,7 +206,28 @@ def test_the_image_has_the_postgresql_driver_the_managers_need() -> None:
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(re.match(r"psycopg\[binary\]", d) for d in dependencies), dependencies
     installs = re.findall(r"^RUN pip install ([^\n&\\]*)", DOCKERFILE.read_text(), re.M)
-    assert [i.split() for i in installs] == [["."]], "the project, its dependencies included"
+    assert [i.split() for i in installs] == [["'.[otel]'"]], (
+        "the project, its dependencies included"
+    )
+
+
+def test_every_mesh_process_exports_its_traces_to_the_jaeger_service() -> None:
+    """The image has the otel extra, whose OTLP/HTTP exporter the SDK uses for
+    ``OTEL_TRACES_EXPORTER=otlp``; every mesh service sends there, and the Jaeger service
+    takes OTLP/HTTP on that port and shows the UI on the host's 16686."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(d.startswith("opentelemetry-exporter-otlp-proto-http") for d in extras["otel"])
+    jaeger = compose()["services"]["jaeger"]
+    assert str(jaeger["image"]).startswith("jaegertracing/jaeger:2.")
+    assert "--set=receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in jaeger["command"]
+    assert "16686:16686" in jaeger["ports"]
+    for name, svc in mesh_services().items():
+        env = svc["environment"]
+        assert env["OTEL_TRACES_EXPORTER"] == "otlp", name
+        endpoint = urlsplit(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert (endpoint.hostname, endpoint.port) == ("jaeger", 4318), name
 
 
 def compose_seconds(duration: str) -> float:

@@ -3,9 +3,11 @@
 Every YAML document under ``deploy/k8s`` (``optional/`` and ``secret.example.yaml``
 included) is validated offline with ``kubernetes-validate`` in strict mode (unknown fields
 are errors) against the newest Kubernetes version whose schemas the installed package ships.
-Three kinds have no schema there: ``Kustomization`` (a kustomize file, not an API object) and
-KEDA's ``ScaledObject`` and ``TriggerAuthentication`` (CRDs); their shape is checked by hand
-below, and a test makes sure no other kind slips past the schemas.
+Three kinds have no schema there: ``Kustomization`` (a kustomize file, not an API object),
+KEDA's ``ScaledObject`` and the RabbitMQ Cluster Operator's ``RabbitmqCluster`` (CRDs); their
+shape is checked by hand below — the ``ScaledObject`` against a JSON Schema of the part of
+KEDA's CRD it uses, and its ``metrics-api`` trigger against the manager's real endpoint — and
+a test makes sure no other kind slips past the schemas.
 
 The policy tests pin what the schemas cannot see: no broker credentials, secrets only by
 reference, the agent probes and drain hook, a grace period longer than the agent's own drain
@@ -20,6 +22,7 @@ Secret, a disruption budget over the manager pods, and no single-replica manager
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -29,14 +32,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
 from mesh.agent import AgentSettings
+from mesh.core.signals import PoolActivity, PoolFigures, pool_signals
+from mesh.manager.metrics import ManagerMetrics, MeshView
+from mesh.manager.web import ManagerWeb
 from mesh.samples import SAMPLES
-from mesh.topology import names
+from mesh.wire.status import PoolSignals
 
 ROOT = Path(__file__).parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -47,7 +55,6 @@ KUBERNETES_VERSION = latest_version()
 NOT_IN_KUBERNETES_SCHEMAS = {
     ("kustomize.config.k8s.io/v1beta1", "Kustomization"),
     ("keda.sh/v1alpha1", "ScaledObject"),
-    ("keda.sh/v1alpha1", "TriggerAuthentication"),
     ("rabbitmq.com/v1beta1", "RabbitmqCluster"),
 }
 """Checked by hand below: kustomize's own file, KEDA's CRDs and the RabbitMQ Cluster
@@ -486,48 +493,206 @@ def test_every_environment_variable_set_is_one_the_mesh_reads(name: str) -> None
 
 KEDA = "optional/keda-scaledobject.yaml"
 
+_STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+SCALED_OBJECT_SCHEMA: Doc = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "KEDA ScaledObject (keda.sh/v1alpha1): the fields of KEDA's CRD this repo uses",
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "ScaledObject"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string", "minLength": 1}, "labels": _STRINGS},
+        },
+        "spec": {
+            "type": "object",
+            "required": ["scaleTargetRef", "triggers"],
+            "additionalProperties": False,
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                        "envSourceContainerName": {"type": "string"},
+                    },
+                },
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "idleReplicaCount": {"type": "integer", "minimum": 0},
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "advanced": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "restoreToOriginalReplicaCount": {"type": "boolean"},
+                        "horizontalPodAutoscalerConfig": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {
+                                "name": {"type": "string"},
+                                "behavior": {"type": "object"},
+                            },
+                        },
+                    },
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "metadata"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "type": {"type": "string"},
+                            "name": {"type": "string"},
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "useCachedMetrics": {"type": "boolean"},
+                            "metadata": _STRINGS,  # KEDA's metadata is map[string]string
+                            "authenticationRef": {
+                                "type": "object",
+                                "required": ["name"],
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "kind": {"type": "string"},
+                                },
+                            },
+                        },
+                        # The metrics-api scaler's parameters (keda.sh/docs/scalers/metrics-api).
+                        "if": {"properties": {"type": {"const": "metrics-api"}}},
+                        "then": {
+                            "properties": {
+                                "metadata": {
+                                    "required": ["url", "valueLocation", "targetValue"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "url": {"type": "string", "pattern": "^https?://"},
+                                        "valueLocation": {"type": "string", "minLength": 1},
+                                        "targetValue": {
+                                            "type": "string",
+                                            "pattern": "^[0-9]+(\\.[0-9]+)?$",
+                                        },
+                                        "activationTargetValue": {"type": "string"},
+                                        "format": {"enum": ["json", "xml", "yaml", "prometheus"]},
+                                        "authMode": {"type": "string"},
+                                        "unsafeSsl": {"enum": ["true", "false"]},
+                                    },
+                                }
+                            }
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+"""The part of KEDA's ScaledObject CRD the example uses, strict like the Kubernetes schemas:
+an unknown or misspelt field is an error, and a ``metrics-api`` trigger must name its URL,
+where in the answer its value is, and a numeric target."""
 
-def test_the_keda_example_scales_an_agent_deployment_with_a_secret_reference() -> None:
-    (auth,) = docs_of("TriggerAuthentication", path=KEDA)
+
+def scaled_object() -> Doc:
     (scaled,) = docs_of("ScaledObject", path=KEDA)
-    assert set(scaled["spec"]) >= {"scaleTargetRef", "triggers"}
-    target = scaled["spec"]["scaleTargetRef"]
+    return scaled
+
+
+def metrics_api_trigger() -> Doc:
+    (trigger,) = scaled_object()["spec"]["triggers"]
+    assert trigger["type"] == "metrics-api"
+    return trigger  # type: ignore[no-any-return]
+
+
+def test_the_keda_scaled_object_validates_against_the_crd_schema() -> None:
+    jsonschema.validate(scaled_object(), SCALED_OBJECT_SCHEMA)
+    assert not docs_of("TriggerAuthentication"), "the manager's endpoint takes no credentials"
+
+
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        lambda d: d["spec"].update(minReplicas=1),  # KEDA says minReplicaCount
+        lambda d: d["spec"]["triggers"][0]["metadata"].update(targetValue=8),  # not a string
+        lambda d: d["spec"]["triggers"][0]["metadata"].pop("valueLocation"),
+        lambda d: d["spec"]["triggers"][0].update(metricType="Average"),
+        lambda d: d["spec"]["scaleTargetRef"].update(nmae="echo"),
+    ],
+    ids=["misspelt-field", "wrong-type", "no-value-location", "bad-metric-type", "bad-target"],
+)
+def test_the_scaled_object_schema_does_catch_mistakes(mistake: Any) -> None:
+    broken = copy.deepcopy(scaled_object())
+    mistake(broken)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, SCALED_OBJECT_SCHEMA)
+
+
+def test_the_keda_example_scales_an_agent_deployment_on_its_own_pool() -> None:
+    spec = scaled_object()["spec"]
+    target = spec["scaleTargetRef"]
     assert target.get("kind", "Deployment") == "Deployment"
     assert target["name"] in AGENT_DEPLOYMENTS
-    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
-
-    (secret,) = docs_of("Secret", path="secret.example.yaml")
-    for ref in auth["spec"]["secretTargetRef"]:
-        assert set(ref) == {"parameter", "name", "key"}
-        assert ref["name"] == secret["metadata"]["name"]
-        assert ref["key"] in secret["stringData"]
-
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "rabbitmq"
-    assert trigger["authenticationRef"] == {"name": auth["metadata"]["name"]}
-    metadata = trigger["metadata"]
-    assert all(isinstance(v, str) for v in metadata.values()), "KEDA metadata is map[string]string"
-    assert "host" not in metadata, "the broker address comes from the TriggerAuthentication"
-    assert metadata["mode"] == "QueueLength" and int(metadata["value"]) >= 1
-    assert metadata["useRegex"] == "true" and metadata["protocol"] == "http"
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    trigger = metrics_api_trigger()
+    assert trigger["metricType"] == "AverageValue" and float(trigger["metadata"]["targetValue"]) > 0
+    url = urlsplit(trigger["metadata"]["url"])
+    # The pool is the Deployment's name: the `deployment` its agents announce.
+    assert url.path == f"/api/pools/{target['name']}"
 
 
-def test_the_keda_queue_pattern_matches_exactly_its_pods_task_queues() -> None:
-    (scaled,) = docs_of("ScaledObject", path=KEDA)
-    target = scaled["spec"]["scaleTargetRef"]["name"]
-    pattern = re.compile(scaled["spec"]["triggers"][0]["metadata"]["queueName"])
-    namespace = env_of(container(one("Deployment", target)))["MESH_NAMESPACE"]["value"]
+def test_the_keda_url_is_the_manager_service_and_its_http_port() -> None:
+    url = urlsplit(metrics_api_trigger()["metadata"]["url"])
+    service = one("Service", "mesh-manager")
+    (port,) = service["spec"]["ports"]
+    assert url.scheme == "http" and url.port == port["port"]
+    assert url.hostname is not None
+    # KEDA's operator runs in its own namespace: <service>.<namespace>.svc[.cluster.local].
+    name, _namespace, svc, *rest = url.hostname.split(".")
+    assert (name, svc) == (service["metadata"]["name"], "svc") and rest in (
+        [],
+        ["cluster", "local"],
+    )
+    manager_port = next(p for p in container(manager())["ports"] if p["name"] == port["targetPort"])
+    assert arg(container(manager()), "--http-port") == str(manager_port["containerPort"])
 
-    def matches(queue: str) -> bool:
-        return pattern.search(queue) is not None
 
-    pod = f"{target}-7c9f8d6b5-x2v9q"  # <deployment>-<pod-template-hash>-<suffix>
-    assert matches(names.agent_task_queue(namespace, pod))
-    assert not matches(names.agent_control_queue(namespace, pod))
-    assert not matches(names.agent_task_queue("other", pod))
-    for other in AGENT_DEPLOYMENTS.keys() - {target}:
-        assert not matches(names.agent_task_queue(namespace, f"{other}-7c9f8d6b5-x2v9q"))
-    assert not matches(names.agent_task_queue(namespace, f"{target}-1a2b3c"))  # a local agent
+def test_the_keda_url_and_value_location_are_what_the_manager_really_serves() -> None:
+    """The trigger's path is served by the manager's own HTTP app, and its valueLocation
+    (a GJSON path) names a number in the JSON that path really returns."""
+    trigger = metrics_api_trigger()
+    url = urlsplit(trigger["metadata"]["url"])
+    pool = url.path.rsplit("/", 1)[-1]
+    signals = pool_signals(
+        {pool: PoolFigures(in_flight=5, waiting=[(0.0, 1e12)])}, PoolActivity(), 1.0
+    )
+
+    async def served() -> tuple[int, Any]:
+        web = ManagerWeb(
+            ManagerMetrics(MeshView()), lambda _o, _l: {}, host="127.0.0.1", pools=lambda: signals
+        )
+        await web.start()
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{web.port}{url.path}") as response,
+            ):
+                return response.status, await response.json()
+        finally:
+            await web.close()
+
+    status, document = asyncio.run(served())
+    assert status == 200
+    value: Any = document
+    for key in trigger["metadata"]["valueLocation"].split("."):
+        value = value[key]
+    assert value == 6  # demand: 5 grants in flight + 1 request deferred
+    assert trigger["metadata"]["valueLocation"].split(".")[0] in PoolSignals.model_fields
 
 
 # ---- several managers (deploy/k8s-several-managers) -------------------------------------------

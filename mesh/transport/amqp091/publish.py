@@ -53,6 +53,22 @@ def _shortstr(text: str) -> bytes:
 _JSON = _shortstr(c.CONTENT_TYPE)
 
 
+def field_table(headers: Mapping[str, Any]) -> bytes:
+    """``headers`` as an AMQP field table, as pamqp writes it; a table of short names and
+    text values (the mesh's own headers, a trace context) written here, without pamqp's
+    per-value dispatch, anything else by pamqp."""
+    parts = []
+    for name, value in headers.items():
+        if type(value) is not str:
+            return bytes(pamqp_encode.field_table(dict(headers)))
+        key, text = name.encode(), value.encode()
+        if len(key) > 255:
+            return bytes(pamqp_encode.field_table(dict(headers)))
+        parts.append(b"%c%sS%s%s" % (len(key), key, len(text).to_bytes(4, "big"), text))
+    body = b"".join(parts)
+    return len(body).to_bytes(4, "big") + body
+
+
 def message_properties(
     message_type: str | None,
     message_id: str,
@@ -73,7 +89,7 @@ def message_properties(
     parts = [_JSON]
     if headers is not None:
         flags |= _HEADERS
-        parts.append(pamqp_encode.field_table(dict(headers)))
+        parts.append(field_table(headers))
     parts.append(b"\x02" if persistent else b"\x01")
     if correlation_id:
         flags |= _CORRELATION_ID

@@ -57,7 +57,7 @@ class Properties:
                 at += 1 + header[at]
         if flags & 0x2000:  # headers: a table, its size first
             size = 4 + int.from_bytes(header[at : at + 4], "big")
-            _, self.headers = pamqp.decode.field_table(bytes(header[at : at + size]))
+            self.headers = field_table(bytes(header[at : at + size]))
             at += size
         at += bool(flags & 0x1000) + bool(flags & 0x0800)  # delivery-mode, priority: octets
         self.correlation_id, at = _shortstr_if(header, at, flags & 0x0400)
@@ -70,6 +70,26 @@ class Properties:
         if flags & 0x0020:  # type
             at += 1 + header[at]
         self.user_id, at = _shortstr_if(header, at, flags & _USER_ID)
+
+
+def field_table(data: bytes) -> dict[str, Any]:
+    """An AMQP field table (its size first), as pamqp decodes it; a table of text values
+    (the mesh's own headers, a trace context) read here, anything else by pamqp."""
+    table: dict[str, Any] = {}
+    end, at = len(data), 4
+    try:
+        while at < end:
+            size = data[at]
+            name = data[at + 1 : at + 1 + size].decode()
+            at += 1 + size
+            if data[at] != 0x53:  # "S": a long string
+                return dict(pamqp.decode.field_table(data)[1])
+            size = int.from_bytes(data[at + 1 : at + 5], "big")
+            table[name] = data[at + 5 : at + 5 + size].decode()
+            at += 5 + size
+    except (IndexError, UnicodeDecodeError):
+        return dict(pamqp.decode.field_table(data)[1])
+    return table
 
 
 def _shortstr_if(data: bytes | bytearray | memoryview, at: int, present: int) -> tuple[Any, int]:
