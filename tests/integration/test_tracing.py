@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from mesh.core.policy.settings import Stage
 from mesh.manager.admission import AdmissionPolicy
 from mesh.producer import MeshClient
@@ -33,6 +35,8 @@ from mesh.wire import CapabilityRange
 from mesh.wire.admission import local_descriptor
 
 from .harness import eventually
+
+pytest.importorskip("opentelemetry.sdk", reason="tracing needs the otel extra")
 
 AGENT_ID = "echo-traced"
 AGENT_SERVICE = f"mesh-agent-{AGENT_ID}"

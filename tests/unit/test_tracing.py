@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("opentelemetry.sdk", reason="tracing needs the otel extra")
+
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
