@@ -27,6 +27,7 @@ a process that does not trace.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Mapping
 from contextvars import ContextVar, Token
 from types import TracebackType
@@ -184,6 +185,25 @@ class _Unsampled(Traced):
         return _inject(self._span, headers)
 
 
+class _DroppedRoot(Traced):
+    """A message that starts a trace the sampler drops (:func:`_drops_roots`): no span, and a
+    fresh trace context flagged "not sampled" on the message, so no process downstream
+    records it either."""
+
+    __slots__ = ()
+
+    def headers(self, headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        if not _w3c_only(otel()):
+            return _inject(_dropped_root(), headers)
+        out = dict(headers) if headers else {}
+        trace_id, span_id = random.getrandbits(128) or 1, random.getrandbits(64) or 1
+        out[c.H_TRACEPARENT] = f"00-{trace_id:032x}-{span_id:016x}-00"
+        return out
+
+
+_DROPPED: Final = _DroppedRoot()
+
+
 def _inject(span: Any, headers: Mapping[str, Any] | None) -> dict[str, Any]:
     """``headers`` (copied) with ``span``'s context, as the global propagator writes it."""
     api = otel()
@@ -265,6 +285,36 @@ def _start(
     return span
 
 
+_roots_dropped: list[Any] = [None, False]  # the tracer last judged, and the judgement
+
+
+def _drops_roots(found: Any) -> bool:
+    """The tracer's sampler drops every span that starts a trace (``always_off``, or
+    ``parentbased_always_off``: the SDK's "sampler off"). Judged once per tracer, from the
+    sampler's description; a tracer that is not the SDK's is never judged to."""
+    if found is not _roots_dropped[0]:
+        sampler = getattr(found, "sampler", None)
+        describe_sampler = getattr(sampler, "get_description", None)
+        said = describe_sampler() if callable(describe_sampler) else ""
+        drops = said == "AlwaysOffSampler" or said.startswith("ParentBased{root:AlwaysOffSampler,")
+        _roots_dropped[:] = [found, drops]
+    return bool(_roots_dropped[1])
+
+
+def _dropped_root() -> Any:
+    """What the SDK makes of a root span its sampler drops — a non-recording span with
+    fresh random IDs, flagged "not sampled" — without the SDK's span machinery (half the
+    cost of a message with tracing on and the sampler off)."""
+    trace = otel().trace
+    context = trace.SpanContext(
+        trace_id=random.getrandbits(128) or 1,
+        span_id=random.getrandbits(64) or 1,
+        is_remote=False,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
+    )
+    return trace.NonRecordingSpan(context)
+
+
 def _parent(received: Mapping[str, Any]) -> Any:
     """The context a received message carries (an empty one without trace headers: a hop's
     span then starts a trace of its own, never a child of whatever else is current)."""
@@ -282,6 +332,8 @@ def operation(name: str, capability: str) -> Traced:
     found = tracer()
     if found is None:
         return OFF
+    if _drops_roots(found) and not otel().trace.get_current_span().get_span_context().is_valid:
+        return _Span(_dropped_root(), current=True, hop=False)
     attributes = {"mesh.capability": capability}
     return _Span(
         _start(found, f"{name} {capability}", _INTERNAL, None, attributes), current=True, hop=False
@@ -303,6 +355,8 @@ def send(
     within = current.get_span_context()
     if within.is_valid and not within.trace_flags.sampled:
         return _Unsampled(current)  # inside a call sampled out: nothing to record
+    if not within.is_valid and _drops_roots(found):
+        return _DROPPED  # a trace of its own, which the sampler drops
     attributes = describe.messaging_attributes(exchange, routing_key, "send", conversation_id)
     if task_id is not None:
         attributes["mesh.task_id"] = task_id

@@ -298,6 +298,58 @@ def test_a_sampled_out_trace_records_nothing_but_still_says_so_downstream() -> N
         tracing.use_global_provider()
 
 
+@pytest.mark.parametrize("sampler", [ALWAYS_OFF, ParentBased(ALWAYS_OFF)], ids=str)
+def test_with_the_sampler_off_a_root_message_starts_a_fresh_unsampled_trace_without_the_sdk(
+    sampler: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sampler off (``always_off``, ``parentbased_always_off``): a message sent outside
+    any span, and a ``submit`` with no caller's span, get a fresh trace context flagged "not
+    sampled" — what the SDK would write — without the SDK's span machinery; a message sent
+    inside a sampled-out ``submit`` carries the submit's trace on."""
+    from mesh.tracing import spans as spans_module
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use_provider(provider)
+    found = tracing.tracer()
+
+    def no_sdk_span(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the SDK was asked for a span the sampler drops")
+
+    monkeypatch.setattr(found, "start_span", no_sdk_span)
+    try:
+        seen = set()
+        for _ in range(3):
+            with tracing.send("x", "rpc.admit") as sent:
+                trace_id, span_id, flags = ids(sent.headers({"x-mesh-features": "a"}))
+            assert flags == "00" and trace_id != "0" * 32 and span_id != "0" * 16
+            seen.add(trace_id)
+        assert len(seen) == 3  # a trace of its own each
+        with tracing.operation("submit", "test.echo") as submit:
+            with tracing.send("x", "rpc.admit") as sent:
+                inside = ids(sent.headers(None))
+        root = submit._span.get_span_context()  # type: ignore[attr-defined]
+        assert inside == (f"{root.trace_id:032x}", f"{root.span_id:016x}", "00")
+        assert exporter.get_finished_spans() == ()
+    finally:
+        tracing.use_global_provider()
+    assert spans_module._drops_roots(found)
+
+
+def test_a_sampler_that_keeps_some_roots_is_asked_for_each() -> None:
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    from mesh.tracing import spans as spans_module
+
+    for sampler, drops in (
+        (ParentBased(TraceIdRatioBased(0.5)), False),
+        (TraceIdRatioBased(0.0), False),  # drops all, but is not known to: asked each time
+        (ParentBased(ALWAYS_OFF), True),
+    ):
+        assert spans_module._drops_roots(TracerProvider(sampler=sampler).get_tracer("t")) is drops
+
+
 # ---- the JSON-lines exporter ----------------------------------------------------------------
 def test_the_jsonl_exporter_writes_one_line_per_span_with_what_the_tests_read(
     tmp_path: Path,
