@@ -196,12 +196,21 @@ class _DroppedRoot(Traced):
         if not _w3c_only(otel()):
             return _inject(_dropped_root(), headers)
         out = dict(headers) if headers else {}
-        trace_id, span_id = random.getrandbits(128) or 1, random.getrandbits(64) or 1
-        out[c.H_TRACEPARENT] = f"00-{trace_id:032x}-{span_id:016x}-00"
+        out[c.H_TRACEPARENT] = _traceparent(*_fresh_ids(), 0)
         return out
 
 
 _DROPPED: Final = _DroppedRoot()
+
+
+def _fresh_ids() -> tuple[int, int]:
+    """A new trace ID and span ID, random and never zero (as the SDK's generator makes them)."""
+    return random.getrandbits(128) or 1, random.getrandbits(64) or 1
+
+
+def _traceparent(trace_id: int, span_id: int, flags: int) -> str:
+    """W3C ``traceparent`` (version 00) for these IDs and flags."""
+    return f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
 
 
 def _inject(span: Any, headers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -213,8 +222,8 @@ def _inject(span: Any, headers: Mapping[str, Any] | None) -> dict[str, Any]:
         # written directly: the propagator's way costs as much as the span itself.
         context = span.get_span_context()
         if context.is_valid:
-            out[c.H_TRACEPARENT] = (
-                f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+            out[c.H_TRACEPARENT] = _traceparent(
+                context.trace_id, context.span_id, context.trace_flags
             )
             if context.trace_state:
                 out[c.H_TRACESTATE] = context.trace_state.to_header()
@@ -306,9 +315,10 @@ def _dropped_root() -> Any:
     fresh random IDs, flagged "not sampled" — without the SDK's span machinery (half the
     cost of a message with tracing on and the sampler off)."""
     trace = otel().trace
+    trace_id, span_id = _fresh_ids()
     context = trace.SpanContext(
-        trace_id=random.getrandbits(128) or 1,
-        span_id=random.getrandbits(64) or 1,
+        trace_id=trace_id,
+        span_id=span_id,
         is_remote=False,
         trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
     )
